@@ -1,0 +1,162 @@
+"""The Python API: `Captioner.from_pretrained(...)`, `.ask(images, question)`, `.caption(items)`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from .checkpoint import checkpoint_revision, load_weights, read_model_config, resolve_model, torch_dtype
+from .config import Config, load_config
+from .engine import Engine, Request
+from .errors import ImageError
+from .model import Qwen3VL
+from .positions import rope_index
+from .preprocess import ImageProcessorConfig, decode_image, preprocess
+from .prompt import PromptBuilder
+from .runner import ModelRunner, pick_device
+from .sampling import SamplingParams
+
+
+@dataclass
+class Result:
+    key: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_input_tokens: int = 0
+    num_image_tokens: int = 0
+    latency_ms: int = 0
+    images: list[dict] = field(default_factory=list)  # width, height, note per input image
+    error: dict | None = None  # {"type", "message"} when the item failed
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _stop_ids(path: Path, prompts: PromptBuilder) -> frozenset[int]:
+    ids: list[int] = []
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not ids:
+        eos_token = prompts.special_tokens.get("eos_token")
+        ids = [prompts.tokenizer.token_to_id(eos_token)] if eos_token else []
+    return frozenset(int(i) for i in ids if i is not None)
+
+
+class Captioner:
+    def __init__(self, path: Path, model: Qwen3VL, runner: ModelRunner, prompts: PromptBuilder,
+                 image_cfg: ImageProcessorConfig, config: Config, model_name: str):
+        self.path, self.model, self.runner, self.prompts = path, model, runner, prompts
+        self.image_cfg, self.config, self.model_name = image_cfg, config, model_name
+        self.revision = checkpoint_revision(path)
+        self.stop_ids = _stop_ids(path, prompts)
+        self.engine = Engine(runner, config.engine.max_seqs, config.engine.max_len, config.engine.max_prefill_tokens)
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,
+                        config: Config | str | Path | None = None) -> Captioner:
+        """Load a checkpoint (local directory or hub id). `config` is a Config or a YAML path."""
+        cfg = config if isinstance(config, Config) else load_config(config)
+        cfg = replace(cfg, model=model or cfg.model, dtype=dtype or cfg.dtype, device=device or cfg.device)
+        path = resolve_model(cfg.model)
+        model_cfg = read_model_config(path)
+        dev = pick_device(cfg.device)
+        dt = torch_dtype(model_cfg.torch_dtype if cfg.dtype == "auto" else cfg.dtype)
+        qwen = Qwen3VL.from_weights(model_cfg, load_weights(path, model_cfg, dt))
+        runner = ModelRunner(qwen, dev, cfg.engine.max_seqs, cfg.engine.max_len)
+        prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id)
+        image_cfg = ImageProcessorConfig.from_checkpoint(path)
+        overrides = {k: v for k, v in (("min_pixels", cfg.image.min_pixels), ("max_pixels", cfg.image.max_pixels))
+                     if v is not None}
+        return cls(path, qwen, runner, prompts, replace(image_cfg, **overrides), cfg, cfg.model)
+
+    def sampling(self, **overrides) -> SamplingParams:
+        base = self.config.generation
+        values = {k: getattr(base, k) for k in SamplingParams.__dataclass_fields__}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return SamplingParams(**values)
+
+    def request(self, key: str, images: list, question: str, sampling: SamplingParams) -> tuple[Request, list[dict]]:
+        """Decode and preprocess the images and build the prompt; raises ImageError for a bad image."""
+        pixels, grids, infos = [], [], []
+        for image in images:
+            if isinstance(image, Image.Image):
+                rgb, note = image.convert("RGB"), None
+            else:
+                try:
+                    decoded = decode_image(image, self.config.image.max_decode_pixels)
+                except ImageError as e:
+                    raise ImageError(f"{image}: {e}") from None
+                rgb, note = decoded.image, decoded.note
+            try:
+                pv, grid = preprocess(rgb, self.image_cfg)
+            except ImageError as e:
+                raise ImageError(f"{image if not isinstance(image, Image.Image) else 'image'}: {e}") from None
+            pixels.append(pv)
+            grids.append(grid)
+            infos.append({"width": rgb.width, "height": rgb.height, "note": note})
+        m2 = self.image_cfg.merge_size**2
+        counts = [t * h * w // m2 for t, h, w in grids]
+        ids = self.prompts.encode(question, counts)
+        rotary, delta = rope_index(ids, grids, self.model.cfg.image_token_id, self.image_cfg.merge_size)
+        req = Request(key, ids, rotary, delta, pixels, grids, sampling, self.stop_ids, sum(counts))
+        return req, infos
+
+    def _finish(self, done, infos: list[dict], started: float) -> Result:
+        return Result(done.key, self.prompts.decode(done.token_ids), done.token_ids, done.logprobs,
+                      done.finish_reason, done.num_input_tokens, done.num_image_tokens,
+                      int((time.perf_counter() - started) * 1000), infos)
+
+    def ask(self, images: list, question: str, **sampling) -> Result:
+        """One answer about one or more images (paths or PIL images)."""
+        started = time.perf_counter()
+        req, infos = self.request("ask", list(images), question, self.sampling(**sampling))
+        done = next(iter(self.engine.generate([req])))
+        return self._finish(done, infos, started)
+
+    def caption(self, items: Iterable[tuple[str, str | Path]], prompt: str | None = None,
+                **sampling) -> Iterator[Result]:
+        """Caption (key, image path) items; yields each Result as soon as it is finished (errors included)."""
+        params = self.sampling(**sampling)
+        question = prompt or self.config.prompt
+        started: dict[str, float] = {}
+        infos: dict[str, list[dict]] = {}
+        failed: list[Result] = []
+
+        def requests() -> Iterator[Request]:
+            for key, path in items:
+                started[key] = time.perf_counter()
+                try:
+                    req, infos[key] = self.request(key, [path], question, params)
+                except (ImageError, ValueError) as e:
+                    failed.append(Result(key, error={"type": type(e).__name__, "message": str(e)}))
+                    continue
+                yield req
+
+        for done in self.engine.generate(requests()):
+            while failed:
+                yield failed.pop(0)
+            yield self._finish(done, infos.pop(done.key), started.pop(done.key))
+        yield from failed
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
+
+
+def default_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

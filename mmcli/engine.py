@@ -1,0 +1,118 @@
+"""The engine: requests, a continuous-batching scheduler and stop rules, in plain Python (no tensors).
+
+Waiting requests are admitted as running ones finish; newly admitted prompts are prefilled together without
+padding; every running sequence then advances by one token per decode step. A result is handed out the moment
+its sequence stops.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .runner import DecodeItem, ModelRunner, PrefillItem
+from .sampling import SamplingParams, step_seed
+
+
+@dataclass
+class Request:
+    key: str
+    input_ids: list[int]
+    rotary_position_ids: Any  # [3, L], opaque here
+    rope_delta: int
+    pixel_values: list[Any]
+    image_grids: list[tuple[int, int, int]]
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    num_image_tokens: int = 0
+
+
+@dataclass
+class Sequence:
+    request: Request
+    slot: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.input_ids) + len(self.token_ids)
+
+
+@dataclass
+class Finished:
+    key: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (an eos id) or "length" (max_new_tokens or the context limit)
+    num_input_tokens: int
+    num_image_tokens: int
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, max_seqs: int, max_len: int, max_prefill_tokens: int = 16384):
+        self.runner, self.max_seqs, self.max_len = runner, max_seqs, max_len
+        self.max_prefill_tokens = max_prefill_tokens
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        req = seq.request
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob)
+        if token in req.stop_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.token_ids) >= req.sampling.max_new_tokens or seq.num_tokens >= self.max_len:
+            seq.finish_reason = "length"
+
+    def _step(self, seqs: list[Sequence], logits) -> None:
+        params = [s.request.sampling for s in seqs]
+        seeds = [step_seed(s.request.sampling.seed, s.request.key, len(s.token_ids)) for s in seqs]
+        histories = [s.request.input_ids + s.token_ids for s in seqs]
+        for seq, choice in zip(seqs, self.runner.choose(logits, params, histories, seeds)):
+            self._append(seq, choice.token_id, choice.logprob)
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Finished]:
+        pending = iter(requests)
+        waiting: deque[Request] = deque()
+        running: list[Sequence] = []
+        free = list(range(self.max_seqs))
+        exhausted = False
+        while True:
+            while not exhausted and len(waiting) < self.max_seqs:
+                nxt = next(pending, None)
+                if nxt is None:
+                    exhausted = True
+                else:
+                    if len(nxt.input_ids) >= self.max_len:
+                        raise ValueError(f"{nxt.key}: prompt of {len(nxt.input_ids)} tokens does not fit "
+                                         f"engine.max_len {self.max_len}")
+                    waiting.append(nxt)
+            if not waiting and not running:
+                return
+            admitted: list[Sequence] = []
+            budget = self.max_prefill_tokens
+            while waiting and free and (not admitted or len(waiting[0].input_ids) <= budget):
+                req = waiting.popleft()
+                budget -= len(req.input_ids)
+                free.sort()
+                admitted.append(Sequence(req, free.pop(0)))
+            if admitted:
+                logits = self.runner.prefill([PrefillItem(s.slot, s.request.input_ids, s.request.rotary_position_ids,
+                                                          s.request.pixel_values, s.request.image_grids)
+                                              for s in admitted])
+                self._step(admitted, logits)
+                running.extend(admitted)
+            live = [s for s in running if s.finish_reason is None]
+            if live and not admitted:
+                live.sort(key=lambda s: s.slot)
+                logits = self.runner.decode([DecodeItem(s.slot, s.token_ids[-1], s.num_tokens - 1, s.request.rope_delta)
+                                             for s in live])
+                self._step(live, logits)
+            for seq in [s for s in running if s.finish_reason is not None]:
+                running.remove(seq)
+                free.append(seq.slot)
+                req = seq.request
+                yield Finished(req.key, seq.token_ids, seq.logprobs, seq.finish_reason, len(req.input_ids),
+                               req.num_image_tokens)

@@ -1,0 +1,27 @@
+"""Errors that end a run with a documented exit code (see design: exit codes)."""
+
+from __future__ import annotations
+
+
+class MmcliError(Exception):
+    """An error shown to the user as one line; `exit_code` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class ConfigError(MmcliError):
+    """Usage or configuration error: exit 2."""
+
+    exit_code = 2
+
+
+class CheckpointError(MmcliError):
+    """The model cannot be found or loaded: exit 3, before any work."""
+
+    exit_code = 3
+
+
+class ImageError(MmcliError):
+    """One input image cannot be used; the run goes on with the others."""
+
+    exit_code = 1

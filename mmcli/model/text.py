@@ -1,0 +1,148 @@
+"""Qwen3-VL text decoder: Qwen3 layers (q/k RMSNorm, GQA), interleaved M-RoPE, DeepStack injection.
+
+Tokens of all sequences in a call are flat ([T, hidden]); the runner passes the KV cache and where each
+sequence's tokens go. Module names follow the checkpoint (model.language_model.*).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoint import TextConfig
+from .vision import rotate_half
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, cast back to the activation dtype, then scale (as the reference does).
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+@dataclass
+class AttentionBatch:
+    """Where the tokens of one forward pass sit in the KV cache.
+
+    Prefill: `seqlens` gives each sequence's prompt length (tokens are back to back, no padding) and
+    `slots` its cache row; positions start at 0. Decode: one token per sequence, at `positions`.
+    """
+
+    slots: torch.Tensor  # [B] cache rows
+    positions: torch.Tensor  # [T] sequential positions (cache columns)
+    seqlens: list[int] | None = None  # prefill only
+    context_len: int = 0  # decode only: max(positions) + 1
+
+
+class KVCache:
+    """Static K/V tensors [layers][max_seqs, kv_heads, max_len, head_dim]; a sequence owns one row."""
+
+    def __init__(self, cfg: TextConfig, max_seqs: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (max_seqs, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.max_seqs, self.max_len = max_seqs, max_len
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # M-RoPE after the q/k norms
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if batch.seqlens is not None:
+            out = self._prefill(q, k, v, batch, k_cache, v_cache)
+        else:
+            out = self._decode(q, k, v, batch, k_cache, v_cache)
+        return self.o_proj(out.flatten(-2))
+
+    def _prefill(self, q, k, v, batch, k_cache, v_cache):
+        out, start = [], 0
+        for slot, n in zip(batch.slots.tolist(), batch.seqlens):
+            s = slice(start, start + n)
+            k_cache[slot, :, :n] = k[s].transpose(0, 1)
+            v_cache[slot, :, :n] = v[s].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1),
+                                               is_causal=True, enable_gqa=True)
+            out.append(o.transpose(0, 1))
+            start += n
+        return torch.cat(out)
+
+    def _decode(self, q, k, v, batch, k_cache, v_cache):
+        slots, pos, n = batch.slots, batch.positions, batch.context_len
+        k_cache[slots, :, pos] = k
+        v_cache[slots, :, pos] = v
+        b = slots.shape[0]
+        contiguous = bool(torch.equal(slots, torch.arange(b, device=slots.device)))
+        keys = k_cache[:b, :, :n] if contiguous else k_cache[slots, :, :n]
+        values = v_cache[:b, :, :n] if contiguous else v_cache[slots, :, :n]
+        mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]  # each row sees its own past
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
+                                           enable_gqa=True)
+        return o.squeeze(2)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class TextDecoder(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
+                cache: KVCache, visual_mask: torch.Tensor | None = None,
+                deepstack: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """hidden [T, H] -> final-normed hidden [T, H]. DeepStack level l is added at the visual positions
+        after layer l (prefill only)."""
+        cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)
+        for i, layer in enumerate(self.layers):
+            h = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, batch, cache.k[i], cache.v[i])
+            hidden = h + layer.mlp(layer.post_attention_layernorm(h))
+            if deepstack is not None and i < len(deepstack):
+                hidden = hidden.index_put((visual_mask,), hidden[visual_mask] + deepstack[i].to(hidden.dtype))
+        return self.norm(hidden)

@@ -1,0 +1,90 @@
+"""Prompts: the checkpoint's chat template in jinja2's sandbox, `tokenizers` BPE, image-pad expansion."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from .errors import CheckpointError
+
+IMAGE_PAD = "<|image_pad|>"
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson escapes HTML characters, which chat templates do not expect
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def load_chat_template(path: Path) -> str:
+    """chat_template.jinja, chat_template.json, or tokenizer_config.json's chat_template, in that order."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        file = path / name
+        if file.is_file():
+            template = json.loads(file.read_text()).get("chat_template")
+            if isinstance(template, str):
+                return template
+    raise CheckpointError(f"{path}: no chat template (chat_template.jinja or chat_template.json)")
+
+
+@dataclass
+class PromptBuilder:
+    """Renders messages with the checkpoint's template and tokenizes them, expanding image placeholders."""
+
+    tokenizer: Tokenizer
+    template: jinja2.Template
+    image_token_id: int
+    special_tokens: dict
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, image_token_id: int) -> PromptBuilder:
+        if not (path / "tokenizer.json").is_file():
+            raise CheckpointError(f"{path}: tokenizer.json is missing")
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise_exception,
+                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        try:
+            template = env.from_string(load_chat_template(path))
+        except jinja2.TemplateSyntaxError as e:
+            raise CheckpointError(f"{path}: chat template does not parse ({e})") from None
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        special = {k: v for k, v in cfg.items() if k.endswith("_token") and isinstance(v, str)}
+        if tokenizer.token_to_id(IMAGE_PAD) != image_token_id:
+            raise CheckpointError(f"{path}: tokenizer id of {IMAGE_PAD} is {tokenizer.token_to_id(IMAGE_PAD)}, "
+                                  f"config.json says image_token_id {image_token_id}")
+        return cls(tokenizer, template, image_token_id, special)
+
+    def render(self, question: str, num_images: int) -> str:
+        content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": question}]
+        messages = [{"role": "user", "content": content}]
+        return self.template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+
+    def encode(self, question: str, image_token_counts: list[int]) -> list[int]:
+        """Token ids with the i-th `<|image_pad|>` expanded to image_token_counts[i] copies."""
+        ids = self.tokenizer.encode(self.render(question, len(image_token_counts))).ids
+        found = sum(1 for i in ids if i == self.image_token_id)
+        if found != len(image_token_counts):
+            raise ValueError(f"chat template produced {found} image placeholders for {len(image_token_counts)} images")
+        counts = iter(image_token_counts)
+        out: list[int] = []
+        for i in ids:
+            out.extend([i] * next(counts) if i == self.image_token_id else (i,))
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

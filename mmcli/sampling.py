@@ -1,0 +1,71 @@
+"""Next-token choice per sequence: repetition penalty, temperature, top-k, top-p, seeded per (seed, key, step)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 keeps all
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 128
+    seed: int = 0
+
+    def __post_init__(self):
+        for name, ok in (("temperature", self.temperature >= 0), ("top_p", 0 < self.top_p <= 1),
+                         ("top_k", self.top_k >= 0), ("repetition_penalty", self.repetition_penalty > 0),
+                         ("max_new_tokens", self.max_new_tokens >= 1)):
+            if not ok:
+                raise ValueError(f"sampling {name}={getattr(self, name)!r} is out of range")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def step_seed(seed: int, key: str, step: int) -> int:
+    """A seed that depends only on the run seed, the item and the step, never on batch neighbours."""
+    digest = hashlib.blake2b(f"{seed}\0{key}\0{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _filter_top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        remove = cumulative <= (1 - top_p)
+        remove[-1] = False  # always keep the most likely token
+        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    return scores
+
+
+def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+                  seeds: list[int]) -> tuple[list[int], list[float]]:
+    """One token per row of `logits` [B, V], and its log-probability under the model (unprocessed logits)."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens: list[int] = []
+    for row, p, history, seed in zip(logits, params, histories, seeds):
+        scores = row
+        if p.repetition_penalty != 1.0 and history:
+            seen = torch.tensor(sorted(set(history)), device=row.device)
+            picked = scores[seen]
+            scores = scores.clone()
+            scores[seen] = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
+        if p.temperature == 0.0:
+            tokens.append(int(torch.argmax(scores)))
+            continue
+        scores = _filter_top_k_top_p(scores / p.temperature, p.top_k, p.top_p)
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        probs = scores.softmax(-1).cpu()
+        tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1)
+    return tokens, chosen.tolist()
