@@ -91,7 +91,8 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     text = TextConfig(**_pick(text_raw, TextConfig))
     vision = VisionConfig(**_pick(vision_raw, VisionConfig))
     if 2 * sum(text.mrope_section) != text.head_dim:
-        raise CheckpointError(f"{where}: mrope_section {list(text.mrope_section)} does not fill head_dim {text.head_dim}")
+        raise CheckpointError(
+            f"{where}: mrope_section {list(text.mrope_section)} does not fill head_dim {text.head_dim}")
     tie = raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False))
     top = {k: raw[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
            if k in raw}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -28,18 +27,18 @@ def _fail(error: Exception | str, code: int) -> typer.Exit:
 def ask(
     question: str = typer.Argument(..., help="The question about the image(s)."),
     image: list[Path] = typer.Option(..., "--image", "-i", help="An image file; repeat for several."),
-    model: Optional[str] = typer.Option(None, help="Hub id or local checkpoint directory."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML settings file."),
-    dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16."),
-    device: Optional[str] = typer.Option(None, help="auto, cpu or cuda."),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Most tokens to generate."),
-    temperature: Optional[float] = typer.Option(None, help="0 is greedy."),
-    top_p: Optional[float] = typer.Option(None),
-    top_k: Optional[int] = typer.Option(None),
-    repetition_penalty: Optional[float] = typer.Option(None),
-    seed: Optional[int] = typer.Option(None),
+    model: str | None = typer.Option(None, help="Hub id or local checkpoint directory."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML settings file."),
+    dtype: str | None = typer.Option(None, help="auto, float32, bfloat16 or float16."),
+    device: str | None = typer.Option(None, help="auto, cpu or cuda."),
+    max_new_tokens: int | None = typer.Option(None, help="Most tokens to generate."),
+    temperature: float | None = typer.Option(None, help="0 is greedy."),
+    top_p: float | None = typer.Option(None),
+    top_k: int | None = typer.Option(None),
+    repetition_penalty: float | None = typer.Option(None),
+    seed: int | None = typer.Option(None),
     logprobs: bool = typer.Option(False, "--logprobs", help="Add token_ids and logprobs to the record."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Append the JSONL record to this file."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Append the JSONL record to this file."),
 ) -> None:
     """Answer one question about one or more images."""
     from .captioner import Captioner

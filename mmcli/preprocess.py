@@ -114,7 +114,7 @@ def decode_image(path: str | Path, max_decode_pixels: int = 128 * 1024 * 1024) -
     except Image.UnidentifiedImageError:
         raise ImageError("not an image Pillow can read (unknown or corrupt format)") from None
     except (OSError, SyntaxError, ValueError) as e:
-        raise ImageError(f"cannot decode: {e}") from None
+        raise ImageError(f"cannot decode (corrupt or truncated): {e}") from None
     return DecodedImage(rgb, f"first frame of {frames} used" if frames > 1 else None)
 
 

@@ -74,7 +74,7 @@ def varied_images() -> dict[str, Image.Image]:
     rgba = photo("coffee.jpg", (123, 77)).convert("RGBA")
     alpha = np.asarray(rgba).copy()
     alpha[..., 3] = np.linspace(0, 255, alpha.shape[1], dtype=np.uint8)[None, :]
-    grey16 = Image.fromarray((np.asarray(photo("rocket.jpg", (90, 61), "L")).astype(np.uint16) * 257))
+    grey16 = Image.fromarray(np.asarray(photo("rocket.jpg", (90, 61), "L")).astype(np.uint16) * 257)
     return {
         "rgb_512": photo("astronaut.jpg"), "rgb_600x400": photo("coffee.jpg"), "rgb_451x300": photo("chelsea.jpg"),
         "rgb_odd_37x211": photo("rocket.jpg", (37, 211)), "rgb_tiny_9x13": photo("chelsea.jpg", (9, 13)),
