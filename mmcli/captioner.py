@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from .checkpoint import checkpoint_revision, load_weights, read_model_config, resolve_model, torch_dtype
-from .config import Config, load_config
+from .config import Config, check_vision_budget, load_config
 from .engine import Engine, Request
 from .errors import ImageError
 from .model import Qwen3VL
@@ -77,12 +77,14 @@ class Captioner:
         dev = pick_device(cfg.device)
         dt = torch_dtype(model_cfg.torch_dtype if cfg.dtype == "auto" else cfg.dtype)
         qwen = Qwen3VL.from_weights(model_cfg, load_weights(path, model_cfg, dt))
-        runner = ModelRunner(qwen, dev, cfg.engine.max_seqs, cfg.engine.max_len)
+        runner = ModelRunner(qwen, dev, cfg.engine.max_seqs, cfg.engine.max_len, cfg.vision.block_size,
+                             cfg.vision.num_blocks_buckets)
         prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id)
         image_cfg = ImageProcessorConfig.from_checkpoint(path)
-        overrides = {k: v for k, v in (("min_pixels", cfg.image.min_pixels), ("max_pixels", cfg.image.max_pixels))
-                     if v is not None}
-        return cls(path, qwen, runner, prompts, replace(image_cfg, **overrides), cfg, cfg.model)
+        image_cfg = replace(image_cfg, max_pixels=min(image_cfg.max_pixels, cfg.image.max_pixels),
+                            min_pixels=cfg.image.min_pixels or image_cfg.min_pixels)
+        check_vision_budget(cfg.vision.block_size, image_cfg.max_pixels, image_cfg.patch_size, image_cfg.merge_size)
+        return cls(path, qwen, runner, prompts, image_cfg, cfg, cfg.model)
 
     def sampling(self, **overrides) -> SamplingParams:
         base = self.config.generation
@@ -106,6 +108,9 @@ class Captioner:
                 pv, grid = preprocess(rgb, self.image_cfg)
             except ImageError as e:
                 raise ImageError(f"{image if not isinstance(image, Image.Image) else 'image'}: {e}") from None
+            if pv.shape[0] > self.config.vision.block_size:  # only extreme aspect ratios under tiny budgets
+                raise ImageError(f"{image}: {pv.shape[0]} patches do not fit vision.block_size "
+                                 f"{self.config.vision.block_size}")
             pixels.append(pv)
             grids.append(grid)
             infos.append({"width": rgb.width, "height": rgb.height, "note": note})

@@ -30,8 +30,15 @@ class GenerationConfig:
 @dataclass(frozen=True)
 class ImageConfig:
     min_pixels: int | None = None  # None: the checkpoint's preprocessor_config.json
-    max_pixels: int | None = None
+    max_pixels: int = 1_310_720  # cap on the checkpoint's own max_pixels (1280 visual tokens)
     max_decode_pixels: int = 134_217_728  # refuse larger files before decoding (decompression bombs)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    block_size: int = 5120  # patches per vision block (one batch row of the vision tower)
+    num_blocks_buckets: tuple[int, ...] = (1, 2, 4, 8)  # block counts a vision call is padded to
+    lookahead: int = 32  # waiting requests considered when forming a wave of images
 
 
 @dataclass(frozen=True)
@@ -49,10 +56,11 @@ class Config:
     prompt: str = "Describe this image."
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     image: ImageConfig = field(default_factory=ImageConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
-        checks = [
+        checks: list = [
             ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "auto, float32, bfloat16, float16"),
             ("device", self.device in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
             ("generation.max_new_tokens", self.generation.max_new_tokens >= 1, "at least 1"),
@@ -63,10 +71,28 @@ class Config:
             ("engine.max_seqs", self.engine.max_seqs >= 1, "at least 1"),
             ("engine.max_len", self.engine.max_len >= 16, "at least 16"),
             ("image.max_decode_pixels", self.image.max_decode_pixels > 0, "above 0"),
+            ("vision.num_blocks_buckets", len(self.vision.num_blocks_buckets) > 0
+             and all(b >= 1 for b in self.vision.num_blocks_buckets), "a non-empty list of counts >= 1"),
+            ("vision.lookahead", self.vision.lookahead >= 1, "at least 1"),
         ]
         for key, ok, expected in checks:
             if not ok:
                 raise ConfigError(f"config {key}: value {_get(self, key)!r} must be {expected}")
+        check_vision_budget(self.vision.block_size, self.image.max_pixels)
+
+
+def check_vision_budget(block_size: int, max_pixels: int, patch_size: int = 16, merge_size: int = 2) -> None:
+    """Every allowed image must fit one block: refuse the config otherwise, saying what would fit."""
+    unit = merge_size * merge_size
+    if block_size < unit or block_size % unit:
+        raise ConfigError(f"config vision.block_size: {block_size} must be a positive multiple of merge_size^2 = {unit}")
+    largest = max_pixels // (patch_size * patch_size)  # patches of the largest image smart_resize allows
+    if largest > block_size:
+        fits = block_size * patch_size * patch_size
+        need = -(-largest // 128) * 128
+        raise ConfigError(f"config image.max_pixels {max_pixels} allows images of {largest} patches, over "
+                          f"vision.block_size {block_size}: set image.max_pixels <= {fits} or "
+                          f"vision.block_size >= {need}")
 
 
 def _get(obj, dotted: str):
@@ -88,6 +114,10 @@ def _coerce(value, hint, key: str):
         return _build(hint, value, key + ".")
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or not all(type(v) is int for v in value):
+            raise ConfigError(f"config {key}: expected a list of integers, got {value!r}")
+        return tuple(value)
     if hint in (int, float, str, bool) and (type(value) is not hint):
         raise ConfigError(f"config {key}: expected {hint.__name__}, got {value!r}")
     return value

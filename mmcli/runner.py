@@ -8,6 +8,7 @@ import torch
 
 from .checkpoint import ModelConfig
 from .model import AttentionBatch, KVCache, Qwen3VL
+from .packing import choose_bucket, ffd_pack, gather_index, make_layout, unpack_index
 from .positions import decode_rotary_position_ids, mrope_cos_sin, mrope_slot_axes, text_inv_freq
 from .sampling import SamplingParams, choose_tokens
 
@@ -48,7 +49,9 @@ class Choice:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3VL, device: torch.device, max_seqs: int = 1, max_len: int = 4096):
+    def __init__(self, model: Qwen3VL, device: torch.device, max_seqs: int = 1, max_len: int = 4096,
+                 block_size: int | None = None, num_blocks_buckets: tuple[int, ...] = (1, 2, 4, 8),
+                 fixed_shapes: bool = False):
         self.model = model.to(device)
         self.cfg: ModelConfig = model.cfg
         self.device = device
@@ -57,16 +60,74 @@ class ModelRunner:
         self.inv_freq = text_inv_freq(text.head_dim, text.rope_theta).to(device)
         self.slot_axes = mrope_slot_axes(text.mrope_section, text.head_dim).to(device)
         self.cache = KVCache(text, max_seqs, max_len, self.dtype, device)
+        self.block_size, self.buckets = block_size, tuple(sorted(num_blocks_buckets))
+        # Compiled graphs need the configured shapes; eager calls may trim padding blocks and block tails.
+        self.fixed_shapes = fixed_shapes
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]):
-        """Vision tower over several images at once; returns (features, deepstack levels) per image."""
-        pixels = torch.cat(pixel_values).to(self.device)
-        merged, deepstack = self.model.visual(pixels, grids)
+        """Vision tower over several images at once; returns (features, deepstack levels) per image.
+
+        With a block size, the images are packed into blocks (as many calls as the largest bucket needs);
+        without one, the per-image reference path runs."""
         m2 = self.cfg.vision.spatial_merge_size**2
         sizes = [t * h * w // m2 for t, h, w in grids]
+        if self.block_size is None:
+            merged, deepstack = self.model.visual(torch.cat(pixel_values).to(self.device), grids)
+        else:
+            patches = [t * h * w for t, h, w in grids]
+            bins = ffd_pack(patches, self.block_size)
+            order, parts = [], []
+            for start in range(0, len(bins), self.buckets[-1]):  # split a wave larger than the largest bucket
+                group = bins[start:start + self.buckets[-1]]
+                images = sorted(i for b in group for i in b)
+                local = {i: n for n, i in enumerate(images)}
+                parts.append(self._encode_packed([pixel_values[i] for i in images], [grids[i] for i in images],
+                                                 [[local[i] for i in b] for b in group]))
+                order.extend(images)
+            restore = torch.tensor(order).argsort()
+            merged = torch.cat([p[0] for p in parts])
+            deepstack = [torch.cat([p[1][k] for p in parts]) for k in range(len(parts[0][1]))]
+            per_image = list(merged.split([sizes[i] for i in order]))
+            merged = torch.cat([per_image[j] for j in restore.tolist()])
+            deepstack = [torch.cat([list(d.split([sizes[i] for i in order]))[j] for j in restore.tolist()])
+                         for d in deepstack]
         return list(zip(merged.split(sizes), zip(*[d.split(sizes) for d in deepstack]) if deepstack
                         else [()] * len(sizes)))
+
+    def packed_inputs(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]],
+                      bins: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Scatter per-patch inputs into [num_blocks, block_size, ...] and build the bounds and unpack index."""
+        from .packing import block_bounds
+
+        patches = [t * h * w for t, h, w in grids]
+        if self.fixed_shapes:
+            layout = make_layout(patches, bins, choose_bucket(len(bins), list(self.buckets)), self.block_size)
+        else:
+            used = max(sum(patches[i] for i in b) for b in bins)
+            layout = make_layout(patches, bins, len(bins), min(self.block_size, -(-used // 128) * 128))
+        flat = self.model.visual.patch_inputs(grids)
+        flat["pixels"] = torch.cat(pixel_values)
+        index = torch.tensor(gather_index(patches, layout))
+        real = index >= 0
+        shape = (layout.num_blocks, layout.block_size)
+        packed = {}
+        for name, value in flat.items():  # padding rows stay zero: no pixels, zero pos weights, cos = sin = 0
+            out = value.new_zeros((index.numel(), *value.shape[1:]))
+            out[real] = value[index[real]]
+            packed[name] = out.view(*shape, *value.shape[1:]).to(self.device)
+        bmin, bmax = block_bounds([[h * w] * t for t, h, w in grids], layout)
+        packed["bound_min"] = torch.tensor(bmin).view(shape).to(self.device)
+        packed["bound_max"] = torch.tensor(bmax).view(shape).to(self.device)
+        return packed, unpack_index(patches, layout, self.cfg.vision.spatial_merge_size**2)
+
+    def _encode_packed(self, pixel_values, grids, bins):
+        inputs, unpack = self.packed_inputs(pixel_values, grids, bins)
+        merged, deepstack = self.model.visual.forward_packed(
+            inputs["pixels"], inputs["pos_idx"], inputs["pos_weights"], inputs["cos"], inputs["sin"],
+            inputs["bound_min"], inputs["bound_max"])
+        index = torch.tensor(unpack, device=self.device)
+        return merged.flatten(0, 1)[index], [d.flatten(0, 1)[index] for d in deepstack]
 
     def _embed_prompts(self, items: list[PrefillItem], image_features: list | None):
         ids = torch.tensor([i for item in items for i in item.input_ids], device=self.device)

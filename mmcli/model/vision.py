@@ -101,6 +101,21 @@ class VisionAttention(nn.Module):
         return self.proj(torch.cat(out).flatten(-2))
 
 
+def bounded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_min: torch.Tensor,
+                      bound_max: torch.Tensor) -> torch.Tensor:
+    """Reference for the Neuron kernel's bounded attention (attention_cte with bound_min / bound_max).
+
+    q, k, v [B, heads, S, d]; bounds [B, S]: query row r sees keys in [bound_min[r], bound_max[r]). A row with
+    an empty range (padding) attends to nothing and outputs zeros.
+    """
+    keys = torch.arange(q.shape[-2], device=q.device)
+    allowed = (keys >= bound_min[..., None]) & (keys < bound_max[..., None])  # [B, S, S]
+    empty = bound_max <= bound_min
+    allowed = allowed | (empty[..., None] & (keys == 0))  # keep softmax finite; zeroed below
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+    return out.masked_fill(empty[:, None, :, None], 0.0)
+
+
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -161,6 +176,22 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixels)
         pos = (self.pos_embed(pos_idx) * pos_weights.unsqueeze(-1)).sum(-2)
         return x + pos.to(x.dtype)
+
+    def forward_packed(self, pixels: torch.Tensor, pos_idx: torch.Tensor, pos_weights: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, bound_min: torch.Tensor, bound_max: torch.Tensor):
+        """Packed path: every input is [num_blocks, block_size, ...], one block per batch row, attention confined
+        by the bounds. Returns merged [num_blocks, block_size/4, out] and the DeepStack levels alike."""
+        x = self.embed(pixels, pos_idx, pos_weights)
+        deepstack = []
+        for i, blk in enumerate(self.blocks):
+            attn = blk.attn
+            q, k, v = attn.qkv_rotated(blk.norm1(x), cos, sin)
+            o = bounded_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bound_min, bound_max)
+            x = x + attn.proj(o.transpose(1, 2).flatten(-2))
+            x = x + blk.mlp(blk.norm2(x))
+            if i in self.cfg.deepstack_visual_indexes:
+                deepstack.append(self.deepstack_merger_list[self.cfg.deepstack_visual_indexes.index(i)](x))
+        return self.merger(x), deepstack
 
     def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]):
         """Per-image path: pixels [N, C*T*P*P] -> (merged [N/4, out], [DeepStack features [N/4, out]])."""
