@@ -64,7 +64,8 @@ class Captioner:
         self.image_cfg, self.config, self.model_name = image_cfg, config, model_name
         self.revision = checkpoint_revision(path)
         self.stop_ids = _stop_ids(path, prompts)
-        self.engine = Engine(runner, config.engine.max_seqs, config.engine.max_len, config.engine.max_prefill_tokens)
+        self.engine = Engine(runner, config.engine.max_seqs, config.engine.max_len, config.engine.max_prefill_tokens,
+                             config.vision.lookahead)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,

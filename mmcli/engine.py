@@ -12,11 +12,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .packing import choose_wave
 from .runner import DecodeItem, ModelRunner, PrefillItem
 from .sampling import SamplingParams, step_seed
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     key: str
     input_ids: list[int]
@@ -53,9 +54,31 @@ class Finished:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, max_seqs: int, max_len: int, max_prefill_tokens: int = 16384):
+    def __init__(self, runner: ModelRunner, max_seqs: int, max_len: int, max_prefill_tokens: int = 16384,
+                 lookahead: int = 1):
         self.runner, self.max_seqs, self.max_len = runner, max_seqs, max_len
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens, self.lookahead = max_prefill_tokens, max(lookahead, 1)
+
+    def _pick(self, waiting: deque[Request], slots: int) -> list[Request]:
+        """The requests to admit now: with vision blocks, the look-ahead wave that packs with least padding."""
+        window = list(waiting)[:self.lookahead]
+        if self.runner.block_size is None or len(window) <= slots:
+            picked = window[:slots]
+        else:
+            patches = [[t * h * w for t, h, w in r.image_grids] for r in window]
+            picked = [window[i] for i in choose_wave(patches, slots, self.runner.block_size,
+                                                     list(self.runner.buckets))]
+        admitted, budget = [], self.max_prefill_tokens
+        for req in picked:
+            if admitted and len(req.input_ids) > budget:
+                break
+            admitted.append(req)
+            budget -= len(req.input_ids)
+        taken = {id(r) for r in admitted}
+        kept = [r for r in waiting if id(r) not in taken]  # by identity: requests hold tensors
+        waiting.clear()
+        waiting.extend(kept)
+        return admitted
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
         req = seq.request
@@ -80,7 +103,7 @@ class Engine:
         free = list(range(self.max_seqs))
         exhausted = False
         while True:
-            while not exhausted and len(waiting) < self.max_seqs:
+            while not exhausted and len(waiting) < max(self.max_seqs, self.lookahead):
                 nxt = next(pending, None)
                 if nxt is None:
                     exhausted = True
@@ -92,12 +115,9 @@ class Engine:
             if not waiting and not running:
                 return
             admitted: list[Sequence] = []
-            budget = self.max_prefill_tokens
-            while waiting and free and (not admitted or len(waiting[0].input_ids) <= budget):
-                req = waiting.popleft()
-                budget -= len(req.input_ids)
+            if waiting and free:
                 free.sort()
-                admitted.append(Sequence(req, free.pop(0)))
+                admitted = [Sequence(req, free.pop(0)) for req in self._pick(waiting, len(free))]
             if admitted:
                 logits = self.runner.prefill([PrefillItem(s.slot, s.request.input_ids, s.request.rotary_position_ids,
                                                           s.request.pixel_values, s.request.image_grids)

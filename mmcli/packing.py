@@ -137,20 +137,26 @@ def recommend_block_size(tokens: list[int], align: int = 128, **dims) -> int:
 
 
 def choose_wave(request_tokens: list[list[int]], max_items: int, block_size: int, buckets: list[int]) -> list[int]:
-    """Which of the waiting requests (a look-ahead window, oldest first) to encode together.
+    """Which waiting requests (a look-ahead window, oldest first) to encode together, at most `max_items`.
 
-    The oldest request always goes. The wave keeps the bucket that arrival order would need for `max_items`
-    requests, and fills it with the window's requests that still fit (largest first), so fewer rows are padding.
+    The oldest always goes (no starvation); then, one at a time, the request whose addition leaves the fewest
+    padding rows in the bucket the wave needs. Arrival order would take the next ones whatever they cost.
     """
-    def blocks(indices: list[int]) -> int:
-        return len(ffd_pack([t for i in indices for t in request_tokens[i]], block_size)) if indices else 0
+    def padding(indices: list[int]) -> tuple[int, int]:
+        patches = [t for i in indices for t in request_tokens[i]]
+        if not patches:
+            return 0, 0
+        blocks = choose_bucket(len(ffd_pack(patches, block_size)), buckets)
+        return blocks * block_size - sum(patches), blocks
 
-    arrival = list(range(min(max_items, len(request_tokens))))
-    capacity = choose_bucket(max(blocks(arrival), 1), buckets)
     chosen = [0]
-    for i in sorted(range(1, len(request_tokens)), key=lambda i: (-sum(request_tokens[i]), i)):
-        if len(chosen) == max_items:
+    rest = list(range(1, len(request_tokens)))
+    while rest and len(chosen) < max_items:
+        fitting = [i for i in rest if len(ffd_pack([t for j in chosen + [i] for t in request_tokens[j]],
+                                                   block_size)) <= max(buckets)]
+        if not fitting:
             break
-        if blocks(chosen + [i]) <= capacity:
-            chosen.append(i)
+        best = min(fitting, key=lambda i: (padding(chosen + [i]), i))
+        chosen.append(best)
+        rest.remove(best)
     return sorted(chosen)

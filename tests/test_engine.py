@@ -1,0 +1,99 @@
+"""The batched engine and the packed vision path, on a tiny checkpoint."""
+
+from dataclasses import replace
+
+import torch
+from conftest import SAMPLES, photo
+
+from mmcli.captioner import Captioner
+from mmcli.config import load_config
+
+SIZES = [(224, 224), (97, 211), (640, 480), (128, 128), (300, 77), (512, 384), (64, 500), (451, 300)]
+NAMES = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"]
+
+
+def _items(tmp_path):
+    items = []
+    for n, size in enumerate(SIZES):
+        f = tmp_path / f"img{n}.png"
+        photo(NAMES[n % 4], size).save(f)
+        items.append((f"img{n}", f))
+    return items
+
+
+def _captioner(path, **config):
+    overrides = {"dtype": "float32", "device": "cpu", **config}
+    return Captioner.from_pretrained(str(path), config=load_config(None, overrides))
+
+
+def test_packed_vision_equals_per_image_path(tiny_dir):
+    cap = _captioner(tiny_dir)
+    # 7 images of different sizes; the 8x8-patch one (64 patches) fills a 64-patch block exactly
+    images = [photo(NAMES[i % 4], s) for i, s in enumerate([(256, 256), (97, 211), (128, 64), (300, 77),
+                                                             (64, 64), (200, 150), (40, 400)])]
+    reqs = [cap.request(f"k{i}", [im], "q", cap.sampling())[0] for i, im in enumerate(images)]
+    pixels = [r.pixel_values[0] for r in reqs]
+    grids = [r.image_grids[0] for r in reqs]
+    assert 64 in [t * h * w for t, h, w in grids]
+    reference = _per_image(cap, pixels, grids)
+    for block_size, buckets, fixed in ((64, (1, 2, 4, 8), True), (128, (4, 8), True), (256, (2,), True),
+                                       (1024, (1,), False)):
+        cap.runner.block_size, cap.runner.buckets, cap.runner.fixed_shapes = block_size, buckets, fixed
+        packed = cap.runner.encode_images(pixels, grids)
+        for (f_ref, ds_ref), (f, ds) in zip(reference, packed):
+            torch.testing.assert_close(f, f_ref, atol=1e-5, rtol=0)
+            for a, b in zip(ds, ds_ref):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert len(reference) == len(images)
+
+
+def _per_image(cap, pixels, grids):
+    block_size = cap.runner.block_size
+    cap.runner.block_size = None
+    try:
+        return cap.runner.encode_images(pixels, grids)
+    finally:
+        cap.runner.block_size = block_size
+
+
+def test_caption_tokens_do_not_depend_on_block_size_or_bucket(tiny_dir, tmp_path):
+    items = _items(tmp_path)[:5]
+    runs = []
+    for vision in ({"block_size": 64, "num_blocks_buckets": [1, 2, 4, 8]}, {"block_size": 1024,
+                                                                           "num_blocks_buckets": [4]}):
+        cap = _captioner(tiny_dir, vision=vision, generation={"max_new_tokens": 8}, image={"max_pixels": 128 * 128})
+        cap.runner.fixed_shapes = True
+        runs.append({r.key: r.token_ids for r in cap.caption(items)})
+    assert runs[0] == runs[1] and len(runs[0]) == 5
+
+
+def test_greedy_tokens_same_alone_or_among_eight_with_three_in_flight(tiny_dir, tmp_path):
+    items = _items(tmp_path)
+    alone_cap = _captioner(tiny_dir, engine={"max_seqs": 1}, generation={"max_new_tokens": 12})
+    alone = {key: next(iter(alone_cap.caption([(key, path)]))).token_ids for key, path in items}
+    batched_cap = _captioner(tiny_dir, engine={"max_seqs": 3}, generation={"max_new_tokens": 12})
+    batched = {r.key: r.token_ids for r in batched_cap.caption(items)}
+    assert batched == alone and len(alone) == 8
+
+
+def test_sampled_output_does_not_depend_on_order(tiny_dir, tmp_path):
+    items = _items(tmp_path)
+    cap = _captioner(tiny_dir, engine={"max_seqs": 3})
+    kw = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "max_new_tokens": 10, "seed": 7}
+    first = {r.key: r.token_ids for r in cap.caption(items, **kw)}
+    second = {r.key: r.token_ids for r in cap.caption(list(reversed(items)), **kw)}
+    assert first == second
+    other_seed = {r.key: r.token_ids for r in cap.caption(items, **{**kw, "seed": 8})}
+    assert other_seed != first
+
+
+def test_results_come_as_they_finish_and_bad_files_are_error_results(tiny_dir, tmp_path):
+    items = _items(tmp_path)[:3]
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"not an image")
+    cap = _captioner(tiny_dir, engine={"max_seqs": 2})
+    results = list(cap.caption(items[:1] + [("bad", bad)] + items[1:], max_new_tokens=4))
+    assert sorted(r.key for r in results) == ["bad", "img0", "img1", "img2"]
+    bad_result = next(r for r in results if r.key == "bad")
+    assert not bad_result.ok and "not an image" in bad_result.error["message"]
+    assert replace(bad_result, error=None).ok and SAMPLES.is_dir()
