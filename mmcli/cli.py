@@ -79,3 +79,83 @@ def ask(
 
 def main() -> None:  # pragma: no cover - console entry for `python -m mmcli`
     sys.exit(app())
+
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def _image_patches(paths: list[Path], max_pixels: int, min_pixels: int = 65536, patch: int = 16,
+                   merge: int = 2) -> tuple[list[str], list[int]]:
+    """Patch counts smart_resize gives each image under the pixel budget (header reads only, no decoding)."""
+    from PIL import Image
+
+    from .errors import ImageError
+    from .preprocess import smart_resize
+
+    files = []
+    for p in paths:
+        files += sorted(f for f in p.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS) if p.is_dir() else [p]
+    names, patches = [], []
+    for f in files:
+        try:
+            with Image.open(f) as im:
+                w, h = im.size
+                if im.getexif().get(0x0112, 1) in (5, 6, 7, 8):
+                    w, h = h, w
+            rh, rw = smart_resize(h, w, patch * merge, min_pixels, max_pixels)
+        except (OSError, ImageError) as e:
+            typer.echo(f"mmcli: {f}: skipped ({e})", err=True)
+            continue
+        names.append(str(f))
+        patches.append((rh // patch) * (rw // patch))
+    return names, patches
+
+
+@app.command()
+def plan(
+    paths: list[Path] = typer.Argument(None, help="Image files or folders."),
+    tokens: str | None = typer.Option(None, help="Patch counts instead of images, e.g. 1024,512,256,128,128."),
+    block_size: int | None = typer.Option(None, help="Patches per vision block (default: the config's)."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML settings file."),
+) -> None:
+    """Show how images pack into vision-attention blocks, the waste, and the block size to use."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .config import load_config
+    from .packing import ffd_pack, flat_efficiency, packed_efficiency, padded_efficiency, recommend_block_size
+
+    try:
+        cfg = load_config(config)
+        if tokens:
+            patches = [int(t) for t in tokens.split(",")]
+            names = [f"#{i}" for i in range(len(patches))]
+        elif paths:
+            names, patches = _image_patches(paths, cfg.image.max_pixels)
+        else:
+            raise ConfigError("give image paths or --tokens")
+        if not patches or min(patches) < 1:
+            raise ConfigError("no images to plan (or a token count below 1)")
+        size = block_size or cfg.vision.block_size
+        bins = ffd_pack(patches, size)
+    except ValueError as e:
+        raise _fail(e, 2) from None
+    except MmcliError as e:
+        raise _fail(e, e.exit_code) from None
+    console = Console(width=100)
+    table = Table(title=f"{len(patches)} images in {len(bins)} blocks of {size} patches")
+    for col in ("block", "images", "patches", "fill"):
+        table.add_column(col, justify="right" if col != "images" else "left")
+    for b, images in enumerate(bins):
+        used = sum(patches[i] for i in images)
+        shown = ", ".join(f"{names[i]} ({patches[i]})" for i in sorted(images)[:6])
+        table.add_row(str(b), shown + (" …" if len(images) > 6 else ""), str(used), f"{100 * used / size:.1f}%")
+    console.print(table)
+    console.print(f"attention efficiency, blocks of {size}: {100 * packed_efficiency(patches, len(bins), size):.1f}%")
+    console.print(f"attention efficiency, one flat sequence with a mask: {100 * flat_efficiency(patches):.1f}%")
+    console.print(f"attention efficiency, each image padded to the largest: {100 * padded_efficiency(patches):.1f}%")
+    best = recommend_block_size(patches)
+    best_blocks = len(ffd_pack(patches, best))
+    console.print(f"recommended block_size: {best} ({best_blocks} blocks, "
+                  f"{100 * packed_efficiency(patches, best_blocks, best):.1f}% attention efficiency, least estimated "
+                  f"vision work: padded linear layers plus block attention)")

@@ -120,3 +120,44 @@ def test_config_whose_pixel_budget_does_not_fit_its_block_is_refused(tmp_path):
     f.write_text("vision:\n  block_size: 1022\n")
     with pytest.raises(ConfigError, match="multiple of merge_size"):
         load_config(f)
+
+
+def _plan(*args):
+    from typer.testing import CliRunner
+
+    from mmcli.cli import app
+
+    result = CliRunner().invoke(app, ["plan", *args], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_plan_shows_the_seed_004_example():
+    out = _plan("--tokens", "1024,512,256,128,128", "--block-size", "1024")
+    assert "5 images in 2 blocks of 1024 patches" in out
+    assert "blocks of 1024: 67.2%" in out and "mask: 33.6%" in out and "largest: 26.9%" in out
+
+
+def test_plan_thumbnails_and_recommendation():
+    from mmcli.packing import recommend_block_size, vision_work
+
+    thumbs = ",".join(["128"] * 24)
+    assert "mask: 4.2%" in _plan("--tokens", thumbs, "--block-size", "1024")
+    assert "blocks of 1024: 12.5%" in _plan("--tokens", thumbs, "--block-size", "1024")
+    assert "blocks of 256: 50.0%" in _plan("--tokens", thumbs, "--block-size", "256")
+    mixed = [1024, 512, 256, 128, 128, 300, 64, 700]
+    best = recommend_block_size(mixed)
+    candidates = range(1024, 3200, 128)
+    assert best >= max(mixed) and all(vision_work(mixed, best) <= vision_work(mixed, c) for c in candidates)
+    assert f"recommended block_size: {best} " in _plan("--tokens", ",".join(map(str, mixed)))
+
+
+def test_plan_on_a_folder(tmp_path):
+    from PIL import Image
+
+    for n, size in enumerate([(640, 480), (224, 224), (300, 200)]):
+        Image.new("RGB", size).save(tmp_path / f"{n}.png")
+    out = _plan(str(tmp_path), "--block-size", "1280")
+    # smart_resize: 640x480 -> 30x40 patches; 224x224 and 300x200 are raised to min_pixels: 16x16 and 14x20
+    assert "3 images in 2 blocks of 1280 patches" in out
+    assert "0.png (1200)" in out and "1.png (256)" in out and "2.png (280)" in out
