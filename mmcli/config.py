@@ -85,7 +85,8 @@ def check_vision_budget(block_size: int, max_pixels: int, patch_size: int = 16, 
     """Every allowed image must fit one block: refuse the config otherwise, saying what would fit."""
     unit = merge_size * merge_size
     if block_size < unit or block_size % unit:
-        raise ConfigError(f"config vision.block_size: {block_size} must be a positive multiple of merge_size^2 = {unit}")
+        raise ConfigError(
+            f"config vision.block_size: {block_size} must be a positive multiple of merge_size^2 = {unit}")
     largest = max_pixels // (patch_size * patch_size)  # patches of the largest image smart_resize allows
     if largest > block_size:
         fits = block_size * patch_size * patch_size
