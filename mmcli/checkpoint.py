@@ -200,8 +200,17 @@ def load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, 
     for file in _weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name).to(dtype)
+                names = list(f.keys())
+            while names:
+                # Reopen every ~512 MB: closing unmaps the file, so its pages stop counting as resident memory
+                # while the copies in `dtype` are made (peak stays near the loaded weights, not weights + file).
+                with safe_open(str(file), framework="pt") as f:
+                    read = 0
+                    while names and read < 512 << 20:
+                        name = names.pop(0)
+                        t = f.get_tensor(name)
+                        read += t.numel() * t.element_size()
+                        tensors[name] = t.to(dtype)
         except (OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{file}: cannot read safetensors ({str(e)[:160]})") from None
     if "lm_head.weight" not in tensors and cfg.tie_word_embeddings:

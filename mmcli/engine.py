@@ -28,6 +28,7 @@ class Request:
     sampling: SamplingParams
     stop_ids: frozenset[int]
     num_image_tokens: int = 0
+    image_hashes: list[str] = field(default_factory=list)  # content hash per image: one encode per run
 
 
 @dataclass
@@ -120,8 +121,8 @@ class Engine:
                 admitted = [Sequence(req, free.pop(0)) for req in self._pick(waiting, len(free))]
             if admitted:
                 logits = self.runner.prefill([PrefillItem(s.slot, s.request.input_ids, s.request.rotary_position_ids,
-                                                          s.request.pixel_values, s.request.image_grids)
-                                              for s in admitted])
+                                                          s.request.pixel_values, s.request.image_grids,
+                                                          s.request.image_hashes) for s in admitted])
                 self._step(admitted, logits)
                 running.extend(admitted)
             live = [s for s in running if s.finish_reason is None]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +33,7 @@ class PrefillItem:
     rotary_position_ids: torch.Tensor  # [3, L]
     pixel_values: list[torch.Tensor]  # one [n_i, C*T*P*P] per image, in prompt order
     image_grids: list[tuple[int, int, int]]
+    image_hashes: list[str] = field(default_factory=list)  # content hashes; equal images are encoded once
 
 
 @dataclass
@@ -63,6 +65,9 @@ class ModelRunner:
         self.block_size, self.buckets = block_size, tuple(sorted(num_blocks_buckets))
         # Compiled graphs need the configured shapes; eager calls may trim padding blocks and block tails.
         self.fixed_shapes = fixed_shapes
+        self.image_cache: OrderedDict[str, tuple] = OrderedDict()  # recent encoded images by content hash
+        self.image_cache_size = 64
+        self.images_encoded = 0
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]):
@@ -136,9 +141,7 @@ class ModelRunner:
         if not bool(visual_mask.any()):
             return hidden, None, None
         if image_features is None:
-            pixels = [p for item in items for p in item.pixel_values]
-            grids = [g for item in items for g in item.image_grids]
-            image_features = self.encode_images(pixels, grids)
+            image_features = self._image_features(items)
         merged = torch.cat([f for f, _ in image_features]).to(hidden.dtype)
         if merged.shape[0] != int(visual_mask.sum()):
             raise ValueError(f"{int(visual_mask.sum())} image tokens but {merged.shape[0]} image features")
@@ -146,6 +149,29 @@ class ModelRunner:
         levels = len(image_features[0][1])
         deepstack = [torch.cat([ds[level] for _, ds in image_features]) for level in range(levels)]
         return hidden, visual_mask, deepstack
+
+    def _image_features(self, items: list[PrefillItem]) -> list:
+        """Features of every image of `items`, in order; each distinct image not seen recently is encoded once,
+        all of them in one vision call."""
+        pixels = [p for item in items for p in item.pixel_values]
+        grids = [g for item in items for g in item.image_grids]
+        keys = [h for item in items for h in item.image_hashes]
+        if len(keys) != len(pixels):  # no hashes given: encode as they are
+            self.images_encoded += len(pixels)
+            return self.encode_images(pixels, grids)
+        todo = {k: n for n, k in enumerate(keys) if k not in self.image_cache}
+        if todo:
+            self.images_encoded += len(todo)
+            fresh = self.encode_images([pixels[n] for n in todo.values()], [grids[n] for n in todo.values()])
+            for key, feats in zip(todo, fresh):
+                self.image_cache[key] = feats
+        features = []
+        for key in keys:
+            self.image_cache.move_to_end(key)
+            features.append(self.image_cache[key])
+        while len(self.image_cache) > self.image_cache_size:
+            self.image_cache.popitem(last=False)
+        return features
 
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem], image_features: list | None = None,

@@ -129,7 +129,20 @@ def tiny_config(variant: str = "base", rope_form: str = "rope_scaling", vocab_si
             "dtype": "float32", "transformers_version": "4.57.0.dev0"}
 
 
-def random_weights(config: dict, seed: int = 0, std: float = 0.15) -> dict[str, torch.Tensor]:
+def qwen3_vl_2b_config(special_ids: dict) -> dict:
+    """config.json with the shapes of Qwen3-VL-2B-Instruct (spec section 1), for benchmarks on random weights."""
+    config = tiny_config("base", "rope_scaling", 151936, special_ids)
+    config["text_config"].update(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                 max_position_embeddings=262144)
+    config["vision_config"].update(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                                   out_hidden_size=2048, num_position_embeddings=2304,
+                                   deepstack_visual_indexes=[5, 11, 17])
+    return config
+
+
+def random_weights(config: dict, seed: int = 0, std: float = 0.15,
+                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Random tensors for every name the config implies; std is large so greedy choices have clear margins."""
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -143,24 +156,25 @@ def random_weights(config: dict, seed: int = 0, std: float = 0.15) -> dict[str, 
             if name.endswith("weight") and len(shape) == 2 and "embed" not in name:
                 scale = min(std, 1.5 / shape[1] ** 0.5)
             t = scale * torch.randn(shape, generator=g)
-        out[name] = t
+        out[name] = t.to(dtype)
     return out
 
 
 def make_tiny_checkpoint(path: str | Path, variant: str = "base", *, seed: int = 0, dtype: str = "float32",
                          rope_form: str = "rope_scaling", shards: int = 1, template_file: str = "json",
-                         max_pixels: int = 128 * 128, min_pixels: int = 32 * 32) -> Path:
-    """Write config.json, weights, tokenizer, chat template, preprocessor and generation configs to `path`."""
+                         max_pixels: int = 128 * 128, min_pixels: int = 32 * 32, shapes_2b: bool = False) -> Path:
+    """Write config.json, weights, tokenizer, chat template, preprocessor and generation configs to `path`.
+    `shapes_2b` gives the tensors of Qwen3-VL-2B (random values, for benchmarks)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = tiny_tokenizer()
     tok.save(str(path / "tokenizer.json"))
     special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     vocab = -(-tok.get_vocab_size() // 64) * 64
-    config = tiny_config(variant, rope_form, vocab, special_ids)
+    config = qwen3_vl_2b_config(special_ids) if shapes_2b else tiny_config(variant, rope_form, vocab, special_ids)
     config["dtype"] = dtype
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    weights = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in random_weights(config, seed).items()}
+    weights = random_weights(config, seed, std=0.02 if shapes_2b else 0.15, dtype=getattr(torch, dtype))
     if config["tie_word_embeddings"]:
         weights.pop("lm_head.weight")
     names = sorted(weights)

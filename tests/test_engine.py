@@ -97,3 +97,12 @@ def test_results_come_as_they_finish_and_bad_files_are_error_results(tiny_dir, t
     bad_result = next(r for r in results if r.key == "bad")
     assert not bad_result.ok and "not an image" in bad_result.error["message"]
     assert replace(bad_result, error=None).ok and SAMPLES.is_dir()
+
+
+def test_an_image_seen_twice_in_a_run_is_encoded_once(tiny_dir, tmp_path):
+    items = _items(tmp_path)[:3]
+    twice = items + [("again", items[1][1]), ("third", items[0][1])]
+    cap = _captioner(tiny_dir, engine={"max_seqs": 2})
+    results = {r.key: r.token_ids for r in cap.caption(twice, max_new_tokens=5)}
+    assert cap.runner.images_encoded == 3
+    assert results["again"] == results["img1"] and results["third"] == results["img0"]

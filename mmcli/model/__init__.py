@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import ModelConfig
-from .text import AttentionBatch, KVCache, TextDecoder
+from .text import AttentionBatch, KVCache, Linear, TextDecoder
 from .vision import VisionTower
 
 __all__ = ["Qwen3VL", "AttentionBatch", "KVCache"]
@@ -19,7 +19,7 @@ class Qwen3VL(nn.Module):
         self.model = nn.Module()
         self.model.visual = VisionTower(cfg.vision)
         self.model.language_model = TextDecoder(cfg.text)
-        self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Qwen3VL:

@@ -1,0 +1,218 @@
+"""mmcli vs transformers on the same Qwen3-VL checkpoint and images, in one run, with the machine's own limits.
+
+Random weights with the real Qwen3-VL-2B-Instruct shapes (bfloat16, written once to --cache-dir), 16 images from
+224x224 to 640x480, per-image output lengths from a fixed schedule between 16 and 96 tokens (standing in for eos;
+transformers gets a per-row stopping criterion with the same lengths). Both sides compute in --dtype (default
+float32, what mmcli picks on a CPU). Each side runs in a process of its own (peak RSS is per process).
+
+    python bench/compare_hf.py [--smoke] [--cache-dir DIR] [--dtype float32] [--hf-batch-sizes 1,4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = [(224, 224), (640, 480), (320, 240), (512, 384), (256, 256), (480, 360), (300, 300), (640, 360),
+         (224, 336), (400, 300), (288, 288), (360, 480), (560, 420), (240, 320), (448, 448), (600, 400)]
+LENGTHS = [16, 96, 32, 64, 24, 80, 48, 16, 96, 40, 72, 20, 56, 88, 32, 64]
+PROMPT = "Describe this image."
+
+
+def make_inputs(cache: Path, smoke: bool) -> tuple[Path, list[Path], list[int]]:
+    from PIL import Image
+
+    from mmcli.testing import make_tiny_checkpoint
+
+    ckpt = cache / ("tiny" if smoke else "qwen3-vl-2b-random-bf16")
+    if not (ckpt / "config.json").is_file():
+        print(f"writing {'a tiny' if smoke else 'a 2B-shaped'} random checkpoint to {ckpt} (once)", flush=True)
+        make_tiny_checkpoint(ckpt, dtype="bfloat16", shapes_2b=not smoke,
+                             **({} if smoke else {"max_pixels": 16777216, "min_pixels": 65536}))
+    images = []
+    names = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"]
+    count = 6 if smoke else len(SIZES)
+    for n, (w, h) in enumerate(SIZES[:count]):
+        f = cache / "images" / f"{n:02d}_{w}x{h}.png"
+        if not f.is_file():
+            f.parent.mkdir(parents=True, exist_ok=True)
+            Image.open(ROOT / "samples" / names[n % 4]).convert("RGB").resize((w, h), Image.BICUBIC).save(f)
+        images.append(f)
+    lengths = [max(2, n // 8) for n in LENGTHS[:count]] if smoke else LENGTHS
+    return ckpt, images, lengths
+
+
+def machine_limits() -> dict:
+    """Read bandwidth (sum over a 512 MiB tensor) and float32 matmul FLOP/s, best of a few tries."""
+    x = torch.ones(128 << 20, dtype=torch.float32)
+    x.sum()
+    bw = max(x.numel() * 4 / _timed(x.sum) for _ in range(5))
+    a = torch.randn(2048, 2048)
+    a @ a
+    flops = max(2 * 2048**3 / _timed(lambda: a @ a) for _ in range(3))
+    return {"bandwidth": bw, "matmul_flops": flops}
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], dtype: str) -> dict:
+    from dataclasses import replace
+
+    from mmcli.captioner import Captioner
+    from mmcli.config import load_config
+    from mmcli.model.text import KVCache
+
+    cfg = load_config(None, {"dtype": dtype, "device": "cpu", "engine": {"max_seqs": 8, "max_len": 512}})
+    cap = Captioner.from_pretrained(str(ckpt), config=cfg)
+    start = time.perf_counter()
+
+    def requests():
+        for n, (path, length) in enumerate(zip(images, lengths)):
+            req, _ = cap.request(f"img{n}", [path], PROMPT, cap.sampling(max_new_tokens=length))
+            yield replace(req, stop_ids=frozenset())  # the length schedule stands in for eos
+
+    done = {r.key: len(r.token_ids) for r in cap.engine.generate(requests())}
+    elapsed = time.perf_counter() - start
+    assert [done[f"img{n}"] for n in range(len(images))] == lengths, done
+    # Decode step at batch 1: one sequence alone, timed step by step after its prefill.
+    from mmcli.runner import DecodeItem, PrefillItem
+
+    req, _ = cap.request("solo", [images[0]], PROMPT, cap.sampling())
+    runner = cap.runner
+    runner.prefill([PrefillItem(0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.image_grids)])
+    steps = []
+    for k in range(12):
+        pos = len(req.input_ids) + k
+        steps.append(_timed(lambda pos=pos: runner.decode([DecodeItem(0, 1, pos, req.rope_delta)])))
+    text = cap.model.language_model
+    decode_bytes = sum(p.numel() * p.element_size() for n, p in text.named_parameters() if "embed" not in n)
+    decode_bytes += cap.model.lm_head.weight.numel() * cap.model.lm_head.weight.element_size()
+    assert isinstance(runner.cache, KVCache)
+    return {"images_per_s": len(images) / elapsed, "seconds": elapsed, "decode_step": statistics.median(steps[2:]),
+            "weight_bytes": cap.weight_bytes, "decode_weight_bytes": decode_bytes, "kv_bytes": runner.cache.nbytes,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "generated": sum(lengths)}
+
+
+def _hf_processor(ckpt: Path):
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    pre = json.loads((ckpt / "preprocessor_config.json").read_text())
+    pre = {k: v for k, v in pre.items() if k not in ("image_processor_type", "processor_class")}
+    template = json.loads((ckpt / "chat_template.json").read_text())["chat_template"]
+    ProcessorMixin.check_argument_for_proper_class = lambda *a, **k: None  # no torchvision: no video processor
+    tokenizer = AutoTokenizer.from_pretrained(ckpt, padding_side="left")
+    return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessorPil(**pre), tokenizer=tokenizer,
+                            video_processor=None, chat_template=template)
+
+
+def worker_hf(ckpt: Path, images: list[Path], lengths: list[int], dtype: str, batch_size: int) -> dict:
+    from PIL import Image
+    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration, StoppingCriteria
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
+    model.generation_config.eos_token_id = None
+    processor = _hf_processor(ckpt)
+    content = [{"type": "image"}, {"type": "text", "text": PROMPT}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+
+    class RowLengths(StoppingCriteria):
+        def __init__(self, prompt_len: int, targets: list[int]):
+            self.prompt_len, self.targets = prompt_len, torch.tensor(targets)
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return (input_ids.shape[1] - self.prompt_len) >= self.targets
+
+    start = time.perf_counter()
+    generated = 0
+    with torch.inference_mode():
+        for b in range(0, len(images), batch_size):
+            chunk = [Image.open(p).convert("RGB") for p in images[b:b + batch_size]]
+            targets = lengths[b:b + batch_size]
+            inputs = processor(text=[text] * len(chunk), images=chunk, padding=True, return_tensors="pt")
+            gen = GenerationConfig(max_new_tokens=max(targets), do_sample=False, pad_token_id=0)
+            out = model.generate(**inputs, generation_config=gen,
+                                 stopping_criteria=[RowLengths(inputs["input_ids"].shape[1], targets)])
+            generated += (out.shape[1] - inputs["input_ids"].shape[1]) * len(chunk)
+    elapsed = time.perf_counter() - start
+    return {"images_per_s": len(images) / elapsed, "seconds": elapsed, "batch_size": batch_size,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rows_computed": generated}
+
+
+def run_worker(args, kind: str, batch_size: int = 0) -> dict:
+    cmd = [sys.executable, __file__, "--worker", kind, "--cache-dir", str(args.cache_dir), "--dtype", args.dtype,
+           "--batch-size", str(batch_size)] + (["--smoke"] if args.smoke else [])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint and few images (runs in the tests)")
+    parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--hf-batch-sizes", default="1,4,8")
+    parser.add_argument("--worker", choices=["mmcli", "hf"], help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.cache_dir is None:
+        args.cache_dir = Path(tempfile.gettempdir()) / "mmcli-bench" if args.smoke else ROOT / ".bench_cache"
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    ckpt, images, lengths = make_inputs(args.cache_dir, args.smoke)
+    if args.worker == "mmcli":
+        print(json.dumps(worker_mmcli(ckpt, images, lengths, args.dtype)))
+        return
+    if args.worker == "hf":
+        print(json.dumps(worker_hf(ckpt, images, lengths, args.dtype, args.batch_size)))
+        return
+
+    limits = machine_limits()
+    print(f"{len(images)} images, output lengths {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all), "
+          f"dtype {args.dtype}, {torch.get_num_threads()} threads", flush=True)
+    print(f"machine: read bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s, float32 matmul "
+          f"{limits['matmul_flops'] / 1e9:.1f} GFLOP/s", flush=True)
+    ours = run_worker(args, "mmcli")
+    print(f"mmcli: {ours['images_per_s']:.3f} images/s ({ours['seconds']:.1f} s)", flush=True)
+    theirs = []
+    for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
+        theirs.append(run_worker(args, "hf", bs))
+        print(f"transformers, batch {bs}: {theirs[-1]['images_per_s']:.3f} images/s "
+              f"({theirs[-1]['seconds']:.1f} s)", flush=True)
+    best = max(theirs, key=lambda r: r["images_per_s"])
+    bound = ours["decode_weight_bytes"] / limits["bandwidth"]
+    budget = ours["weight_bytes"] + ours["kv_bytes"]
+    print("")
+    print("| measure | value |")
+    print("|---|---|")
+    print(f"| mmcli images/s | {ours['images_per_s']:.3f} |")
+    print(f"| transformers images/s (best: batch {best['batch_size']}) | {best['images_per_s']:.3f} |")
+    print(f"| mmcli decode step, batch 1 | {ours['decode_step'] * 1000:.1f} ms |")
+    print(f"| decode weight bytes / read bandwidth | {bound * 1000:.1f} ms "
+          f"(step is {ours['decode_step'] / bound:.2f}x) |")
+    print(f"| mmcli peak RSS | {ours['peak_rss'] / 2**30:.2f} GiB |")
+    print(f"| weight bytes + KV cache bytes | {ours['weight_bytes'] / 2**30:.2f} + {ours['kv_bytes'] / 2**30:.2f} GiB "
+          f"(RSS is {ours['peak_rss'] / budget:.2f}x) |")
+    print(f"images/s ratio (mmcli / transformers): {ours['images_per_s'] / best['images_per_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
