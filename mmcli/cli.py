@@ -81,9 +81,6 @@ def main() -> None:  # pragma: no cover - console entry for `python -m mmcli`
     sys.exit(app())
 
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-
-
 def _image_patches(paths: list[Path], max_pixels: int, min_pixels: int = 65536, patch: int = 16,
                    merge: int = 2) -> tuple[list[str], list[int]]:
     """Patch counts smart_resize gives each image under the pixel budget (header reads only, no decoding)."""
@@ -91,10 +88,9 @@ def _image_patches(paths: list[Path], max_pixels: int, min_pixels: int = 65536, 
 
     from .errors import ImageError
     from .preprocess import smart_resize
+    from .scan import scan
 
-    files = []
-    for p in paths:
-        files += sorted(f for f in p.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS) if p.is_dir() else [p]
+    files = [path for _, path in scan(paths)]
     names, patches = [], []
     for f in files:
         try:
@@ -159,3 +155,142 @@ def plan(
     console.print(f"recommended block_size: {best} ({best_blocks} blocks, "
                   f"{100 * packed_efficiency(patches, best_blocks, best):.1f}% attention efficiency, least estimated "
                   f"vision work: padded linear layers plus block attention)")
+
+
+@app.command()
+def caption(
+    paths: list[Path] = typer.Argument(..., help="Image folders or files."),
+    model: str | None = typer.Option(None, help="Hub id or local checkpoint directory."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML settings file."),
+    output: str = typer.Option("captions.jsonl", "--output", "-o", help="JSONL file to append to; - for stdout."),
+    prompt: str | None = typer.Option(None, help="The caption prompt (default: the config's)."),
+    max_new_tokens: int | None = typer.Option(None),
+    temperature: float | None = typer.Option(None, help="0 is greedy."),
+    seed: int | None = typer.Option(None),
+    dtype: str | None = typer.Option(None, help="auto, float32, bfloat16 or float16."),
+    device: str | None = typer.Option(None, help="auto, cpu or cuda."),
+    logprobs: bool = typer.Option(False, "--logprobs", help="Add token_ids and logprobs to each record."),
+    recursive: bool = typer.Option(True, "--recursive/--no-recursive"),
+    include: list[str] = typer.Option([], "--include", help="Only keys matching this glob (repeatable)."),
+    exclude: list[str] = typer.Option([], "--exclude", help="Skip keys matching this glob (repeatable)."),
+    shard: str | None = typer.Option(None, help="I/N: only the keys of shard I of N (stable hash)."),
+    limit: int | None = typer.Option(None, help="At most this many items."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Redo items already recorded."),
+    retry_errors: bool = typer.Option(False, "--retry-errors", help="Redo items recorded as errors."),
+    sidecar: str | None = typer.Option(None, help="Also write each caption next to its image, e.g. .txt."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be captioned, then stop."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress or summary (for cron)."),
+) -> None:
+    """Caption every image under PATHS, appending one JSONL record per image; resumable."""
+    from .captioner import Captioner
+    from .config import load_config
+    from .output import JsonlOutput, OutputLocked, settings_hash
+    from .scan import parse_shard, scan, shard_of
+
+    try:
+        overrides = {"model": model, "dtype": dtype, "device": device, "prompt": prompt,
+                     "generation": {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}}
+        cfg = load_config(config, overrides)
+        items = scan(paths, cfg.scan.extensions, recursive=recursive, include=include, exclude=exclude)
+        if shard:
+            index, count = parse_shard(shard)
+            items = [(k, p) for k, p in items if shard_of(k, count) == index]
+    except (ValueError, FileNotFoundError) as e:
+        raise _fail(e, 2) from None
+    except MmcliError as e:
+        raise _fail(e, e.exit_code) from None
+    sampling = {k: getattr(cfg.generation, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty",
+                                                         "max_new_tokens", "seed")}
+    settings = settings_hash(cfg.prompt, cfg.model, sampling)
+    out = None
+    if output != "-":
+        try:
+            out = JsonlOutput(Path(output)).open()
+        except OutputLocked as e:
+            raise _fail(e, 2) from None
+        except OSError as e:
+            raise _fail(f"{output}: cannot write ({e.strerror})", 3) from None
+        if out.set_aside and not quiet:
+            typer.echo(f"mmcli: {output}: a torn last line from an interrupted run was moved to {out.set_aside}",
+                       err=True)
+        if not overwrite:
+            recorded = {r.get("key"): r.get("status") for r in out.records() if r.get("settings") == settings}
+            items = [(k, p) for k, p in items if recorded.get(k) is None
+                     or (recorded[k] == "error" and retry_errors)]
+    if limit is not None:
+        items = items[:limit]
+    if dry_run or not items:
+        if not quiet:
+            for key, _ in items:
+                typer.echo(key)
+            typer.echo(f"mmcli: {len(items)} images to caption", err=True)
+        if out:
+            out.close()
+        raise typer.Exit(0)
+    try:
+        captioner = Captioner.from_pretrained(config=cfg)
+    except MmcliError as e:
+        if out:
+            out.close()
+        raise _fail(e, e.exit_code) from None
+    code = _caption_loop(captioner, cfg, items, out, settings, sampling, logprobs, sidecar, quiet)
+    if out:
+        out.close()
+    raise typer.Exit(code)
+
+
+def _caption_loop(captioner, cfg, items, out, settings, sampling, logprobs, sidecar, quiet) -> int:
+    import signal
+
+    from .output import append_record, file_sha256, make_record, write_sidecar
+    from .progress import Progress
+
+    paths = dict(items)
+
+    def on_term(signum, frame):  # SIGTERM ends the run like Ctrl-C: what finished is already on disk
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    progress = Progress(len(items), quiet=quiet)
+    try:
+        for result in captioner.caption(items, prompt=cfg.prompt, **sampling):
+            record = make_record(key=result.key, task="caption", prompt=cfg.prompt, result=result,
+                                 model=captioner.model_name, model_revision=captioner.revision, sampling=sampling,
+                                 sha256=file_sha256(paths[result.key]), logprobs=logprobs,
+                                 extra={"settings": settings})
+            if out:
+                out.append(record)
+            else:
+                append_record(sys.stdout, record)
+            if sidecar and result.ok:
+                write_sidecar(paths[result.key], sidecar, result.text)
+            progress.update(result)
+    except KeyboardInterrupt:
+        progress.finish(interrupted=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    progress.finish()
+    return 1 if progress.failed else 0
+
+
+@app.command("config")
+def config_cmd(
+    action: str = typer.Argument("show", help="show: print the effective settings as YAML."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML settings file."),
+) -> None:
+    """Print the effective configuration (defaults updated by --config)."""
+    import yaml
+
+    from .config import config_as_dict, load_config
+
+    if action != "show":
+        raise _fail(f"config {action!r}: only 'show' is known", 2)
+    try:
+        cfg = load_config(config)
+    except MmcliError as e:
+        raise _fail(e, e.exit_code) from None
+    data = config_as_dict(cfg)
+    data["vision"]["num_blocks_buckets"] = list(data["vision"]["num_blocks_buckets"])
+    data["scan"]["extensions"] = list(data["scan"]["extensions"])
+    typer.echo(yaml.safe_dump(data, sort_keys=False).rstrip())

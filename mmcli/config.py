@@ -42,6 +42,11 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class ScanConfig:
+    extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     max_seqs: int = 8
     max_len: int = 4096
@@ -57,6 +62,7 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     image: ImageConfig = field(default_factory=ImageConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
+    scan: ScanConfig = field(default_factory=ScanConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -116,8 +122,9 @@ def _coerce(value, hint, key: str):
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if origin is tuple:
-        if not isinstance(value, (list, tuple)) or not all(type(v) is int for v in value):
-            raise ConfigError(f"config {key}: expected a list of integers, got {value!r}")
+        item = typing.get_args(hint)[0]
+        if not isinstance(value, (list, tuple)) or not all(type(v) is item for v in value):
+            raise ConfigError(f"config {key}: expected a list of {item.__name__}, got {value!r}")
         return tuple(value)
     if hint in (int, float, str, bool) and (type(value) is not hint):
         raise ConfigError(f"config {key}: expected {hint.__name__}, got {value!r}")

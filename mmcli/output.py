@@ -55,3 +55,108 @@ def append_record(stream: IO[str], record: dict) -> None:
         os.fsync(stream.fileno())
     except (OSError, ValueError, AttributeError):
         pass  # stdout, pipes and in-memory streams cannot be fsynced
+
+
+def settings_hash(prompt: str, model: str, sampling: dict) -> str:
+    """What makes two records of a key comparable: same prompt, model and sampling."""
+    blob = json.dumps({"prompt": prompt, "model": model, "sampling": sampling}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class OutputLocked(Exception):
+    pass
+
+
+class JsonlOutput:
+    """An output JSONL file owned by one run: an exclusive lock, a torn last line set aside, appends fsynced."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self._lock = None
+        self._file = None
+        self.set_aside: Path | None = None
+
+    def open(self) -> JsonlOutput:
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(self.lock_path, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            other = lock.read().strip() or "?"
+            lock.close()
+            raise OutputLocked(f"{self.path}: another mmcli run (pid {other}) is writing this output; "
+                               f"wait for it or choose another -o") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        self._lock = lock
+        self._repair_torn_tail()
+        self._file = open(self.path, "a", encoding="utf-8")
+        return self
+
+    def _repair_torn_tail(self) -> None:
+        """A crash mid-write can leave a last line without its newline: move it to a side file, never merge it."""
+        if not self.path.exists():
+            return
+        with open(self.path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            start = size
+            while start > 0:
+                step = min(65536, start)
+                f.seek(start - step)
+                chunk = f.read(step)
+                cut = chunk.rfind(b"\n")
+                if cut >= 0:
+                    start = start - step + cut + 1
+                    break
+                start -= step
+            f.seek(start)
+            torn = f.read()
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+            self.set_aside = self.path.with_name(f"{self.path.name}.torn-{stamp}")
+            self.set_aside.write_bytes(torn)
+            f.truncate(start)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def records(self):
+        """Records already in the file (lines that do not parse are skipped)."""
+        if not self.path.exists():
+            return
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    continue
+
+    def append(self, record: dict) -> None:
+        append_record(self._file, record)
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+        if self._lock:
+            self._lock.close()  # releases the flock
+        self._file = self._lock = None
+
+
+def write_sidecar(image: Path, ext: str, text: str) -> None:
+    """The caption next to the image, written whole through a temporary file and a rename."""
+    target = image.with_suffix(ext if ext.startswith(".") else "." + ext)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,9 @@ def decode_image(path: str | Path, max_decode_pixels: int = 128 * 1024 * 1024) -
     """Open one image file as RGB, or raise ImageError naming what is wrong with it."""
     path = Path(path)
     try:
+        if not os.access(path, os.R_OK):
+            why = "permission denied" if path.exists() else "no such file or broken link"
+            raise ImageError(f"unreadable file ({why})")
         if path.stat().st_size == 0:
             raise ImageError("empty file (0 bytes)")
         with Image.open(path) as im:

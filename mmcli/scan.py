@@ -1,0 +1,67 @@
+"""Folders -> sorted (key, path) items: extensions, include/exclude globs, hidden files, symlink loops, shards."""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+from pathlib import Path
+
+from .config import ScanConfig
+
+IMAGE_EXTENSIONS = ScanConfig().extensions
+
+
+def _wanted(key: str, extensions: tuple[str, ...], include: list[str], exclude: list[str]) -> bool:
+    if not key.lower().endswith(extensions):
+        return False
+    if include and not any(fnmatch.fnmatch(key, g) for g in include):
+        return False
+    return not any(fnmatch.fnmatch(key, g) for g in exclude)
+
+
+def scan(roots: list[Path], extensions: tuple[str, ...] = IMAGE_EXTENSIONS, recursive: bool = True,
+         include: list[str] | None = None, exclude: list[str] | None = None) -> list[tuple[str, Path]]:
+    """Image files under `roots`, keyed by their path relative to their root (a file given directly is keyed by
+    its name). Hidden files and folders are skipped; a folder reached twice through symlinks is walked once."""
+    include, exclude = include or [], exclude or []
+    extensions = tuple(e.lower() for e in extensions)
+    items: dict[str, Path] = {}
+    for root in roots:
+        if root.is_file() or (root.is_symlink() and not root.exists()):
+            if _wanted(root.name, extensions, include, exclude):
+                items.setdefault(root.name, root)
+            continue
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root}: no such file or folder")
+        seen: set[str] = set()
+        for folder, dirs, files in os.walk(root, followlinks=True):
+            real = os.path.realpath(folder)
+            if real in seen:  # a symlink loop or a second link to the same folder
+                dirs[:] = []
+                continue
+            seen.add(real)
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".")) if recursive else []
+            for name in files:
+                if name.startswith("."):
+                    continue
+                path = Path(folder) / name
+                key = path.relative_to(root).as_posix()
+                if _wanted(key, extensions, include, exclude):
+                    items.setdefault(key, path)
+    return sorted(items.items())
+
+
+def shard_of(key: str, num_shards: int) -> int:
+    """Stable shard of a key (same on every machine and Python run)."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % num_shards
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {text!r}: expected I/N, e.g. 0/4") from None
+    if not 0 <= index < count:
+        raise ValueError(f"--shard {text!r}: I must be in 0..N-1")
+    return index, count
