@@ -15,7 +15,7 @@ from PIL import Image
 from .checkpoint import checkpoint_revision, load_weights, read_model_config, resolve_model, torch_dtype
 from .config import Config, check_vision_budget, load_config
 from .engine import Engine, Request
-from .errors import ImageError
+from .errors import ImageError, ItemError
 from .model import Qwen3VL
 from .positions import rope_index
 from .preprocess import ImageProcessorConfig, decode_image, preprocess
@@ -123,6 +123,8 @@ class Captioner:
         m2 = self.image_cfg.merge_size**2
         counts = [t * h * w // m2 for t, h, w in grids]
         ids = self.prompts.encode(question, counts)
+        if len(ids) >= self.engine.max_len:
+            raise ItemError(f"{key}: prompt of {len(ids)} tokens does not fit engine.max_len {self.engine.max_len}")
         rotary, delta = rope_index(ids, grids, self.model.cfg.image_token_id, self.image_cfg.merge_size)
         req = Request(key, ids, rotary, delta, pixels, grids, sampling, self.stop_ids, sum(counts), hashes)
         return req, infos
@@ -153,7 +155,7 @@ class Captioner:
                 started[key] = time.perf_counter()
                 try:
                     req, infos[key] = self.request(key, [path], question, params)
-                except (ImageError, ValueError) as e:
+                except (ItemError, ValueError) as e:
                     failed.append(Result(key, error={"type": type(e).__name__, "message": str(e)}))
                     continue
                 yield req

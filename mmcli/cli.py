@@ -180,14 +180,23 @@ def caption(
     sidecar: str | None = typer.Option(None, help="Also write each caption next to its image, e.g. .txt."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be captioned, then stop."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress or summary (for cron)."),
+    ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster (pip install 'mmcli[ray]')."),
+    ray_address: str | None = typer.Option(None, help="Ray cluster address (default: start a local instance)."),
+    replicas: int = typer.Option(1, help="With --ray: model replicas, one engine each."),
+    replica_resources: str | None = typer.Option(
+        None, help='With --ray: JSON per replica, e.g. \'{"num_cpus": 4}\' or \'{"resources": {"neuron_cores": 2}}\'.'),
 ) -> None:
     """Caption every image under PATHS, appending one JSONL record per image; resumable."""
-    from .captioner import Captioner
     from .config import load_config
     from .output import JsonlOutput, OutputLocked, settings_hash
     from .scan import parse_shard, scan, shard_of
 
     try:
+        if ray:
+            from .distributed import parse_resources, require_ray
+
+            require_ray()
+            resources = parse_resources(replica_resources)
         overrides = {"model": model, "dtype": dtype, "device": device, "prompt": prompt,
                      "generation": {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}}
         cfg = load_config(config, overrides)
@@ -227,51 +236,60 @@ def caption(
         if out:
             out.close()
         raise typer.Exit(0)
-    try:
-        captioner = Captioner.from_pretrained(config=cfg)
-    except MmcliError as e:
-        if out:
-            out.close()
-        raise _fail(e, e.exit_code) from None
-    code = _caption_loop(captioner, cfg, items, out, settings, sampling, logprobs, sidecar, quiet)
-    if out:
-        out.close()
-    raise typer.Exit(code)
-
-
-def _caption_loop(captioner, cfg, items, out, settings, sampling, logprobs, sidecar, quiet) -> int:
     import signal
 
-    from .output import append_record, file_sha256, make_record, write_sidecar
+    from .output import append_record, write_sidecar
     from .progress import Progress
 
     paths = dict(items)
+    progress = Progress(len(items), quiet=quiet)
+
+    def write(record: dict) -> None:
+        if out:
+            out.append(record)
+        else:
+            append_record(sys.stdout, record)
+        if sidecar and record["status"] == "ok":
+            write_sidecar(paths[record["key"]], sidecar, record["text"])
+        progress.update(record)
 
     def on_term(signum, frame):  # SIGTERM ends the run like Ctrl-C: what finished is already on disk
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
-    progress = Progress(len(items), quiet=quiet)
+    code = 0
     try:
-        for result in captioner.caption(items, prompt=cfg.prompt, **sampling):
-            record = make_record(key=result.key, task="caption", prompt=cfg.prompt, result=result,
-                                 model=captioner.model_name, model_revision=captioner.revision, sampling=sampling,
-                                 sha256=file_sha256(paths[result.key]), logprobs=logprobs,
-                                 extra={"settings": settings})
-            if out:
-                out.append(record)
-            else:
-                append_record(sys.stdout, record)
-            if sidecar and result.ok:
-                write_sidecar(paths[result.key], sidecar, result.text)
-            progress.update(result)
+        if ray:
+            from .distributed import caption_on_ray
+
+            caption_on_ray(items, cfg, settings, write, ray_address, replicas, resources, logprobs)
+        else:
+            _caption_local(cfg, items, settings, sampling, logprobs, write)
+        progress.finish()
+        code = 1 if progress.failed else 0
     except KeyboardInterrupt:
         progress.finish(interrupted=True)
-        return 130
+        code = 130
+    except MmcliError as e:
+        typer.echo(f"mmcli: {e}", err=True)
+        code = e.exit_code
     finally:
         signal.signal(signal.SIGTERM, previous)
-    progress.finish()
-    return 1 if progress.failed else 0
+        if out:
+            out.close()
+    raise typer.Exit(code)
+
+
+def _caption_local(cfg, items, settings, sampling, logprobs, write) -> None:
+    from .captioner import Captioner
+    from .output import file_sha256, make_record
+
+    captioner = Captioner.from_pretrained(config=cfg)
+    paths = dict(items)
+    for result in captioner.caption(items, prompt=cfg.prompt, **sampling):
+        write(make_record(key=result.key, task="caption", prompt=cfg.prompt, result=result,
+                          model=captioner.model_name, model_revision=captioner.revision, sampling=sampling,
+                          sha256=file_sha256(paths[result.key]), logprobs=logprobs, extra={"settings": settings}))
 
 
 @app.command("config")

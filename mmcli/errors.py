@@ -21,7 +21,11 @@ class CheckpointError(MmcliError):
     exit_code = 3
 
 
-class ImageError(MmcliError):
-    """One input image cannot be used; the run goes on with the others."""
+class ItemError(MmcliError):
+    """One item cannot be done; the run goes on with the others (exit 1 at the end)."""
 
     exit_code = 1
+
+
+class ImageError(ItemError):
+    """One input image cannot be used."""

@@ -29,17 +29,18 @@ class Progress:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         return self.done / elapsed, self.tokens / elapsed
 
-    def update(self, result) -> None:
+    def update(self, record: dict) -> None:
+        ok = record["status"] == "ok"
         self.done += 1
-        self.failed += not result.ok
-        self.tokens += result.num_output_tokens
+        self.failed += not ok
+        self.tokens += record.get("num_output_tokens") or 0
         images_s, tokens_s = self._rates()
         if self.bar is not None:
             self.bar.update(self.task, completed=self.done, rate=f"{images_s:.2f} img/s {tokens_s:.1f} tok/s",
                             failed=f"{self.failed} failed" if self.failed else "")
         elif not self.quiet:
-            status = "ok" if result.ok else f"error: {result.error['message']}"
-            print(f"mmcli: [{self.done}/{self.total}] {result.key}: {status} ({images_s:.2f} images/s)",
+            status = "ok" if ok else f"error: {record['error']['message']}"
+            print(f"mmcli: [{self.done}/{self.total}] {record['key']}: {status} ({images_s:.2f} images/s)",
                   file=sys.stderr, flush=True)
 
     def finish(self, interrupted: bool = False) -> None:

@@ -168,3 +168,18 @@ def test_killed_run_then_rerun_records_every_key_once(tiny_dir, tmp_path, sig):
     records = _records(out)
     assert sorted(r["key"] for r in records) == sorted(p.name for p in root.iterdir())
     assert all(r["status"] == "ok" for r in records)
+
+
+def test_without_ray_installed_the_flag_says_how_to_install(monkeypatch, tmp_path):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("no ray")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    result = CliRunner().invoke(app, ["caption", str(tmp_path), "--ray"])
+    assert result.exit_code == 2 and "pip install 'mmcli[ray]'" in result.output

@@ -114,9 +114,12 @@ class Attention(nn.Module):
         keys = k_cache[:b, :, :n] if contiguous else k_cache[slots, :, :n]
         values = v_cache[:b, :, :n] if contiguous else v_cache[slots, :, :n]
         mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]  # each row sees its own past
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
-                                           enable_gqa=True)
-        return o.squeeze(2)
+        # One query per row: group the query heads under their KV head instead of expanding K/V for GQA.
+        qg = q.view(b, self.num_kv_heads, -1, self.head_dim)  # [B, kv, group, d]
+        scores = (qg @ keys.transpose(-1, -2)).float() * self.head_dim**-0.5  # [B, kv, group, n]
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        o = scores.softmax(-1).to(values.dtype) @ values  # [B, kv, group, d]
+        return o.reshape(b, self.num_heads, self.head_dim)
 
 
 class MLP(nn.Module):

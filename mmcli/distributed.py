@@ -1,0 +1,95 @@
+"""`mmcli caption --ray`: one engine per replica as a Ray Data actor; records stream back to the driver's file.
+
+The driver owns the output (same lock, fsync and torn-line rules as a local run) and writes records as Ray yields
+them. A replica that dies is restarted by Ray and its unfinished batch is redone; a key already written is never
+written twice.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import ConfigError
+
+INSTALL_HINT = "--ray needs Ray Data: pip install 'mmcli[ray]' (or pip install 'ray[data]')"
+
+
+def require_ray():
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise ConfigError(INSTALL_HINT) from None
+    return ray
+
+
+def parse_resources(text: str | None) -> dict:
+    """--replica-resources JSON: {"num_cpus": 1, "num_gpus": 0, "resources": {"neuron_cores": 2}}."""
+    if not text:
+        return {"num_cpus": 1}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--replica-resources: not JSON ({e})") from None
+    known = {"num_cpus", "num_gpus", "resources", "memory"}
+    if not isinstance(value, dict) or set(value) - known:
+        raise ConfigError(f"--replica-resources: expected an object with keys among {sorted(known)}, got {text}")
+    return value
+
+
+class CaptionReplica:
+    """One model and engine per replica, loaded once; captions each batch of (key, path) rows."""
+
+    def __init__(self, config, settings: str, logprobs: bool, threads: int):
+        import torch
+
+        from .captioner import Captioner
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.captioner = Captioner.from_pretrained(config=config)
+        self.config, self.settings, self.logprobs = config, settings, logprobs
+
+    def __call__(self, batch: dict) -> dict:
+        from .output import file_sha256, make_record
+
+        cap, cfg = self.captioner, self.config
+        paths = dict(zip(batch["key"].tolist(), batch["path"].tolist()))
+        sampling = {k: getattr(cfg.generation, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty",
+                                                             "max_new_tokens", "seed")}
+        records = []
+        for result in cap.caption(list(paths.items()), prompt=cfg.prompt, **sampling):
+            records.append(json.dumps(make_record(
+                key=result.key, task="caption", prompt=cfg.prompt, result=result, model=cap.model_name,
+                model_revision=cap.revision, sampling=sampling, sha256=file_sha256(paths[result.key]),
+                logprobs=self.logprobs, extra={"settings": self.settings})))
+        return {"record": records}
+
+
+def caption_on_ray(items: list[tuple[str, Path]], config, settings: str, write, address: str | None,
+                   replicas: int, resources: dict, logprobs: bool, batch_size: int = 4) -> None:
+    """Run the captioning on a Ray cluster (a local instance without `address`); `write(record)` per record."""
+    ray = require_ray()
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.actor_task_retry_on_errors = False  # per-item errors are records, not task failures
+    rows = [{"key": k, "path": str(p)} for k, p in items]
+    ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), replicas * 8)))
+    threads = int(resources.get("num_cpus", 1) or 1)
+    out = ds.map_batches(
+        CaptionReplica, fn_constructor_kwargs={"config": config, "settings": settings, "logprobs": logprobs,
+                                               "threads": threads},
+        batch_size=batch_size, concurrency=replicas, num_cpus=resources.get("num_cpus", 1),
+        num_gpus=resources.get("num_gpus", 0), resources=resources.get("resources"),
+        **({"memory": resources["memory"]} if "memory" in resources else {}),
+        max_restarts=-1, max_task_retries=-1)  # a dead replica is replaced and its batch redone
+    written: set[str] = set()
+    for row in out.iter_rows():
+        record = json.loads(row["record"])
+        if record["key"] in written:  # a batch redone after a replica died may repeat finished keys
+            continue
+        written.add(record["key"])
+        write(record)

@@ -1,0 +1,79 @@
+"""`mmcli caption --ray` on a local Ray instance (2 CPUs) and a tiny checkpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import photo
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+pytestmark = pytest.mark.slow
+
+
+def _images(root: Path, n: int = 20) -> Path:
+    root.mkdir()
+    for i in range(n):
+        photo(["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"][i % 4], (48 + 4 * i, 64)).save(
+            root / f"{i:02d}.png")
+    return root
+
+
+def _cmd(root, out, model, *extra):
+    return [sys.executable, "-m", "mmcli", "caption", str(root), "-o", str(out), "--model", str(model), "-q",
+            "--max-new-tokens", "6", *extra]
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _env():
+    return {**os.environ, "RAY_ADDRESS": "", "RAY_num_cpus": "2", "RAY_DEDUP_LOGS": "0"}
+
+
+def test_ray_replicas_match_a_local_run_and_resume_does_nothing(tiny_dir, tmp_path):
+    root = _images(tmp_path / "imgs")
+    local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    assert subprocess.run(_cmd(root, local, tiny_dir), timeout=300).returncode == 0
+    ray_cmd = _cmd(root, remote, tiny_dir, "--ray", "--replicas", "2", "--replica-resources", '{"num_cpus": 1}')
+    assert subprocess.run(ray_cmd, timeout=600, env=_env()).returncode == 0
+    ours = {r["key"]: r for r in _records(remote)}
+    assert len(ours) == len(_records(remote)) == 20 and all(r["status"] == "ok" for r in ours.values())
+    assert {k: r["text"] for k, r in ours.items()} == {r["key"]: r["text"] for r in _records(local)}
+    before = remote.read_text()
+    rerun = subprocess.run(ray_cmd, timeout=600, env=_env(), capture_output=True, text=True)
+    assert rerun.returncode == 0 and remote.read_text() == before  # resume: nothing to do
+
+
+def _replica_pids() -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and b"CaptionReplica" in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_killing_a_replica_still_records_every_key_once(tiny_dir, tmp_path):
+    root = _images(tmp_path / "imgs")
+    out = tmp_path / "ray.jsonl"
+    cmd = _cmd(root, out, tiny_dir, "--ray", "--replicas", "2", "--max-new-tokens", "40")
+    proc = subprocess.Popen(cmd, env=_env())
+    deadline, killed = time.time() + 240, False
+    while time.time() < deadline and proc.poll() is None and not killed:
+        pids = _replica_pids()
+        if pids and out.exists() and len(out.read_text().splitlines()) >= 2:
+            os.kill(pids[0], signal.SIGKILL)
+            killed = True
+        time.sleep(0.1)
+    assert killed, "no replica process was found while the run was going"
+    assert proc.wait(600) == 0
+    keys = [r["key"] for r in _records(out)]
+    assert sorted(keys) == sorted(p.name for p in root.iterdir()) and len(keys) == len(set(keys)) == 20
