@@ -79,6 +79,20 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], dtype: str)
 
     cfg = load_config(None, {"dtype": dtype, "device": "cpu", "engine": {"max_seqs": 8, "max_len": 512}})
     cap = Captioner.from_pretrained(str(ckpt), config=cfg)
+    spent = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}  # where the time goes (prefill includes vision)
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t
+        return wrapper
+
+    for name in spent:
+        setattr(cap.runner, name if name != "vision" else "encode_images",
+                timed(name, getattr(cap.runner, name if name != "vision" else "encode_images")))
     start = time.perf_counter()
 
     def requests():
@@ -88,6 +102,7 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], dtype: str)
 
     done = {r.key: len(r.token_ids) for r in cap.engine.generate(requests())}
     elapsed = time.perf_counter() - start
+    split = dict(spent)
     assert [done[f"img{n}"] for n in range(len(images))] == lengths, done
     # Decode step at batch 1: one sequence alone, timed step by step after its prefill.
     from mmcli.runner import DecodeItem, PrefillItem
@@ -106,7 +121,7 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], dtype: str)
     return {"images_per_s": len(images) / elapsed, "seconds": elapsed, "decode_step": statistics.median(steps[2:]),
             "weight_bytes": cap.weight_bytes, "decode_weight_bytes": decode_bytes, "kv_bytes": runner.cache.nbytes,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "generated": sum(lengths)}
+            "generated": sum(lengths), "spent": split}
 
 
 def _hf_processor(ckpt: Path):
@@ -191,7 +206,9 @@ def main() -> None:
     print(f"machine: read bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s, float32 matmul "
           f"{limits['matmul_flops'] / 1e9:.1f} GFLOP/s", flush=True)
     ours = run_worker(args, "mmcli")
-    print(f"mmcli: {ours['images_per_s']:.3f} images/s ({ours['seconds']:.1f} s)", flush=True)
+    spent = ours["spent"]
+    print(f"mmcli: {ours['images_per_s']:.3f} images/s ({ours['seconds']:.1f} s: vision {spent['vision']:.1f} s, "
+          f"text prefill {spent['prefill'] - spent['vision']:.1f} s, decode {spent['decode']:.1f} s)", flush=True)
     theirs = []
     for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
         theirs.append(run_worker(args, "hf", bs))

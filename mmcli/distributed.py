@@ -83,8 +83,7 @@ def caption_on_ray(items: list[tuple[str, Path]], config, settings: str, write, 
         CaptionReplica, fn_constructor_kwargs={"config": config, "settings": settings, "logprobs": logprobs,
                                                "threads": threads},
         batch_size=batch_size, concurrency=replicas, num_cpus=resources.get("num_cpus", 1),
-        num_gpus=resources.get("num_gpus", 0), resources=resources.get("resources"),
-        **({"memory": resources["memory"]} if "memory" in resources else {}),
+        **{k: resources[k] for k in ("num_gpus", "resources", "memory") if resources.get(k)},
         max_restarts=-1, max_task_retries=-1)  # a dead replica is replaced and its batch redone
     written: set[str] = set()
     for row in out.iter_rows():

@@ -161,3 +161,18 @@ def test_plan_on_a_folder(tmp_path):
     # smart_resize: 640x480 -> 30x40 patches; 224x224 and 300x200 are raised to min_pixels: 16x16 and 14x20
     assert "3 images in 2 blocks of 1280 patches" in out
     assert "0.png (1200)" in out and "1.png (256)" in out and "2.png (280)" in out
+
+
+def test_segment_attention_equals_the_bounded_reference():
+    from mmcli.model.vision import bounded_attention, segment_attention
+
+    tokens = [40, 24, 8, 16, 12]
+    layout = pack(tokens, 64, [2, 4])
+    bmin, bmax = block_bounds([[t] for t in tokens], layout)
+    shape = (layout.num_blocks, 64)
+    bound_min, bound_max = torch.tensor(bmin).view(shape), torch.tensor(bmax).view(shape)
+    q, k, v = (torch.randn(layout.num_blocks, 2, 64, 8) for _ in range(3))
+    reference = bounded_attention(q, k, v, bound_min, bound_max)
+    torch.testing.assert_close(segment_attention(q, k, v, bound_min, bound_max), reference, atol=1e-6, rtol=1e-6)
+    padding = (bound_max <= bound_min)
+    assert padding.any() and reference.transpose(1, 2)[padding].abs().max() == 0

@@ -116,6 +116,26 @@ def bounded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_m
     return out.masked_fill(empty[:, None, :, None], 0.0)
 
 
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_min: torch.Tensor,
+                      bound_max: torch.Tensor) -> torch.Tensor:
+    """The same result as `bounded_attention`, computing only inside the bounds: each run of rows that share a
+    [bound_min, bound_max) range attends to that range alone (what a bounds-aware kernel skips, we skip too).
+    For eager execution; compiled graphs keep the fixed-shape reference."""
+    out = torch.zeros_like(q)
+    bmin, bmax = bound_min.tolist(), bound_max.tolist()
+    for b, (lo_row, hi_row) in enumerate(zip(bmin, bmax)):
+        r = 0
+        while r < len(lo_row):
+            lo, hi = lo_row[r], hi_row[r]
+            end = r + 1
+            while end < len(lo_row) and lo_row[end] == lo and hi_row[end] == hi:
+                end += 1
+            if hi > lo:
+                out[b, :, r:end] = F.scaled_dot_product_attention(q[b, :, r:end], k[b, :, lo:hi], v[b, :, lo:hi])
+            r = end
+    return out
+
+
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -186,7 +206,8 @@ class VisionTower(nn.Module):
         for i, blk in enumerate(self.blocks):
             attn = blk.attn
             q, k, v = attn.qkv_rotated(blk.norm1(x), cos, sin)
-            o = bounded_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bound_min, bound_max)
+            attend = bounded_attention if torch.compiler.is_compiling() else segment_attention
+            o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bound_min, bound_max)
             x = x + attn.proj(o.transpose(1, 2).flatten(-2))
             x = x + blk.mlp(blk.norm2(x))
             if i in self.cfg.deepstack_visual_indexes:
