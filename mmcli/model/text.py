@@ -113,6 +113,8 @@ class Attention(nn.Module):
         contiguous = bool(torch.equal(slots, torch.arange(b, device=slots.device)))
         keys = k_cache[:b, :, :n] if contiguous else k_cache[slots, :, :n]
         values = v_cache[:b, :, :n] if contiguous else v_cache[slots, :, :n]
+        if b == 1:  # one sequence: its whole context, no mask needed
+            return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, enable_gqa=True).squeeze(2)
         mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]  # each row sees its own past
         # One query per row: group the query heads under their KV head instead of expanding K/V for GQA.
         qg = q.view(b, self.num_kv_heads, -1, self.head_dim)  # [B, kv, group, d]
