@@ -9,7 +9,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
 from PIL import Image
 
 from .checkpoint import checkpoint_revision, load_weights, read_model_config, resolve_model, torch_dtype
@@ -170,6 +169,3 @@ class Captioner:
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
 
-
-def default_dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
