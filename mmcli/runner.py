@@ -79,26 +79,21 @@ class ModelRunner:
         sizes = [t * h * w // m2 for t, h, w in grids]
         if self.block_size is None:
             merged, deepstack = self.model.visual(torch.cat(pixel_values).to(self.device), grids)
-        else:
-            patches = [t * h * w for t, h, w in grids]
-            bins = ffd_pack(patches, self.block_size)
-            order, parts = [], []
-            for start in range(0, len(bins), self.buckets[-1]):  # split a wave larger than the largest bucket
-                group = bins[start:start + self.buckets[-1]]
-                images = sorted(i for b in group for i in b)
-                local = {i: n for n, i in enumerate(images)}
-                parts.append(self._encode_packed([pixel_values[i] for i in images], [grids[i] for i in images],
-                                                 [[local[i] for i in b] for b in group]))
-                order.extend(images)
-            restore = torch.tensor(order).argsort()
-            merged = torch.cat([p[0] for p in parts])
-            deepstack = [torch.cat([p[1][k] for p in parts]) for k in range(len(parts[0][1]))]
-            per_image = list(merged.split([sizes[i] for i in order]))
-            merged = torch.cat([per_image[j] for j in restore.tolist()])
-            deepstack = [torch.cat([list(d.split([sizes[i] for i in order]))[j] for j in restore.tolist()])
-                         for d in deepstack]
-        return list(zip(merged.split(sizes), zip(*[d.split(sizes) for d in deepstack]) if deepstack
-                        else [()] * len(sizes)))
+            return list(zip(merged.split(sizes), zip(*[d.split(sizes) for d in deepstack]) if deepstack
+                            else [()] * len(sizes)))
+        features: list = [None] * len(grids)
+        bins = ffd_pack([t * h * w for t, h, w in grids], self.block_size)
+        for start in range(0, len(bins), self.buckets[-1]):  # a wave larger than the largest bucket: several calls
+            group = bins[start:start + self.buckets[-1]]
+            images = sorted(i for b in group for i in b)
+            local = {i: n for n, i in enumerate(images)}
+            merged, deepstack = self._encode_packed([pixel_values[i] for i in images], [grids[i] for i in images],
+                                                    [[local[i] for i in b] for b in group])
+            split = [sizes[i] for i in images]
+            levels = list(zip(*[d.split(split) for d in deepstack])) if deepstack else [()] * len(images)
+            for i, f, ds in zip(images, merged.split(split), levels):
+                features[i] = (f, ds)
+        return features
 
     def packed_inputs(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]],
                       bins: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[int]]:
