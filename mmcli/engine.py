@@ -93,7 +93,9 @@ class Engine:
     def _step(self, seqs: list[Sequence], logits) -> None:
         params = [s.request.sampling for s in seqs]
         seeds = [step_seed(s.request.sampling.seed, s.request.key, len(s.token_ids)) for s in seqs]
-        histories = [s.request.input_ids + s.token_ids for s in seqs]
+        # Only the repetition penalty reads the history; skip building it on every step otherwise.
+        histories = [s.request.input_ids + s.token_ids if s.request.sampling.repetition_penalty != 1.0 else []
+                     for s in seqs]
         for seq, choice in zip(seqs, self.runner.choose(logits, params, histories, seeds)):
             self._append(seq, choice.token_id, choice.logprob)
 
