@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -9,9 +10,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
 from PIL import Image
 
-from .checkpoint import checkpoint_revision, load_weights, read_model_config, resolve_model, torch_dtype
+from .checkpoint import ModelConfig, checkpoint_revision, load_weights, read_model_config, resolve_model, torch_dtype
+from .compiled import CompiledGraphs, configured_buckets, require_neuron
 from .config import Config, check_vision_budget, load_config
 from .engine import Engine, Request
 from .errors import ImageError, ItemError
@@ -57,6 +60,13 @@ def _stop_ids(path: Path, prompts: PromptBuilder) -> frozenset[int]:
     return frozenset(int(i) for i in ids if i is not None)
 
 
+def compile_key(model_cfg: ModelConfig, dtype, device, cfg: Config) -> dict:
+    """What a compiled graph depends on besides its bucket shape, backend and source (see compiled.Manifest)."""
+    model_json = json.dumps(dataclasses.asdict(model_cfg), sort_keys=True, default=str)
+    return {"model_config": hashlib.sha256(model_json.encode()).hexdigest()[:16], "dtype": str(dtype).split(".")[-1],
+            "device": device.type, "kv_cache": [cfg.engine.max_seqs + 1, cfg.engine.max_len]}
+
+
 class Captioner:
     def __init__(self, path: Path, model: Qwen3VL, runner: ModelRunner, prompts: PromptBuilder,
                  image_cfg: ImageProcessorConfig, config: Config, model_name: str):
@@ -73,16 +83,28 @@ class Captioner:
         """Load a checkpoint (local directory or hub id). `config` is a Config or a YAML path."""
         cfg = config if isinstance(config, Config) else load_config(config)
         cfg = replace(cfg, model=model or cfg.model, dtype=dtype or cfg.dtype, device=device or cfg.device)
+        backend = "eager" if cfg.compile.backend == "auto" else cfg.compile.backend  # see bench/compile_speed.py
+        if backend == "neuron":
+            require_neuron()
         path = resolve_model(cfg.model)
         model_cfg = read_model_config(path)
-        dev = pick_device(cfg.device)
-        # auto: the checkpoint's dtype on CUDA; float32 on the CPU, where bfloat16 matmuls mostly lack fast
+        dev = torch.device("neuron") if backend == "neuron" else pick_device(cfg.device)
+        # auto: the checkpoint's dtype on accelerators; float32 on the CPU, where bfloat16 matmuls mostly lack fast
         # kernels (measured 11 vs 58 GFLOP/s on an AVX2 server) and decode reads weights at GEMV speed either way.
-        auto = model_cfg.torch_dtype if dev.type == "cuda" else "float32"
+        auto = "float32" if dev.type == "cpu" else model_cfg.torch_dtype
         dt = torch_dtype(auto if cfg.dtype == "auto" else cfg.dtype)
+        graphs = None
+        if backend != "eager":
+            graphs = CompiledGraphs(backend, cfg.compile.cache_dir, compile_key(model_cfg, dt, dev, cfg),
+                                    configured_buckets(cfg.vision.num_blocks_buckets, cfg.vision.block_size,
+                                                       cfg.compile.prefill_buckets, cfg.compile.decode_batch_buckets,
+                                                       cfg.compile.decode_context_buckets))
         qwen = Qwen3VL.from_weights(model_cfg, load_weights(path, model_cfg, dt))
         runner = ModelRunner(qwen, dev, cfg.engine.max_seqs, cfg.engine.max_len, cfg.vision.block_size,
-                             cfg.vision.num_blocks_buckets)
+                             cfg.vision.num_blocks_buckets, graphs=graphs,
+                             prefill_buckets=cfg.compile.prefill_buckets,
+                             decode_batch_buckets=cfg.compile.decode_batch_buckets,
+                             decode_context_buckets=cfg.compile.decode_context_buckets)
         prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id)
         image_cfg = ImageProcessorConfig.from_checkpoint(path)
         image_cfg = replace(image_cfg, max_pixels=min(image_cfg.max_pixels, cfg.image.max_pixels),
@@ -124,6 +146,9 @@ class Captioner:
         ids = self.prompts.encode(question, counts)
         if len(ids) >= self.engine.max_len:
             raise ItemError(f"{key}: prompt of {len(ids)} tokens does not fit engine.max_len {self.engine.max_len}")
+        if self.runner.graphs is not None and len(ids) > self.runner.prefill_buckets[-1]:
+            raise ItemError(f"{key}: prompt of {len(ids)} tokens is over the largest compile.prefill_buckets entry "
+                            f"{self.runner.prefill_buckets[-1]}")
         rotary, delta = rope_index(ids, grids, self.model.cfg.image_token_id, self.image_cfg.merge_size)
         req = Request(key, ids, rotary, delta, pixels, grids, sampling, self.stop_ids, sum(counts), hashes)
         return req, infos

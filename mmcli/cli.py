@@ -31,6 +31,7 @@ def ask(
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML settings file."),
     dtype: str | None = typer.Option(None, help="auto, float32, bfloat16 or float16."),
     device: str | None = typer.Option(None, help="auto, cpu or cuda."),
+    backend: str | None = typer.Option(None, help="compile.backend: auto, eager, inductor or neuron."),
     max_new_tokens: int | None = typer.Option(None, help="Most tokens to generate."),
     temperature: float | None = typer.Option(None, help="0 is greedy."),
     top_p: float | None = typer.Option(None),
@@ -46,8 +47,9 @@ def ask(
     from .output import append_record, file_sha256, make_record
 
     try:
-        cfg = load_config(config, {"model": model, "dtype": dtype, "device": device})
+        cfg = load_config(config, {"model": model, "dtype": dtype, "device": device, "compile": {"backend": backend}})
         captioner = Captioner.from_pretrained(config=cfg)
+        _report_compile_cache(captioner)
         params = captioner.sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                     top_k=top_k, repetition_penalty=repetition_penalty, seed=seed)
     except ValueError as e:
@@ -56,6 +58,7 @@ def ask(
         raise _fail(e, e.exit_code) from None
     try:
         result = captioner.ask([str(p) for p in image], question, **params.as_dict())
+        _report_compile_use(captioner)
     except MmcliError as e:
         from .captioner import Result
 
@@ -169,6 +172,7 @@ def caption(
     seed: int | None = typer.Option(None),
     dtype: str | None = typer.Option(None, help="auto, float32, bfloat16 or float16."),
     device: str | None = typer.Option(None, help="auto, cpu or cuda."),
+    backend: str | None = typer.Option(None, help="compile.backend: auto, eager, inductor or neuron."),
     logprobs: bool = typer.Option(False, "--logprobs", help="Add token_ids and logprobs to each record."),
     recursive: bool = typer.Option(True, "--recursive/--no-recursive"),
     include: list[str] = typer.Option([], "--include", help="Only keys matching this glob (repeatable)."),
@@ -198,6 +202,7 @@ def caption(
             require_ray()
             resources = parse_resources(replica_resources)
         overrides = {"model": model, "dtype": dtype, "device": device, "prompt": prompt,
+                     "compile": {"backend": backend},
                      "generation": {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}}
         cfg = load_config(config, overrides)
         items = scan(paths, cfg.scan.extensions, recursive=recursive, include=include, exclude=exclude)
@@ -285,11 +290,88 @@ def _caption_local(cfg, items, settings, sampling, logprobs, write) -> None:
     from .output import file_sha256, make_record
 
     captioner = Captioner.from_pretrained(config=cfg)
+    _report_compile_cache(captioner)
     paths = dict(items)
-    for result in captioner.caption(items, prompt=cfg.prompt, **sampling):
-        write(make_record(key=result.key, task="caption", prompt=cfg.prompt, result=result,
-                          model=captioner.model_name, model_revision=captioner.revision, sampling=sampling,
-                          sha256=file_sha256(paths[result.key]), logprobs=logprobs, extra={"settings": settings}))
+    try:
+        for result in captioner.caption(items, prompt=cfg.prompt, **sampling):
+            write(make_record(key=result.key, task="caption", prompt=cfg.prompt, result=result,
+                              model=captioner.model_name, model_revision=captioner.revision, sampling=sampling,
+                              sha256=file_sha256(paths[result.key]), logprobs=logprobs,
+                              extra={"settings": settings}))
+    finally:
+        _report_compile_use(captioner)
+
+
+def _report_compile_cache(captioner) -> None:
+    """With a compiled backend: say which configured buckets were not compiled ahead (they will run eagerly)."""
+    graphs = captioner.runner.graphs
+    if graphs is None:
+        return
+    missing = graphs.attach()
+    if missing:
+        shown = ", ".join(b.label for b in missing[:6]) + (" …" if len(missing) > 6 else "")
+        typer.echo(f"mmcli: {graphs.backend} compile cache {graphs.cache_dir}: {len(missing)} of "
+                   f"{len(graphs.buckets)} buckets not compiled ahead ({shown}); they run eagerly, never compiled "
+                   "mid-run: `mmcli compile --buckets` compiles them", err=True)
+
+
+def _report_compile_use(captioner) -> None:
+    graphs = captioner.runner.graphs
+    if graphs is None:
+        return
+    eager = ", ".join(b.label for b in graphs.missing_used) or "none"
+    typer.echo(f"mmcli: {graphs.backend}: {len(graphs.loaded)} buckets loaded from the compile cache, "
+               f"{len(graphs.compiled_at_run_time)} compiled in this run; shapes run eagerly: {eager}", err=True)
+
+
+@app.command("compile")
+def compile_cmd(
+    bucket_list: str | None = typer.Argument(None, metavar="[LIST]",
+                                             help="Only these buckets, e.g. 'decode 8x1024, prefill 512'."),
+    buckets: bool = typer.Option(False, "--buckets", help="Compile the configured buckets (or those in LIST)."),
+    model: str | None = typer.Option(None, help="Hub id or local checkpoint directory."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML settings file."),
+    dtype: str | None = typer.Option(None, help="auto, float32, bfloat16 or float16."),
+    device: str | None = typer.Option(None, help="auto, cpu or cuda."),
+    backend: str | None = typer.Option(None, help="compile.backend: inductor or neuron."),
+) -> None:
+    """Compile and cache every fixed-shape bucket ahead of time (vision blocks, prefill, decode)."""
+    import time
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .captioner import Captioner
+    from .compiled import parse_buckets
+    from .config import load_config
+
+    started = time.perf_counter()
+    try:
+        if not buckets:
+            raise ConfigError("say --buckets (every configured bucket) or --buckets 'decode 8x1024, ...'")
+        cfg = load_config(config, {"model": model, "dtype": dtype, "device": device, "compile": {"backend": backend}})
+        if cfg.compile.backend in ("auto", "eager"):
+            raise ConfigError(f"compile.backend {cfg.compile.backend} runs eagerly here: nothing to compile "
+                              "(choose --backend inductor or neuron)")
+        captioner = Captioner.from_pretrained(config=cfg)
+        graphs = captioner.runner.graphs
+        todo = parse_buckets(bucket_list, graphs.buckets) if bucket_list else graphs.buckets
+    except ValueError as e:
+        raise _fail(ConfigError(str(e)), 2) from None
+    except MmcliError as e:
+        raise _fail(e, e.exit_code) from None
+    console = Console(width=100, stderr=False)
+    table = Table(title=f"{graphs.backend} buckets in {graphs.cache_dir}")
+    for col in ("component", "bucket shape", "seconds", "status"):
+        table.add_column(col, justify="right" if col == "seconds" else "left")
+    counts: dict[str, int] = {}
+    for bucket in todo:
+        status, seconds = graphs.compile_bucket(bucket, captioner.runner.warm)
+        counts[status.split()[0]] = counts.get(status.split()[0], 0) + 1
+        table.add_row(bucket.component, "x".join(map(str, bucket.shape)), f"{seconds:.1f}", status)
+    console.print(table)
+    summary = ", ".join(f"{n} {status}" for status, n in counts.items())
+    console.print(f"{len(todo)} buckets ({summary}) in {time.perf_counter() - started:.1f} s")
 
 
 @app.command("config")
@@ -308,7 +390,9 @@ def config_cmd(
         cfg = load_config(config)
     except MmcliError as e:
         raise _fail(e, e.exit_code) from None
-    data = config_as_dict(cfg)
-    data["vision"]["num_blocks_buckets"] = list(data["vision"]["num_blocks_buckets"])
-    data["scan"]["extensions"] = list(data["scan"]["extensions"])
+    def plain(value):  # tuples as YAML lists
+        return {k: plain(v) for k, v in value.items()} if isinstance(value, dict) else \
+            list(value) if isinstance(value, tuple) else value
+
+    data = plain(config_as_dict(cfg))
     typer.echo(yaml.safe_dump(data, sort_keys=False).rstrip())

@@ -54,6 +54,15 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class CompileConfig:
+    backend: str = "auto"  # eager, inductor, neuron; auto = eager on the CPU and CUDA (bench/compile_speed.py)
+    cache_dir: str = "~/.cache/mmcli/compile"  # compiled buckets and their manifest (created user-only)
+    prefill_buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096)  # padded prompt lengths, one prompt per call
+    decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)  # sequences per decode step, padded
+    decode_context_buckets: tuple[int, ...] = (512, 1024, 2048, 4096)  # KV columns a decode step reads, padded
+
+
+@dataclass(frozen=True)
 class Config:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
@@ -64,6 +73,7 @@ class Config:
     vision: VisionConfig = field(default_factory=VisionConfig)
     scan: ScanConfig = field(default_factory=ScanConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
     def __post_init__(self):
         checks: list = [
@@ -77,14 +87,28 @@ class Config:
             ("engine.max_seqs", self.engine.max_seqs >= 1, "at least 1"),
             ("engine.max_len", self.engine.max_len >= 16, "at least 16"),
             ("image.max_decode_pixels", self.image.max_decode_pixels > 0, "above 0"),
-            ("vision.num_blocks_buckets", len(self.vision.num_blocks_buckets) > 0
-             and all(b >= 1 for b in self.vision.num_blocks_buckets), "a non-empty list of counts >= 1"),
+            ("vision.num_blocks_buckets", _counts(self.vision.num_blocks_buckets), "a non-empty list of counts >= 1"),
             ("vision.lookahead", self.vision.lookahead >= 1, "at least 1"),
+            ("compile.backend", self.compile.backend in ("auto", "eager", "inductor", "neuron"),
+             "auto, eager, inductor, neuron"),
+            ("compile.prefill_buckets", _counts(self.compile.prefill_buckets)
+             and max(self.compile.prefill_buckets) <= self.engine.max_len,
+             f"a non-empty list of token counts >= 1, none over engine.max_len {self.engine.max_len}"),
+            ("compile.decode_batch_buckets", _counts(self.compile.decode_batch_buckets)
+             and max(self.compile.decode_batch_buckets) >= self.engine.max_seqs,
+             f"a non-empty list of counts >= 1 whose largest holds engine.max_seqs {self.engine.max_seqs}"),
+            ("compile.decode_context_buckets", _counts(self.compile.decode_context_buckets)
+             and max(self.compile.decode_context_buckets) >= self.engine.max_len,
+             f"a non-empty list of lengths >= 1 whose largest holds engine.max_len {self.engine.max_len}"),
         ]
         for key, ok, expected in checks:
             if not ok:
                 raise ConfigError(f"config {key}: value {_get(self, key)!r} must be {expected}")
         check_vision_budget(self.vision.block_size, self.image.max_pixels)
+
+
+def _counts(values: tuple[int, ...]) -> bool:
+    return len(values) > 0 and all(v >= 1 for v in values)
 
 
 def check_vision_budget(block_size: int, max_pixels: int, patch_size: int = 16, merge_size: int = 2) -> None:

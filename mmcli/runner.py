@@ -6,8 +6,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from .checkpoint import ModelConfig
+from .compiled import Bucket, CompiledGraphs
 from .model import AttentionBatch, KVCache, Qwen3VL
 from .packing import choose_bucket, ffd_pack, gather_index, make_layout, unpack_index
 from .positions import decode_rotary_position_ids, mrope_cos_sin, mrope_slot_axes, text_inv_freq
@@ -50,10 +52,29 @@ class Choice:
     logprob: float
 
 
+def prefill_step(model: Qwen3VL, cache: KVCache, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 slots: torch.Tensor, deepstack: list[torch.Tensor], last: torch.Tensor) -> torch.Tensor:
+    """One prompt padded to its bucket (the compiled prefill graph): fills its cache row, returns the logits of
+    its last real token [1, V]."""
+    batch = AttentionBatch(slots=slots, seqlens=[hidden.shape[0]], fixed_shapes=True)
+    out = model.language_model(hidden, cos, sin, batch, cache, deepstack or None)
+    return model.lm_head(out[last]).float()
+
+
+def decode_step(model: Qwen3VL, cache: KVCache, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slots: torch.Tensor, positions: torch.Tensor, context_len: int) -> torch.Tensor:
+    """One token per row of a padded batch over `context_len` cache columns (the compiled decode graph)."""
+    batch = AttentionBatch(slots=slots, positions=positions, context_len=context_len, fixed_shapes=True)
+    out = model.language_model(model.language_model.embed_tokens(ids), cos, sin, batch, cache)
+    return model.lm_head(out).float()
+
+
 class ModelRunner:
     def __init__(self, model: Qwen3VL, device: torch.device, max_seqs: int = 1, max_len: int = 4096,
                  block_size: int | None = None, num_blocks_buckets: tuple[int, ...] = (1, 2, 4, 8),
-                 fixed_shapes: bool = False):
+                 fixed_shapes: bool = False, graphs: CompiledGraphs | None = None,
+                 prefill_buckets: tuple[int, ...] = (), decode_batch_buckets: tuple[int, ...] = (),
+                 decode_context_buckets: tuple[int, ...] = ()):
         self.model = model.to(device)
         self.cfg: ModelConfig = model.cfg
         self.device = device
@@ -61,10 +82,16 @@ class ModelRunner:
         text = self.cfg.text
         self.inv_freq = text_inv_freq(text.head_dim, text.rope_theta).to(device)
         self.slot_axes = mrope_slot_axes(text.mrope_section, text.head_dim).to(device)
-        self.cache = KVCache(text, max_seqs, max_len, self.dtype, device)
+        # Compiled graphs: every call padded to a bucket; padding rows of a decode batch write to one scratch row.
+        self.graphs = graphs
+        self.scratch_slot = max_seqs
+        self.cache = KVCache(text, max_seqs + (graphs is not None), max_len, self.dtype, device)
         self.block_size, self.buckets = block_size, tuple(sorted(num_blocks_buckets))
+        self.prefill_buckets = sorted(prefill_buckets)
+        self.decode_batch_buckets, self.decode_context_buckets = sorted(decode_batch_buckets), \
+            sorted(decode_context_buckets)
         # Compiled graphs need the configured shapes; eager calls may trim padding blocks and block tails.
-        self.fixed_shapes = fixed_shapes
+        self.fixed_shapes = fixed_shapes or graphs is not None
         self.image_cache: OrderedDict[str, tuple] = OrderedDict()  # recent encoded images by content hash
         self.image_cache_size = 64
         self.images_encoded = 0
@@ -96,13 +123,15 @@ class ModelRunner:
         return features
 
     def packed_inputs(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]],
-                      bins: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[int]]:
+                      bins: list[list[int]], num_blocks: int | None = None
+                      ) -> tuple[dict[str, torch.Tensor], list[int]]:
         """Scatter per-patch inputs into [num_blocks, block_size, ...] and build the bounds and unpack index."""
         from .packing import block_bounds
 
         patches = [t * h * w for t, h, w in grids]
         if self.fixed_shapes:
-            layout = make_layout(patches, bins, choose_bucket(len(bins), list(self.buckets)), self.block_size)
+            num_blocks = num_blocks or choose_bucket(len(bins), list(self.buckets))
+            layout = make_layout(patches, bins, num_blocks, self.block_size)
         else:
             used = max(sum(patches[i] for i in b) for b in bins)
             layout = make_layout(patches, bins, len(bins), min(self.block_size, -(-used // 128) * 128))
@@ -123,9 +152,13 @@ class ModelRunner:
 
     def _encode_packed(self, pixel_values, grids, bins):
         inputs, unpack = self.packed_inputs(pixel_values, grids, bins)
-        merged, deepstack = self.model.visual.forward_packed(
-            inputs["pixels"], inputs["pos_idx"], inputs["pos_weights"], inputs["cos"], inputs["sin"],
-            inputs["bound_min"], inputs["bound_max"])
+        args = (inputs["pixels"], inputs["pos_idx"], inputs["pos_weights"], inputs["cos"], inputs["sin"],
+                inputs["bound_min"], inputs["bound_max"])
+        if self.graphs is not None:
+            merged, deepstack = self.graphs.call(Bucket("vision", tuple(inputs["pixels"].shape[:2])),
+                                                 self.model.visual.forward_packed, *args)
+        else:
+            merged, deepstack = self.model.visual.forward_packed(*args)
         index = torch.tensor(unpack, device=self.device)
         return merged.flatten(0, 1)[index], [d.flatten(0, 1)[index] for d in deepstack]
 
@@ -142,7 +175,9 @@ class ModelRunner:
             raise ValueError(f"{int(visual_mask.sum())} image tokens but {merged.shape[0]} image features")
         hidden = hidden.index_put((visual_mask,), merged)
         levels = len(image_features[0][1])
-        deepstack = [torch.cat([ds[level] for _, ds in image_features]) for level in range(levels)]
+        # DeepStack levels as dense [T, H] (zero off the image tokens): one add per layer, the same shapes always.
+        deepstack = [torch.zeros_like(hidden).index_put((visual_mask,), torch.cat([ds[level] for _, ds in
+                     image_features]).to(hidden.dtype)) for level in range(levels)]
         return hidden, visual_mask, deepstack
 
     def _image_features(self, items: list[PrefillItem]) -> list:
@@ -174,19 +209,42 @@ class ModelRunner:
         """Prompts back to back (no padding) -> logits of each prompt's last token [B, V] (or all, [T, V])."""
         hidden, visual_mask, deepstack = self._embed_prompts(items, image_features)
         seqlens = [len(item.input_ids) for item in items]
+        if self.graphs is not None and not all_logits:
+            rows = zip(items, hidden.split(seqlens), zip(*[d.split(seqlens) for d in deepstack]) if deepstack
+                       else [[]] * len(items))
+            return torch.cat([self._prefill_padded(item.slot, h, list(ds), item.rotary_position_ids)
+                              for item, h, ds in rows])
         rotary = torch.cat([item.rotary_position_ids for item in items], dim=1).to(self.device)
         cos, sin = mrope_cos_sin(rotary, self.inv_freq, self.slot_axes)
         batch = AttentionBatch(slots=torch.tensor([item.slot for item in items], device=self.device),
                                positions=torch.cat([torch.arange(n) for n in seqlens]).to(self.device),
                                seqlens=seqlens)
-        out = self.model.language_model(hidden, cos, sin, batch, self.cache, visual_mask, deepstack)
+        out = self.model.language_model(hidden, cos, sin, batch, self.cache, deepstack)
         if not all_logits:
             out = out[torch.tensor(seqlens, device=self.device).cumsum(0) - 1]
         return self.model.lm_head(out).float()
 
+    def _prefill_padded(self, slot: int, hidden: torch.Tensor, deepstack: list[torch.Tensor],
+                        rotary: torch.Tensor) -> torch.Tensor:
+        """One prompt through its prefill bucket's graph (padded at the end: causal attention never sees it)."""
+        n = hidden.shape[0]
+        if n > self.prefill_buckets[-1]:
+            raise ValueError(f"prompt of {n} tokens is over the largest compile.prefill_buckets entry "
+                             f"{self.prefill_buckets[-1]}")
+        size = choose_bucket(n, self.prefill_buckets)
+        levels = len(self.cfg.vision.deepstack_visual_indexes)
+        deepstack = deepstack or [torch.zeros_like(hidden)] * levels  # text only: the same graph, adding zeros
+        pad = (0, 0, 0, size - n)
+        cos, sin = mrope_cos_sin(F.pad(rotary.to(self.device), (0, size - n)), self.inv_freq, self.slot_axes)
+        return self.graphs.call(Bucket("prefill", (size,)), prefill_step, self.model, self.cache, F.pad(hidden, pad),
+                                cos, sin, torch.tensor([slot], device=self.device), [F.pad(d, pad) for d in deepstack],
+                                torch.tensor([n - 1], device=self.device))
+
     @torch.inference_mode()
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:
         """One new token per sequence, all in one forward pass -> logits [B, V]."""
+        if self.graphs is not None:
+            return self._decode_padded(items)
         ids = torch.tensor([item.token_id for item in items], device=self.device)
         positions = torch.tensor([item.position for item in items], device=self.device)
         deltas = torch.tensor([item.rope_delta for item in items], device=self.device)
@@ -197,6 +255,39 @@ class ModelRunner:
         hidden = self.model.language_model.embed_tokens(ids)
         out = self.model.language_model(hidden, cos, sin, batch, self.cache)
         return self.model.lm_head(out).float()
+
+    def _decode_padded(self, items: list[DecodeItem]) -> torch.Tensor:
+        """The batch padded to its (batch, context) bucket; padding rows write the scratch row at column 0."""
+        batch = choose_bucket(len(items), self.decode_batch_buckets)
+        context = choose_bucket(max(item.position for item in items) + 1, self.decode_context_buckets)
+        rows = items + [DecodeItem(self.scratch_slot, 0, 0, 0)] * (batch - len(items))
+        positions = torch.tensor([r.position for r in rows], device=self.device)
+        rotary = decode_rotary_position_ids(positions, torch.tensor([r.rope_delta for r in rows], device=self.device))
+        cos, sin = mrope_cos_sin(rotary, self.inv_freq, self.slot_axes)
+        logits = self.graphs.call(Bucket("decode", (batch, context)), decode_step, self.model, self.cache,
+                                  torch.tensor([r.token_id for r in rows], device=self.device), cos, sin,
+                                  torch.tensor([r.slot for r in rows], device=self.device), positions, context)
+        return logits[:len(items)]
+
+    @torch.inference_mode()
+    def warm(self, bucket: Bucket) -> None:
+        """Run one bucket once on synthetic inputs of its shape (what compiling it ahead means); writes only the
+        scratch row of the KV cache."""
+        if bucket.component == "vision":
+            num_blocks, _ = bucket.shape
+            pixels = torch.zeros(4, self.model.visual.patch_embed.proj.weight[0].numel())
+            inputs, _ = self.packed_inputs([pixels], [(1, 2, 2)], [[0]], num_blocks)
+            self.graphs.call(bucket, self.model.visual.forward_packed, inputs["pixels"], inputs["pos_idx"],
+                             inputs["pos_weights"], inputs["cos"], inputs["sin"], inputs["bound_min"],
+                             inputs["bound_max"])
+        elif bucket.component == "prefill":
+            (size,) = bucket.shape
+            hidden = torch.zeros(size, self.cfg.text.hidden_size, dtype=self.dtype, device=self.device)
+            rotary = torch.arange(size).expand(3, size)
+            self._prefill_padded(self.scratch_slot, hidden, [], rotary)
+        else:
+            batch, context = bucket.shape
+            self._decode_padded([DecodeItem(self.scratch_slot, 0, context - 1, 0)] * batch)
 
     def choose(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
                seeds: list[int]) -> list[Choice]:

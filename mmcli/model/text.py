@@ -44,13 +44,16 @@ class AttentionBatch:
     """Where the tokens of one forward pass sit in the KV cache.
 
     Prefill: `seqlens` gives each sequence's prompt length (tokens are back to back, no padding) and
-    `slots` its cache row; positions start at 0. Decode: one token per sequence, at `positions`.
+    `slots` its cache row; positions start at 0. Decode: one token per sequence, at `positions`, reading
+    `context_len` cache columns. `fixed_shapes` (compiled graphs): rows are gathered by slot whatever they are,
+    and the context is a padded bucket, masked per row, so nothing depends on the values of the inputs.
     """
 
     slots: torch.Tensor  # [B] cache rows
-    positions: torch.Tensor  # [T] sequential positions (cache columns)
+    positions: torch.Tensor | None = None  # decode: [B] sequential positions (cache columns)
     seqlens: list[int] | None = None  # prefill only
-    context_len: int = 0  # decode only: max(positions) + 1
+    context_len: int = 0  # decode only: cache columns read (max(positions) + 1, or its bucket)
+    fixed_shapes: bool = False
 
 
 class KVCache:
@@ -94,6 +97,12 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(-2))
 
     def _prefill(self, q, k, v, batch, k_cache, v_cache):
+        if len(batch.seqlens) == 1:  # one prompt (always so in compiled graphs): its row by tensor, no host sync
+            k_cache[batch.slots, :, :q.shape[0]] = k.transpose(0, 1).unsqueeze(0)
+            v_cache[batch.slots, :, :q.shape[0]] = v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               is_causal=True, enable_gqa=True)
+            return o.transpose(0, 1)
         out, start = [], 0
         for slot, n in zip(batch.slots.tolist(), batch.seqlens):
             s = slice(start, start + n)
@@ -110,11 +119,14 @@ class Attention(nn.Module):
         k_cache[slots, :, pos] = k
         v_cache[slots, :, pos] = v
         b = slots.shape[0]
-        contiguous = bool(torch.equal(slots, torch.arange(b, device=slots.device)))
-        keys = k_cache[:b, :, :n] if contiguous else k_cache[slots, :, :n]
-        values = v_cache[:b, :, :n] if contiguous else v_cache[slots, :, :n]
-        if b == 1:  # one sequence: its whole context, no mask needed
-            return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, enable_gqa=True).squeeze(2)
+        if batch.fixed_shapes:
+            keys, values = k_cache[slots, :, :n], v_cache[slots, :, :n]
+        else:
+            contiguous = bool(torch.equal(slots, torch.arange(b, device=slots.device)))
+            keys = k_cache[:b, :, :n] if contiguous else k_cache[slots, :, :n]
+            values = v_cache[:b, :, :n] if contiguous else v_cache[slots, :, :n]
+            if b == 1:  # one sequence: its whole context, no mask needed
+                return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, enable_gqa=True).squeeze(2)
         mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]  # each row sees its own past
         # One query per row: group the query heads under their KV head instead of expanding K/V for GQA.
         qg = q.view(b, self.num_kv_heads, -1, self.head_dim)  # [B, kv, group, d]
@@ -152,14 +164,13 @@ class TextDecoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
-                cache: KVCache, visual_mask: torch.Tensor | None = None,
-                deepstack: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """hidden [T, H] -> final-normed hidden [T, H]. DeepStack level l is added at the visual positions
-        after layer l (prefill only)."""
+                cache: KVCache, deepstack: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """hidden [T, H] -> final-normed hidden [T, H]. DeepStack level l ([T, H], zero off the image tokens) is
+        added after layer l (prefill only)."""
         cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)
         for i, layer in enumerate(self.layers):
             h = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, batch, cache.k[i], cache.v[i])
             hidden = h + layer.mlp(layer.post_attention_layernorm(h))
             if deepstack is not None and i < len(deepstack):
-                hidden = hidden.index_put((visual_mask,), hidden[visual_mask] + deepstack[i].to(hidden.dtype))
+                hidden = hidden + deepstack[i].to(hidden.dtype)
         return self.norm(hidden)

@@ -116,6 +116,26 @@ def bounded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_m
     return out.masked_fill(empty[:, None, :, None], 0.0)
 
 
+def nki_bounded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_min: torch.Tensor,
+                          bound_max: torch.Tensor) -> torch.Tensor:
+    """`bounded_attention` on Trainium: the NKI library's attention_cte kernel with its sequence-packing bounds
+    (query row r sees keys [bound_min[r], bound_max[r])). Heads fold into the kernel's batch, q is pre-scaled
+    (the kernel's bounded path needs scale 1.0). Written against the documented API; not run here (no Trainium2)."""
+    from nkilib.core.attention.attention_cte import attention_cte
+    from torch_neuronx import wrap_nki
+    from torch_neuronx.utils import get_logical_neuron_cores
+
+    b, heads, s, d = q.shape
+    fold = (b * heads, s, d)
+    bmin = bound_min.repeat_interleave(heads, 0).unsqueeze(-1).to(torch.int32)  # [B*heads, S, 1]
+    bmax = bound_max.repeat_interleave(heads, 0).unsqueeze(-1).to(torch.int32)
+    out = wrap_nki(attention_cte)[(int(get_logical_neuron_cores()),)](
+        (q * d**-0.5).reshape(fold), k.reshape(fold), v.reshape(fold), scale=1.0, causal_mask=False,
+        tp_q=True, tp_k=True, tp_out=False, softmax_dtype=torch.float32, bound_min=bmin, bound_max=bmax)
+    empty = (bound_max <= bound_min)[:, None, :, None]  # padding rows: zeros, as the reference defines
+    return out.reshape(b, heads, s, d).masked_fill(empty, 0.0)
+
+
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_min: torch.Tensor,
                       bound_max: torch.Tensor) -> torch.Tensor:
     """The same result as `bounded_attention`, computing only inside the bounds: each run of rows that share a
@@ -206,7 +226,9 @@ class VisionTower(nn.Module):
         for i, blk in enumerate(self.blocks):
             attn = blk.attn
             q, k, v = attn.qkv_rotated(blk.norm1(x), cos, sin)
-            attend = bounded_attention if torch.compiler.is_compiling() else segment_attention
+            # Trainium: the NKI kernel; other compiled graphs: the fixed-shape reference; eager: only inside bounds.
+            attend = nki_bounded_attention if x.device.type == "neuron" else \
+                bounded_attention if torch.compiler.is_compiling() else segment_attention
             o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bound_min, bound_max)
             x = x + attn.proj(o.transpose(1, 2).flatten(-2))
             x = x + blk.mlp(blk.norm2(x))
