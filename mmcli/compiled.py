@@ -138,8 +138,9 @@ class Manifest:
 
     def remove_artifacts(self, entry: dict, keep: set[str]) -> None:
         for rel in entry.get("artifacts", []):
+            path = self.dir / rel
             if rel not in keep:
-                shutil.rmtree(self.dir / rel, ignore_errors=True)
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def stale_fields(old: dict, new: dict) -> list[str]:

@@ -91,20 +91,28 @@ class Config:
             ("vision.lookahead", self.vision.lookahead >= 1, "at least 1"),
             ("compile.backend", self.compile.backend in ("auto", "eager", "inductor", "neuron"),
              "auto, eager, inductor, neuron"),
-            ("compile.prefill_buckets", _counts(self.compile.prefill_buckets)
-             and max(self.compile.prefill_buckets) <= self.engine.max_len,
-             f"a non-empty list of token counts >= 1, none over engine.max_len {self.engine.max_len}"),
-            ("compile.decode_batch_buckets", _counts(self.compile.decode_batch_buckets)
-             and max(self.compile.decode_batch_buckets) >= self.engine.max_seqs,
-             f"a non-empty list of counts >= 1 whose largest holds engine.max_seqs {self.engine.max_seqs}"),
-            ("compile.decode_context_buckets", _counts(self.compile.decode_context_buckets)
-             and max(self.compile.decode_context_buckets) >= self.engine.max_len,
-             f"a non-empty list of lengths >= 1 whose largest holds engine.max_len {self.engine.max_len}"),
+            ("compile.prefill_buckets", _counts(self.compile.prefill_buckets), "a non-empty list of counts >= 1"),
+            ("compile.decode_batch_buckets", _counts(self.compile.decode_batch_buckets),
+             "a non-empty list of counts >= 1"),
+            ("compile.decode_context_buckets", _counts(self.compile.decode_context_buckets),
+             "a non-empty list of counts >= 1"),
         ]
+        self._refuse(checks)
+        if self.compile.backend in ("inductor", "neuron"):  # the buckets must hold what the engine may ask for
+            self._refuse([
+                ("compile.prefill_buckets", max(self.compile.prefill_buckets) <= self.engine.max_len,
+                 f"token counts none over engine.max_len {self.engine.max_len}"),
+                ("compile.decode_batch_buckets", max(self.compile.decode_batch_buckets) >= self.engine.max_seqs,
+                 f"counts whose largest holds engine.max_seqs {self.engine.max_seqs}"),
+                ("compile.decode_context_buckets", max(self.compile.decode_context_buckets) >= self.engine.max_len,
+                 f"lengths whose largest holds engine.max_len {self.engine.max_len}"),
+            ])
+        check_vision_budget(self.vision.block_size, self.image.max_pixels)
+
+    def _refuse(self, checks: list) -> None:
         for key, ok, expected in checks:
             if not ok:
                 raise ConfigError(f"config {key}: value {_get(self, key)!r} must be {expected}")
-        check_vision_budget(self.vision.block_size, self.image.max_pixels)
 
 
 def _counts(values: tuple[int, ...]) -> bool:
