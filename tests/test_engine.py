@@ -107,3 +107,19 @@ def test_an_image_seen_twice_in_a_run_is_encoded_once(tiny_dir, tmp_path):
     results = {r.key: r.token_ids for r in cap.caption(twice, max_new_tokens=5)}
     assert cap.runner.images_encoded == 3
     assert results["again"] == results["img1"] and results["third"] == results["img0"]
+
+
+def test_split_gemv_equals_one_product(monkeypatch):
+    import mmcli.model.text as text
+
+    torch.manual_seed(0)
+    layer = text.Linear(1024, 2560, bias=True)
+    x = torch.randn(1, 1024)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(text.split_gemv(layer.weight, x), x @ layer.weight.t(), atol=1e-5, rtol=0)
+    monkeypatch.setattr(text, "SPLIT_GEMV", True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # odd split: rows 853 / 853 / 854
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=0)

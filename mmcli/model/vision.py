@@ -95,8 +95,10 @@ class VisionAttention(nn.Module):
         start = 0
         for n in seqlens:  # full attention within each image (each temporal patch), none across
             s = slice(start, start + n)
-            o = F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1))
-            out.append(o.transpose(0, 1))
+            # 4-D inputs: the CPU flash kernel takes only those (3-D falls back to the math path, 2x slower)
+            o = F.scaled_dot_product_attention(q[s].transpose(0, 1)[None], k[s].transpose(0, 1)[None],
+                                               v[s].transpose(0, 1)[None])
+            out.append(o[0].transpose(0, 1))
             start += n
         return self.proj(torch.cat(out).flatten(-2))
 
@@ -151,7 +153,8 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_m
             while end < len(lo_row) and lo_row[end] == lo and hi_row[end] == hi:
                 end += 1
             if hi > lo:
-                out[b, :, r:end] = F.scaled_dot_product_attention(q[b, :, r:end], k[b, :, lo:hi], v[b, :, lo:hi])
+                out[b, :, r:end] = F.scaled_dot_product_attention(q[b:b + 1, :, r:end], k[b:b + 1, :, lo:hi],
+                                                                  v[b:b + 1, :, lo:hi])[0]
             r = end
     return out
 
