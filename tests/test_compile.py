@@ -165,3 +165,11 @@ def test_inductor_compile_ahead_then_load_with_zero_compilations(tiny_dir, tmp_p
     for key in eager:
         torch.testing.assert_close(torch.tensor(compiled[key]["logprobs"]), torch.tensor(eager[key]["logprobs"]),
                                    atol=1e-4, rtol=0)
+
+    # a changed dtype: that bucket is rebuilt; a run under the old dtype no longer loads it, and says so
+    rebuilt, _ = _mmcli("compile", "--buckets", "prefill 128", "--dtype", "bfloat16", *common, cwd=tmp_path)
+    assert "rebuilt (dtype changed)" in rebuilt.stdout, rebuilt.stdout
+    again, _ = _mmcli("caption", root, "-o", tmp_path / "again.jsonl", "--max-new-tokens", "4", "-q", *common,
+                      cwd=tmp_path)
+    assert "1 of 6 buckets not compiled ahead (prefill 128)" in again.stderr, again.stderr
+    assert "0 compiled in this run" in again.stderr
