@@ -51,7 +51,7 @@ def worker_compile(ckpt: Path, compile_dir: Path) -> dict:
 def worker_run(ckpt: Path, images: list[Path], lengths: list[int], backend: str, compile_dir: Path) -> dict:
     cap = captioner(ckpt, backend, compile_dir)
     if cap.runner.graphs is not None:
-        missing = cap.runner.graphs.attach()
+        missing = cap.runner.graphs.missing
         assert not missing, f"not compiled ahead: {[b.label for b in missing]}"
     start = time.perf_counter()
 

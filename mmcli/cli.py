@@ -307,7 +307,7 @@ def _report_compile_cache(captioner) -> None:
     graphs = captioner.runner.graphs
     if graphs is None:
         return
-    missing = graphs.attach()
+    missing = graphs.missing
     if missing:
         shown = ", ".join(b.label for b in missing[:6]) + (" …" if len(missing) > 6 else "")
         typer.echo(f"mmcli: {graphs.backend} compile cache {graphs.cache_dir}: {len(missing)} of "

@@ -165,6 +165,7 @@ class CompiledGraphs:
         self.loaded: set[Bucket] = set()  # traced in this process (inductor: loaded from its cache)
         self.missing_used: list[Bucket] = []  # buckets a run needed but that were not compiled ahead
         self.compiled_at_run_time: list[Bucket] = []
+        self.missing = self.attach()  # configured buckets not compiled ahead under the current key
 
     def _point_caches_into(self, cache_dir: Path) -> None:
         if self.backend == "inductor":

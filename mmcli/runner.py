@@ -62,9 +62,11 @@ def prefill_step(model: Qwen3VL, cache: KVCache, hidden: torch.Tensor, cos: torc
 
 
 def decode_step(model: Qwen3VL, cache: KVCache, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slots: torch.Tensor, positions: torch.Tensor, context_len: int) -> torch.Tensor:
-    """One token per row of a padded batch over `context_len` cache columns (the compiled decode graph)."""
-    batch = AttentionBatch(slots=slots, positions=positions, context_len=context_len, fixed_shapes=True)
+                slots: torch.Tensor, positions: torch.Tensor, context_len: int, fixed_shapes: bool = True
+                ) -> torch.Tensor:
+    """One token per row over `context_len` cache columns; with fixed shapes (the compiled decode graph) the batch
+    and context are padded buckets."""
+    batch = AttentionBatch(slots=slots, positions=positions, context_len=context_len, fixed_shapes=fixed_shapes)
     out = model.language_model(model.language_model.embed_tokens(ids), cos, sin, batch, cache)
     return model.lm_head(out).float()
 
@@ -150,8 +152,8 @@ class ModelRunner:
         packed["bound_max"] = torch.tensor(bmax).view(shape).to(self.device)
         return packed, unpack_index(patches, layout, self.cfg.vision.spatial_merge_size**2)
 
-    def _encode_packed(self, pixel_values, grids, bins):
-        inputs, unpack = self.packed_inputs(pixel_values, grids, bins)
+    def _encode_packed(self, pixel_values, grids, bins, num_blocks: int | None = None):
+        inputs, unpack = self.packed_inputs(pixel_values, grids, bins, num_blocks)
         args = (inputs["pixels"], inputs["pos_idx"], inputs["pos_weights"], inputs["cos"], inputs["sin"],
                 inputs["bound_min"], inputs["bound_max"])
         if self.graphs is not None:
@@ -242,44 +244,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:
-        """One new token per sequence, all in one forward pass -> logits [B, V]."""
+        """One new token per sequence, all in one forward pass -> logits [B, V]. With compiled graphs the batch is
+        padded to its (batch, context) bucket; padding rows write the scratch row at column 0."""
+        rows, context = items, max(item.position for item in items) + 1
         if self.graphs is not None:
-            return self._decode_padded(items)
-        ids = torch.tensor([item.token_id for item in items], device=self.device)
-        positions = torch.tensor([item.position for item in items], device=self.device)
-        deltas = torch.tensor([item.rope_delta for item in items], device=self.device)
-        rotary = decode_rotary_position_ids(positions, deltas)
-        cos, sin = mrope_cos_sin(rotary, self.inv_freq, self.slot_axes)
-        batch = AttentionBatch(slots=torch.tensor([item.slot for item in items], device=self.device),
-                               positions=positions, context_len=int(positions.max()) + 1)
-        hidden = self.model.language_model.embed_tokens(ids)
-        out = self.model.language_model(hidden, cos, sin, batch, self.cache)
-        return self.model.lm_head(out).float()
-
-    def _decode_padded(self, items: list[DecodeItem]) -> torch.Tensor:
-        """The batch padded to its (batch, context) bucket; padding rows write the scratch row at column 0."""
-        batch = choose_bucket(len(items), self.decode_batch_buckets)
-        context = choose_bucket(max(item.position for item in items) + 1, self.decode_context_buckets)
-        rows = items + [DecodeItem(self.scratch_slot, 0, 0, 0)] * (batch - len(items))
+            batch = choose_bucket(len(items), self.decode_batch_buckets)
+            context = choose_bucket(context, self.decode_context_buckets)
+            rows = items + [DecodeItem(self.scratch_slot, 0, 0, 0)] * (batch - len(items))
         positions = torch.tensor([r.position for r in rows], device=self.device)
         rotary = decode_rotary_position_ids(positions, torch.tensor([r.rope_delta for r in rows], device=self.device))
         cos, sin = mrope_cos_sin(rotary, self.inv_freq, self.slot_axes)
-        logits = self.graphs.call(Bucket("decode", (batch, context)), decode_step, self.model, self.cache,
-                                  torch.tensor([r.token_id for r in rows], device=self.device), cos, sin,
-                                  torch.tensor([r.slot for r in rows], device=self.device), positions, context)
-        return logits[:len(items)]
+        args = (self.model, self.cache, torch.tensor([r.token_id for r in rows], device=self.device), cos, sin,
+                torch.tensor([r.slot for r in rows], device=self.device), positions, context)
+        if self.graphs is None:
+            return decode_step(*args, fixed_shapes=False)
+        return self.graphs.call(Bucket("decode", (len(rows), context)), decode_step, *args)[:len(items)]
 
     @torch.inference_mode()
     def warm(self, bucket: Bucket) -> None:
         """Run one bucket once on synthetic inputs of its shape (what compiling it ahead means); writes only the
         scratch row of the KV cache."""
         if bucket.component == "vision":
-            num_blocks, _ = bucket.shape
-            pixels = torch.zeros(4, self.model.visual.patch_embed.proj.weight[0].numel())
-            inputs, _ = self.packed_inputs([pixels], [(1, 2, 2)], [[0]], num_blocks)
-            self.graphs.call(bucket, self.model.visual.forward_packed, inputs["pixels"], inputs["pos_idx"],
-                             inputs["pos_weights"], inputs["cos"], inputs["sin"], inputs["bound_min"],
-                             inputs["bound_max"])
+            pixels = torch.zeros(4, self.model.visual.patch_embed.proj.weight[0].numel())  # one 2x2-patch image
+            self._encode_packed([pixels], [(1, 2, 2)], [[0]], num_blocks=bucket.shape[0])
         elif bucket.component == "prefill":
             (size,) = bucket.shape
             hidden = torch.zeros(size, self.cfg.text.hidden_size, dtype=self.dtype, device=self.device)
@@ -287,7 +274,7 @@ class ModelRunner:
             self._prefill_padded(self.scratch_slot, hidden, [], rotary)
         else:
             batch, context = bucket.shape
-            self._decode_padded([DecodeItem(self.scratch_slot, 0, context - 1, 0)] * batch)
+            self.decode([DecodeItem(self.scratch_slot, 0, context - 1, 0)] * batch)
 
     def choose(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
                seeds: list[int]) -> list[Choice]:

@@ -50,16 +50,16 @@ class Linear(nn.Linear):
     in float32 than x @ weight.T)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= 16 and x.dtype == torch.float32:
-            if x.shape[0] == 1 and SPLIT_GEMV and self.weight.numel() >= 1 << 21 and torch.get_num_threads() > 1 \
-                    and not torch.compiler.is_compiling():
-                y = split_gemv(self.weight, x)
-            elif x.shape[0] > 1:
-                y = (self.weight @ x.t()).t()
-            else:
-                return super().forward(x)
-            return y if self.bias is None else y + self.bias
-        return super().forward(x)
+        if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > 16 or x.dtype != torch.float32:
+            return super().forward(x)
+        if x.shape[0] > 1:
+            y = (self.weight @ x.t()).t()
+        elif SPLIT_GEMV and self.weight.numel() >= 1 << 21 and torch.get_num_threads() > 1 \
+                and not torch.compiler.is_compiling():
+            y = split_gemv(self.weight, x)
+        else:
+            return super().forward(x)
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -132,20 +132,16 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(-2))
 
     def _prefill(self, q, k, v, batch, k_cache, v_cache):
-        if len(batch.seqlens) == 1:  # one prompt (always so in compiled graphs): its row by tensor, no host sync
-            k_cache[batch.slots, :, :q.shape[0]] = k.transpose(0, 1).unsqueeze(0)
-            v_cache[batch.slots, :, :q.shape[0]] = v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                               v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
-            return o[0].transpose(0, 1)
         out, start = [], 0
-        for slot, n in zip(batch.slots.tolist(), batch.seqlens):
+        for i, n in enumerate(batch.seqlens):
             s = slice(start, start + n)
-            k_cache[slot, :, :n] = k[s].transpose(0, 1)
-            v_cache[slot, :, :n] = v[s].transpose(0, 1)
+            slot = batch.slots[i:i + 1]  # a tensor index: no host sync, and one compiled graph whatever the slot
+            k_cache[slot, :, :n] = k[s].transpose(0, 1)[None]
+            v_cache[slot, :, :n] = v[s].transpose(0, 1)[None]
+            # 4-D inputs: the CPU flash kernel takes only those (3-D falls back to the math path, 2x slower)
             o = F.scaled_dot_product_attention(q[s].transpose(0, 1)[None], k[s].transpose(0, 1)[None],
                                                v[s].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
-            out.append(o[0].transpose(0, 1))  # 4-D: the CPU flash kernel (3-D takes the slower math path)
+            out.append(o[0].transpose(0, 1))
             start += n
         return torch.cat(out)
 
