@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import resource
 import statistics
 import subprocess
@@ -74,6 +74,7 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], dtype: str)
     from dataclasses import replace
 
     from mmcli.captioner import Captioner
+    from mmcli.checkpoint import expected_shapes
     from mmcli.config import load_config
     from mmcli.model.text import KVCache
 
@@ -115,9 +116,11 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], dtype: str)
     for k in range(12):
         pos = len(req.input_ids) + k
         steps.append(_timed(lambda pos=pos: runner.decode([DecodeItem(0, 1, pos, req.rope_delta)])))
-    text = cap.model.language_model
-    decode_bytes = sum(p.numel() * p.element_size() for n, p in text.named_parameters() if "embed" not in n)
-    decode_bytes += cap.model.lm_head.weight.numel() * cap.model.lm_head.weight.element_size()
+    # A decode step reads every text weight but the embedding (one row of it), and the lm_head (tied or not).
+    shapes = expected_shapes(cap.model.cfg)
+    decode_bytes = runner.dtype.itemsize * sum(
+        math.prod(shape) for name, shape in shapes.items()
+        if name == "lm_head.weight" or name.startswith("model.language_model.") and "embed" not in name)
     assert isinstance(runner.cache, KVCache)
     return {"images_per_s": len(images) / elapsed, "seconds": elapsed, "decode_step": statistics.median(steps[2:]),
             "weight_bytes": cap.weight_bytes, "decode_weight_bytes": decode_bytes, "kv_bytes": runner.cache.nbytes,
@@ -177,11 +180,7 @@ def worker_hf(ckpt: Path, images: list[Path], lengths: list[int], dtype: str, ba
 def run_worker(args, kind: str, batch_size: int = 0) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--cache-dir", str(args.cache_dir), "--dtype", args.dtype,
            "--batch-size", str(batch_size)] + (["--smoke"] if args.smoke else [])
-    # mmcli's worker runs as the mmcli command does: mmcli/__init__.py sets OMP_WAIT_POLICY=PASSIVE before torch
-    # loads, which this script cannot do for itself (it imports torch first); transformers runs as shipped.
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"} if kind == "mmcli" and "OMP_WAIT_POLICY" not in os.environ \
-        else os.environ
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

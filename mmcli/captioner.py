@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -13,7 +14,15 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from .checkpoint import ModelConfig, checkpoint_revision, load_weights, read_model_config, resolve_model, torch_dtype
+from .checkpoint import (
+    ModelConfig,
+    checkpoint_revision,
+    expected_shapes,
+    load_weights,
+    read_model_config,
+    resolve_model,
+    torch_dtype,
+)
 from .compiled import CompiledGraphs, configured_buckets, require_neuron
 from .config import Config, check_vision_budget, load_config
 from .engine import Engine, Request
@@ -192,5 +201,10 @@ class Captioner:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
+        """The checkpoint's tensors in the compute dtype (a tied lm_head counted once), however the runner holds
+        them."""
+        shapes = expected_shapes(self.model.cfg)
+        if self.model.cfg.tie_word_embeddings:
+            del shapes["lm_head.weight"]
+        return sum(math.prod(shape) for shape in shapes.values()) * self.runner.dtype.itemsize
 

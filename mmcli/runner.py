@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from .checkpoint import ModelConfig
 from .compiled import Bucket, CompiledGraphs
 from .model import AttentionBatch, KVCache, Qwen3VL
+from .model.linear import pack_linears
 from .packing import choose_bucket, ffd_pack, gather_index, make_layout, unpack_index
 from .positions import decode_rotary_position_ids, mrope_cos_sin, mrope_slot_axes, text_inv_freq
 from .sampling import SamplingParams, choose_tokens
@@ -81,6 +82,8 @@ class ModelRunner:
         self.cfg: ModelConfig = model.cfg
         self.device = device
         self.dtype = model.lm_head.weight.dtype
+        if graphs is None:  # compiled graphs trace the plain weights
+            pack_linears(model)
         text = self.cfg.text
         self.inv_freq = text_inv_freq(text.head_dim, text.rope_theta).to(device)
         self.slot_axes = mrope_slot_axes(text.mrope_section, text.head_dim).to(device)

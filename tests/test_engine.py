@@ -2,6 +2,7 @@
 
 from dataclasses import replace
 
+import pytest
 import torch
 from conftest import SAMPLES, photo
 
@@ -109,17 +110,24 @@ def test_an_image_seen_twice_in_a_run_is_encoded_once(tiny_dir, tmp_path):
     assert results["again"] == results["img1"] and results["third"] == results["img0"]
 
 
-def test_split_gemv_equals_one_product(monkeypatch):
-    import mmcli.model.text as text
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_packed_linear_equals_the_plain_product_and_frees_the_plain_weight():
+    from mmcli.model.linear import Linear, pack_linears
 
     torch.manual_seed(0)
-    layer = text.Linear(1024, 2560, bias=True)
-    x = torch.randn(1, 1024)
-    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    torch.testing.assert_close(text.split_gemv(layer.weight, x), x @ layer.weight.t(), atol=1e-5, rtol=0)
-    monkeypatch.setattr(text, "SPLIT_GEMV", True)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # odd split: rows 853 / 853 / 854
+    embed = torch.nn.Embedding(300, 64)
+    model = torch.nn.ModuleDict({"a": Linear(64, 96, bias=True), "b": Linear(96, 64, bias=False),
+                                 "head": Linear(64, 300, bias=False), "embed": embed}).requires_grad_(False)
+    model["head"].weight = embed.weight  # tied: the embedding keeps the plain weight
+    plain = {name: (m.weight.clone(), m.bias) for name, m in model.items() if isinstance(m, Linear)}
+    assert pack_linears(model) == 3
+    assert all(model[name].weight is None for name in plain) and embed.weight.shape == (300, 64)
     with torch.inference_mode():
-        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=0)
-    with torch.no_grad():
-        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=0)
+        for rows in (0, 1, 3, 16, 40):
+            for name, (weight, bias) in plain.items():
+                x = torch.randn(rows, weight.shape[1])
+                torch.testing.assert_close(model[name](x), torch.nn.functional.linear(x, weight, bias),
+                                           atol=1e-5, rtol=0)
+        x = torch.randn(2, 5, 64)[:, ::2]  # 3-D and not contiguous
+        torch.testing.assert_close(model["a"](x), torch.nn.functional.linear(x, *plain["a"]), atol=1e-5, rtol=0)
+    assert pack_linears(model) == 0  # already packed

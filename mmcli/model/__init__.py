@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from ..checkpoint import ModelConfig
-from .text import AttentionBatch, KVCache, Linear, TextDecoder
+from .linear import Linear
+from .text import AttentionBatch, KVCache, TextDecoder
 from .vision import VisionTower
 
 __all__ = ["Qwen3VL", "AttentionBatch", "KVCache"]

@@ -6,8 +6,6 @@ sequence's tokens go. Module names follow the checkpoint (model.language_model.*
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -15,51 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import TextConfig
+from .linear import Linear
 from .vision import rotate_half
-
-_gemv_pool: ThreadPoolExecutor | None = None
-# Splitting pays only when idle OpenMP threads sleep (see mmcli/__init__.py); with spinning ones it is slower.
-SPLIT_GEMV = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-
-
-def split_gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x [1, K] @ weight.T with the weight's rows split across torch's threads. MKL's GEMV runs on one core, and
-    one core reads memory at about 13 GB/s where two read 17-24 (measured on a 2-core AVX2 server)."""
-    global _gemv_pool
-    parts = min(torch.get_num_threads(), 8)
-    if _gemv_pool is None:
-        _gemv_pool = ThreadPoolExecutor(7, thread_name_prefix="mmcli-gemv")
-    out = torch.empty(weight.shape[0], 1, dtype=x.dtype)
-    cuts = [weight.shape[0] * i // parts for i in range(parts + 1)]
-    inference = torch.is_inference_mode_enabled()
-
-    def part(i: int) -> None:
-        with torch.inference_mode(inference), torch.no_grad():  # both modes are per thread: the caller's
-            torch.mm(weight[cuts[i]:cuts[i + 1]], x.t(), out=out[cuts[i]:cuts[i + 1]])
-
-    pending = [_gemv_pool.submit(part, i) for i in range(1, parts)]
-    part(0)
-    for future in pending:
-        future.result()
-    return out.t()
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose few-row products on the CPU read the weights once: one row splits the GEMV across threads,
-    2-16 rows run as weight @ x.T (with the small dimension last MKL takes a GEMV-like kernel; measured 3-5x faster
-    in float32 than x @ weight.T)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > 16 or x.dtype != torch.float32:
-            return super().forward(x)
-        if x.shape[0] > 1:
-            y = (self.weight @ x.t()).t()
-        elif SPLIT_GEMV and self.weight.numel() >= 1 << 21 and torch.get_num_threads() > 1 \
-                and not torch.compiler.is_compiling():
-            y = split_gemv(self.weight, x)
-        else:
-            return super().forward(x)
-        return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):

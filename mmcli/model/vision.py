@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import VisionConfig
+from .linear import Linear
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -78,8 +79,8 @@ class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.proj = Linear(cfg.hidden_size, cfg.hidden_size)
 
     def qkv_rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q, k, v [..., N, heads, head_dim] with the 2-D rotary applied in float32."""
@@ -162,8 +163,8 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_m
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.linear_fc1 = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.linear_fc2 = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
@@ -187,8 +188,8 @@ class PatchMerger(nn.Module):
         self.merged = cfg.hidden_size * cfg.spatial_merge_size**2
         self.postshuffle_norm = postshuffle_norm
         self.norm = nn.LayerNorm(self.merged if postshuffle_norm else cfg.hidden_size, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.merged, self.merged)
-        self.linear_fc2 = nn.Linear(self.merged, cfg.out_hidden_size)
+        self.linear_fc1 = Linear(self.merged, self.merged)
+        self.linear_fc2 = Linear(self.merged, cfg.out_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x.reshape(*x.shape[:-2], -1, self.merged)) if self.postshuffle_norm else \
