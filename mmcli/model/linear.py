@@ -15,8 +15,9 @@ from torch import nn
 
 
 def can_pack(weight: torch.Tensor) -> bool:
+    # The ops torch's own Inductor emits for CPU linears; checked, not assumed (a build without oneDNN lacks them).
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class Linear(nn.Linear):
