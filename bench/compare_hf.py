@@ -93,8 +93,8 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], dtype: str)
         return wrapper
 
     for name in spent:
-        setattr(cap.runner, name if name != "vision" else "encode_images",
-                timed(name, getattr(cap.runner, name if name != "vision" else "encode_images")))
+        owner, attr = (cap.runner.encoder, "encode") if name == "vision" else (cap.runner, name)
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
     start = time.perf_counter()
 
     def requests():

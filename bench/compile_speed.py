@@ -43,15 +43,15 @@ def captioner(ckpt: Path, backend: str, compile_dir: Path):
 def worker_compile(ckpt: Path, compile_dir: Path) -> dict:
     started = time.perf_counter()
     cap = captioner(ckpt, "inductor", compile_dir)
-    graphs = cap.runner.graphs
-    rows = [(b.label, *graphs.compile_bucket(b, cap.runner.warm)) for b in graphs.buckets]
+    graphs = cap.graphs
+    rows = [(b.label, *graphs.compile_bucket(b, cap.runner.run_bucket)) for b in graphs.buckets]
     return {"seconds": time.perf_counter() - started, "buckets": rows}
 
 
 def worker_run(ckpt: Path, images: list[Path], lengths: list[int], backend: str, compile_dir: Path) -> dict:
     cap = captioner(ckpt, backend, compile_dir)
-    if cap.runner.graphs is not None:
-        missing = cap.runner.graphs.missing
+    if cap.graphs is not None:
+        missing = cap.graphs.missing
         assert not missing, f"not compiled ahead: {[b.label for b in missing]}"
     start = time.perf_counter()
 
@@ -62,7 +62,7 @@ def worker_run(ckpt: Path, images: list[Path], lengths: list[int], backend: str,
 
     tokens = {r.key: r.token_ids for r in cap.engine.generate(requests())}
     elapsed = time.perf_counter() - start
-    graphs = cap.runner.graphs
+    graphs = cap.graphs
     return {"images_per_s": len(images) / elapsed, "seconds": elapsed, "tokens": tokens,
             "loaded": len(graphs.loaded) if graphs else 0,
             "compiled_at_run_time": len(graphs.compiled_at_run_time) if graphs else 0,

@@ -14,25 +14,19 @@ import time
 
 import torch
 
-from mmcli.checkpoint import VisionConfig
+from mmcli.encoder import ImageEncoder
+from mmcli.model.attention import bounded_attention
 from mmcli.model.vision import VisionTower
+from mmcli.model_config import VisionConfig
 from mmcli.packing import ffd_pack, flat_efficiency, packed_efficiency, padded_efficiency
-from mmcli.runner import ModelRunner
 
 # Patch grids (t, h, w) of a mixed set: 640x480, 512x512, 448x336, 320x320, 256x256 x2, 224x448, 256x512
 GRIDS = [(1, 30, 40), (1, 32, 32), (1, 28, 20), (1, 20, 20), (1, 16, 16), (1, 16, 16), (1, 14, 28), (1, 16, 32)]
 
 
-class _Shim:  # the runner's packing helpers need only these attributes
-    def __init__(self, visual, block_size, fixed=True):
-        self.model = type("M", (), {"visual": visual})()
-        self.cfg = type("C", (), {"vision": visual.cfg})()
-        self.block_size, self.buckets, self.fixed_shapes, self.device = block_size, (1, 2, 4, 8, 16), fixed, "cpu"
-
-
 def run(visual, pixels, bins, block_size, repeats):
-    shim = _Shim(visual, block_size)
-    inputs, unpack = ModelRunner.packed_inputs(shim, pixels, GRIDS, bins)
+    encoder = ImageEncoder(visual, torch.device("cpu"), block_size, (1, 2, 4, 8, 16), fixed_shapes=True)
+    inputs, unpack = encoder.packed_inputs(pixels, GRIDS, bins)
     args = [inputs[k] for k in ("pixels", "pos_idx", "pos_weights", "cos", "sin", "bound_min", "bound_max")]
     best = float("inf")
     with torch.inference_mode():
@@ -56,6 +50,7 @@ def main() -> None:
     cfg = VisionConfig(depth=args.depth, hidden_size=1024, intermediate_size=4096, num_heads=16,
                        out_hidden_size=2048, num_position_embeddings=2304, deepstack_visual_indexes=())
     visual = VisionTower(cfg).eval()
+    visual.block_attention = bounded_attention  # every layout through the same kernel: only the layout differs
     for p in visual.parameters():
         torch.nn.init.normal_(p, std=0.02)
     patches = [t * h * w for t, h, w in GRIDS]

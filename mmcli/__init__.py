@@ -1,8 +1,24 @@
-"""mmcli: label image datasets with Qwen3-VL."""
+"""mmcli: label image datasets with Qwen3-VL.
 
-from .captioner import Captioner, Result
-from .config import Config, load_config
-from .sampling import SamplingParams
+The public names load on first use, so that `import mmcli` (and `mmcli --help`) never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .captioner import Captioner, Result
+    from .config import Config, SamplingParams, load_config
 
 __all__ = ["Captioner", "Config", "Result", "SamplingParams", "load_config"]
 __version__ = "0.1.0"
+_HOMES = {"Captioner": "captioner", "Result": "captioner", "Config": "config", "SamplingParams": "config",
+          "load_config": "config"}
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    raise AttributeError(f"module 'mmcli' has no attribute {name!r}")

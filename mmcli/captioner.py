@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -15,7 +15,6 @@ import torch
 from PIL import Image
 
 from .checkpoint import (
-    ModelConfig,
     checkpoint_revision,
     expected_shapes,
     load_weights,
@@ -23,16 +22,16 @@ from .checkpoint import (
     resolve_model,
     torch_dtype,
 )
-from .compiled import CompiledGraphs, configured_buckets, require_neuron
-from .config import Config, check_vision_budget, load_config
+from .compiled import CompiledGraphs, resolve_backend
+from .config import Config, SamplingParams, check_vision_budget, load_config
 from .engine import Engine, Request
 from .errors import ImageError, ItemError
+from .images import ImageProcessorConfig, image_processor_config
 from .model import Qwen3VL
 from .positions import rope_index
-from .preprocess import ImageProcessorConfig, decode_image, preprocess
+from .preprocess import decode_image, preprocess
 from .prompt import PromptBuilder
 from .runner import ModelRunner, pick_device
-from .sampling import SamplingParams
 
 
 @dataclass
@@ -69,22 +68,15 @@ def _stop_ids(path: Path, prompts: PromptBuilder) -> frozenset[int]:
     return frozenset(int(i) for i in ids if i is not None)
 
 
-def compile_key(model_cfg: ModelConfig, dtype, device, cfg: Config) -> dict:
-    """What a compiled graph depends on besides its bucket shape, backend and source (see compiled.Manifest)."""
-    model_json = json.dumps(dataclasses.asdict(model_cfg), sort_keys=True, default=str)
-    return {"model_config": hashlib.sha256(model_json.encode()).hexdigest()[:16], "dtype": str(dtype).split(".")[-1],
-            "device": device.type, "kv_cache": [cfg.engine.max_seqs + 1, cfg.engine.max_len]}
-
-
 class Captioner:
     def __init__(self, path: Path, model: Qwen3VL, runner: ModelRunner, prompts: PromptBuilder,
-                 image_cfg: ImageProcessorConfig, config: Config, model_name: str):
+                 image_cfg: ImageProcessorConfig, config: Config, graphs: CompiledGraphs | None = None):
         self.path, self.model, self.runner, self.prompts = path, model, runner, prompts
-        self.image_cfg, self.config, self.model_name = image_cfg, config, model_name
+        self.image_cfg, self.config, self.graphs = image_cfg, config, graphs
+        self.model_name = config.model
         self.revision = checkpoint_revision(path)
         self.stop_ids = _stop_ids(path, prompts)
-        self.engine = Engine(runner, config.engine.max_seqs, config.engine.max_len, config.engine.max_prefill_tokens,
-                             config.vision.lookahead)
+        self.engine = Engine(runner, config)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,
@@ -92,40 +84,25 @@ class Captioner:
         """Load a checkpoint (local directory or hub id). `config` is a Config or a YAML path."""
         cfg = config if isinstance(config, Config) else load_config(config)
         cfg = replace(cfg, model=model or cfg.model, dtype=dtype or cfg.dtype, device=device or cfg.device)
-        backend = "eager" if cfg.compile.backend == "auto" else cfg.compile.backend  # see bench/compile_speed.py
-        if backend == "neuron":
-            require_neuron()
+        backend = resolve_backend(cfg.compile.backend)
         path = resolve_model(cfg.model)
         model_cfg = read_model_config(path)
         dev = torch.device("neuron") if backend == "neuron" else pick_device(cfg.device)
         # auto: the checkpoint's dtype on accelerators; float32 on the CPU, where bfloat16 matmuls mostly lack fast
         # kernels (measured 11 vs 58 GFLOP/s on an AVX2 server) and decode reads weights at GEMV speed either way.
-        auto = "float32" if dev.type == "cpu" else model_cfg.torch_dtype
-        dt = torch_dtype(auto if cfg.dtype == "auto" else cfg.dtype)
-        graphs = None
-        if backend != "eager":
-            graphs = CompiledGraphs(backend, cfg.compile.cache_dir, compile_key(model_cfg, dt, dev, cfg),
-                                    configured_buckets(cfg.vision.num_blocks_buckets, cfg.vision.block_size,
-                                                       cfg.compile.prefill_buckets, cfg.compile.decode_batch_buckets,
-                                                       cfg.compile.decode_context_buckets))
+        dt = torch_dtype(("float32" if dev.type == "cpu" else model_cfg.torch_dtype) if cfg.dtype == "auto"
+                         else cfg.dtype)
+        graphs = None if backend == "eager" else CompiledGraphs.for_run(backend, cfg, model_cfg, dt, dev)
         qwen = Qwen3VL.from_weights(model_cfg, load_weights(path, model_cfg, dt))
-        runner = ModelRunner(qwen, dev, cfg.engine.max_seqs, cfg.engine.max_len, cfg.vision.block_size,
-                             cfg.vision.num_blocks_buckets, graphs=graphs,
-                             prefill_buckets=cfg.compile.prefill_buckets,
-                             decode_batch_buckets=cfg.compile.decode_batch_buckets,
-                             decode_context_buckets=cfg.compile.decode_context_buckets)
+        runner = ModelRunner(qwen, dev, cfg, graphs)
         prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id)
-        image_cfg = ImageProcessorConfig.from_checkpoint(path)
-        image_cfg = replace(image_cfg, max_pixels=min(image_cfg.max_pixels, cfg.image.max_pixels),
-                            min_pixels=cfg.image.min_pixels or image_cfg.min_pixels)
+        image_cfg = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
         check_vision_budget(cfg.vision.block_size, image_cfg.max_pixels, image_cfg.patch_size, image_cfg.merge_size)
-        return cls(path, qwen, runner, prompts, image_cfg, cfg, cfg.model)
+        return cls(path, qwen, runner, prompts, image_cfg, cfg, graphs)
 
     def sampling(self, **overrides) -> SamplingParams:
-        base = self.config.generation
-        values = {k: getattr(base, k) for k in SamplingParams.__dataclass_fields__}
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return SamplingParams(**values)
+        """The configured sampling with these values replaced (None keeps the configured one)."""
+        return replace(self.config.generation, **{k: v for k, v in overrides.items() if v is not None})
 
     def request(self, key: str, images: list, question: str, sampling: SamplingParams) -> tuple[Request, list[dict]]:
         """Decode and preprocess the images and build the prompt; raises ImageError for a bad image."""
@@ -153,11 +130,13 @@ class Captioner:
         m2 = self.image_cfg.merge_size**2
         counts = [t * h * w // m2 for t, h, w in grids]
         ids = self.prompts.encode(question, counts)
-        if len(ids) >= self.engine.max_len:
-            raise ItemError(f"{key}: prompt of {len(ids)} tokens does not fit engine.max_len {self.engine.max_len}")
-        if self.runner.graphs is not None and len(ids) > self.runner.prefill_buckets[-1]:
+        if len(ids) >= self.config.engine.max_len:
+            raise ItemError(f"{key}: prompt of {len(ids)} tokens does not fit engine.max_len "
+                            f"{self.config.engine.max_len}")
+        largest = max(self.config.compile.prefill_buckets)
+        if self.graphs is not None and len(ids) > largest:
             raise ItemError(f"{key}: prompt of {len(ids)} tokens is over the largest compile.prefill_buckets entry "
-                            f"{self.runner.prefill_buckets[-1]}")
+                            f"{largest}")
         rotary, delta = rope_index(ids, grids, self.model.cfg.image_token_id, self.image_cfg.merge_size)
         req = Request(key, ids, rotary, delta, pixels, grids, sampling, self.stop_ids, sum(counts), hashes)
         return req, infos
@@ -198,6 +177,17 @@ class Captioner:
                 yield failed.pop(0)
             yield self._finish(done, infos.pop(done.key), started.pop(done.key))
         yield from failed
+
+    def report_compile_cache(self) -> None:
+        """With a compiled backend: say on stderr which configured buckets were not compiled ahead."""
+        line = self.graphs.missing_report() if self.graphs is not None else None
+        if line:
+            print(f"mmcli: {line}", file=sys.stderr)
+
+    def report_compile_use(self) -> None:
+        """With a compiled backend: say on stderr how many buckets were loaded and compiled in this run."""
+        if self.graphs is not None:
+            print(f"mmcli: {self.graphs.use_report()}", file=sys.stderr)
 
     @property
     def weight_bytes(self) -> int:

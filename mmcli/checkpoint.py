@@ -4,107 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
+from .model_config import DEFAULT_MODEL, ModelConfig, parse_config
 
-DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    depth: int = 27
-    hidden_size: int = 1152
-    intermediate_size: int = 4304
-    num_heads: int = 16
-    in_channels: int = 3
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    out_hidden_size: int = 3584
-    num_position_embeddings: int = 2304
-    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-
-@dataclass(frozen=True)
-class TextConfig:
-    hidden_size: int = 4096
-    intermediate_size: int = 22016
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 32
-    head_dim: int = 128
-    vocab_size: int = 151936
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 5_000_000.0
-    mrope_section: tuple[int, ...] = (24, 20, 20)
-    rope_type: str = "default"
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    text: TextConfig
-    vision: VisionConfig
-    image_token_id: int = 151655
-    video_token_id: int = 151656
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
-    tie_word_embeddings: bool = False
-    torch_dtype: str = "bfloat16"
-    raw: dict = field(default_factory=dict, compare=False, repr=False)
-
-
-def _pick(d: dict, cls) -> dict:
-    names = cls.__dataclass_fields__
-    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names}
-
-
-def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
-    """Read a Qwen3-VL config.json; accepts both `rope_scaling` (released) and `rope_parameters` (v5)."""
-    model_type = raw.get("model_type")
-    if model_type != "qwen3_vl":
-        archs = ",".join(raw.get("architectures") or []) or "?"
-        raise CheckpointError(
-            f"{where}: model_type {model_type!r} ({archs}) is not Qwen3-VL; mmcli needs a 'qwen3_vl' checkpoint"
-        )
-    try:
-        text_raw = dict(raw["text_config"])
-        vision_raw = dict(raw["vision_config"])
-    except KeyError as e:
-        raise CheckpointError(f"{where}: missing key {e.args[0]!r}") from None
-    rope = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise CheckpointError(f"{where}: text_config rope_type {rope_type!r} is not supported (only 'default')")
-    text_raw["rope_theta"] = rope.get("rope_theta", text_raw.get("rope_theta", 5_000_000.0))
-    text_raw["mrope_section"] = rope.get("mrope_section", [24, 20, 20])
-    text_raw.setdefault("head_dim", text_raw["hidden_size"] // text_raw["num_attention_heads"])
-    text = TextConfig(**_pick(text_raw, TextConfig))
-    vision = VisionConfig(**_pick(vision_raw, VisionConfig))
-    if 2 * sum(text.mrope_section) != text.head_dim:
-        raise CheckpointError(
-            f"{where}: mrope_section {list(text.mrope_section)} does not fill head_dim {text.head_dim}")
-    tie = raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False))
-    top = {k: raw[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-           if k in raw}
-    return ModelConfig(text=text, vision=vision, tie_word_embeddings=bool(tie),
-                       torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"), raw=raw, **top)
 
 
 def torch_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype {name!r} is not one of {', '.join(_DTYPES)}") from None
+        raise ConfigError(f"dtype {name!r} is not one of {', '.join(_DTYPES)}") from None
 
 
 def resolve_model(model: str) -> Path:
@@ -138,43 +53,13 @@ def read_model_config(path: Path) -> ModelConfig:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of the released layout and its shape (section 1.4 of the spec)."""
-    v, t = cfg.vision, cfg.text
-    d, m = v.hidden_size, v.hidden_size * v.spatial_merge_size**2
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.visual.patch_embed.proj.weight": (d, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size),
-        "model.visual.patch_embed.proj.bias": (d,),
-        "model.visual.pos_embed.weight": (v.num_position_embeddings, d),
-    }
-    for i in range(v.depth):
-        p = f"model.visual.blocks.{i}."
-        shapes.update({p + "norm1.weight": (d,), p + "norm1.bias": (d,), p + "norm2.weight": (d,),
-                       p + "norm2.bias": (d,), p + "attn.qkv.weight": (3 * d, d), p + "attn.qkv.bias": (3 * d,),
-                       p + "attn.proj.weight": (d, d), p + "attn.proj.bias": (d,),
-                       p + "mlp.linear_fc1.weight": (v.intermediate_size, d),
-                       p + "mlp.linear_fc1.bias": (v.intermediate_size,),
-                       p + "mlp.linear_fc2.weight": (d, v.intermediate_size), p + "mlp.linear_fc2.bias": (d,)})
-    mergers = ["model.visual.merger."] + [f"model.visual.deepstack_merger_list.{k}."
-                                           for k in range(len(v.deepstack_visual_indexes))]
-    for k, p in enumerate(mergers):
-        norm = d if k == 0 else m
-        shapes.update({p + "norm.weight": (norm,), p + "norm.bias": (norm,), p + "linear_fc1.weight": (m, m),
-                       p + "linear_fc1.bias": (m,), p + "linear_fc2.weight": (v.out_hidden_size, m),
-                       p + "linear_fc2.bias": (v.out_hidden_size,)})
-    h, q, kv = t.hidden_size, t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-    shapes["model.language_model.embed_tokens.weight"] = (t.vocab_size, h)
-    for i in range(t.num_hidden_layers):
-        p = f"model.language_model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "self_attn.q_norm.weight": (t.head_dim,), p + "self_attn.k_norm.weight": (t.head_dim,),
-                       p + "mlp.gate_proj.weight": (t.intermediate_size, h),
-                       p + "mlp.up_proj.weight": (t.intermediate_size, h),
-                       p + "mlp.down_proj.weight": (h, t.intermediate_size),
-                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-    shapes["model.language_model.norm.weight"] = (h,)
-    shapes["lm_head.weight"] = (t.vocab_size, h)
-    return shapes
+    """Every tensor name of the released layout and its shape: the model's own state dict, built on the meta
+    device (no memory), so it cannot drift from the module tree."""
+    from .model import Qwen3VL
+
+    with torch.device("meta"):
+        model = Qwen3VL(cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def _weight_files(path: Path) -> list[Path]:

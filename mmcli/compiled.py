@@ -14,11 +14,10 @@ NEFF caches pointed into cache_dir/neuron). The neuron path has not run here: no
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,7 +26,10 @@ from pathlib import Path
 
 import torch
 
+from .config import Config
 from .errors import ConfigError
+from .manifest import Manifest, open_cache_dir, stale_fields
+from .model_config import ModelConfig
 
 # What the neuron backend imports, the distributions that provide it, and where they come from.
 NEURON_MODULES = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "nki": "nki", "nkilib": "nki-library"}
@@ -81,6 +83,21 @@ def require_neuron() -> None:
                           f"install them from {NEURON_SOURCE}")
 
 
+def resolve_backend(name: str) -> str:
+    """compile.backend as run: auto is eager (bench/compile_speed.py measured eager ahead on the CPU); neuron only
+    with the SDK present."""
+    if name == "neuron":
+        require_neuron()
+    return "eager" if name == "auto" else name
+
+
+def compile_key(model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device, cfg: Config) -> dict:
+    """What a compiled graph depends on besides its bucket shape, backend and source (see Manifest)."""
+    model_json = json.dumps(dataclasses.asdict(model_cfg), sort_keys=True, default=str)
+    return {"model_config": hashlib.sha256(model_json.encode()).hexdigest()[:16], "dtype": str(dtype).split(".")[-1],
+            "device": device.type, "kv_cache": [cfg.engine.max_seqs + 1, cfg.engine.max_len]}
+
+
 def backend_version(backend: str) -> str:
     if backend == "neuron":
         return ", ".join(f"{d} {metadata.version(d)}" for d in NEURON_MODULES.values())
@@ -95,58 +112,6 @@ def source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def open_cache_dir(path: str | Path) -> Path:
-    """cache_dir, created readable by the user alone (compiled code is loaded from it and run)."""
-    cache = Path(path).expanduser()
-    cache.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if cache.stat().st_uid != os.getuid():
-        raise ConfigError(f"config compile.cache_dir {cache}: owned by another user; compiled code is not loaded "
-                          "from it")
-    return cache
-
-
-class Manifest:
-    """cache_dir/manifest.json: {entry id: {key, seconds, artifacts, created_at}}, rewritten atomically under a lock."""
-
-    def __init__(self, cache_dir: Path):
-        self.dir = cache_dir
-        self.path = cache_dir / "manifest.json"
-
-    def entries(self) -> dict[str, dict]:
-        try:
-            return json.loads(self.path.read_text()).get("entries", {})
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, AttributeError):
-            return {}  # unreadable: everything is rebuilt, nothing loaded blindly
-
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        with open(self.dir / "manifest.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent `mmcli compile` runs take turns
-            yield
-
-    def put(self, entry_id: str, entry: dict) -> None:
-        entries = self.entries()
-        entries[entry_id] = entry
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"schema": 1, "entries": entries}, indent=1, sort_keys=True))
-        os.replace(tmp, self.path)
-
-    def artifacts_present(self, entry: dict) -> bool:
-        return bool(entry.get("artifacts")) and all((self.dir / a).exists() for a in entry["artifacts"])
-
-    def remove_artifacts(self, entry: dict, keep: set[str]) -> None:
-        for rel in entry.get("artifacts", []):
-            path = self.dir / rel
-            if rel not in keep:
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-def stale_fields(old: dict, new: dict) -> list[str]:
-    return sorted(k for k in new if old.get(k) != new[k])
-
-
 class CompiledGraphs:
     """torch.compile'd step functions, one graph per bucket; `call` runs a bucket's graph once it is known to be
     compiled, and anything else eagerly (reported once), so a run never compiles."""
@@ -157,9 +122,6 @@ class CompiledGraphs:
         self.backend, self.base_key, self.buckets = backend, key, buckets
         self.cache_dir = open_cache_dir(cache_dir)
         self.manifest = Manifest(self.cache_dir)
-        self._point_caches_into(self.cache_dir)
-        # Every bucket of a component is a recompile of the same code for Dynamo: allow as many as there are buckets.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(buckets) + 1)
         self.compiled: dict[str, Callable] = {}
         self.ready: set[Bucket] = set()  # compiled ahead under the current key, artifacts present
         self.loaded: set[Bucket] = set()  # traced in this process (inductor: loaded from its cache)
@@ -167,13 +129,38 @@ class CompiledGraphs:
         self.compiled_at_run_time: list[Bucket] = []
         self.missing = self.attach()  # configured buckets not compiled ahead under the current key
 
-    def _point_caches_into(self, cache_dir: Path) -> None:
+    @classmethod
+    def for_run(cls, backend: str, cfg: Config, model_cfg: ModelConfig, dtype: torch.dtype,
+                device: torch.device) -> CompiledGraphs:
+        """The configured buckets of a run under its key."""
+        buckets = configured_buckets(cfg.vision.num_blocks_buckets, cfg.vision.block_size, cfg.compile.prefill_buckets,
+                                     cfg.compile.decode_batch_buckets, cfg.compile.decode_context_buckets)
+        return cls(backend, cfg.compile.cache_dir, compile_key(model_cfg, dtype, device, cfg), buckets)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """While compiling or loading graphs: the backend's caches pointed into cache_dir (Inductor reads
+        TORCHINDUCTOR_CACHE_DIR when it looks a graph up; TorchNeuron its variables at its first compilation), and
+        Dynamo allowed one recompile per bucket (every bucket of a component re-traces the same code). Both are
+        process-wide, so they are set only for the call and restored after."""
         if self.backend == "inductor":
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir / "inductor")
-        else:  # TorchNeuron reads these once, at its first compilation
-            for name, sub in (("TORCH_NEURONX_NEFF_CACHE_DIR", "neff"), ("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR",
-                              "neff_local"), ("TORCH_NEURONX_HLO_CACHE_DIR", "hlo")):
-                os.environ[name] = str(cache_dir / "neuron" / sub)
+            names = {"TORCHINDUCTOR_CACHE_DIR": self.cache_dir / "inductor"}
+        else:
+            names = {name: self.cache_dir / "neuron" / sub for name, sub in (
+                ("TORCH_NEURONX_NEFF_CACHE_DIR", "neff"), ("TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR", "neff_local"),
+                ("TORCH_NEURONX_HLO_CACHE_DIR", "hlo"))}
+        saved = {name: os.environ.get(name) for name in names}
+        os.environ.update({name: str(path) for name, path in names.items()})
+        limit = max(torch._dynamo.config.recompile_limit, len(self.buckets) + 1)
+        try:
+            with torch._dynamo.config.patch(recompile_limit=limit):
+                yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     def key(self, bucket: Bucket) -> dict:
         return {**self.base_key, "backend": self.backend, "backend_version": backend_version(self.backend),
@@ -198,8 +185,8 @@ class CompiledGraphs:
         self.ready = {b for b in self.buckets if self.status(b, entries)[0] == "cached"}
         return [b for b in self.buckets if b not in self.ready]
 
-    def compile_bucket(self, bucket: Bucket, warm: Callable[[Bucket], None]) -> tuple[str, float]:
-        """Compile one bucket (unless cached) by running `warm` on synthetic inputs of its shape; record it."""
+    def compile_bucket(self, bucket: Bucket, run: Callable[[Bucket], None]) -> tuple[str, float]:
+        """Compile one bucket (unless cached) by running `run` on synthetic inputs of its shape; record it."""
         with self.manifest.locked():
             entries = self.manifest.entries()
             state, changed = self.status(bucket, entries)
@@ -211,10 +198,10 @@ class CompiledGraphs:
                 live = {a for i, e in entries.items() if i != self.entry_id(bucket) for a in e.get("artifacts", [])}
                 self.manifest.remove_artifacts(old, live)
             before = self._artifacts()
-            self.ready.add(bucket)  # so that `warm` goes through the compiled graph
+            self.ready.add(bucket)  # so that `run` goes through the compiled graph
             started = time.perf_counter()
             try:
-                warm(bucket)
+                run(bucket)
             except BaseException:
                 self.ready.discard(bucket)
                 raise
@@ -223,6 +210,20 @@ class CompiledGraphs:
                 "key": self.key(bucket), "seconds": round(seconds, 3), "artifacts": sorted(self._artifacts() - before),
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         return ("rebuilt (" + ", ".join(changed) + " changed)") if state == "stale" else "new", seconds
+
+    def missing_report(self) -> str | None:
+        """The configured buckets not compiled ahead (they run eagerly), or None."""
+        if not self.missing:
+            return None
+        shown = ", ".join(b.label for b in self.missing[:6]) + (" …" if len(self.missing) > 6 else "")
+        return (f"{self.backend} compile cache {self.cache_dir}: {len(self.missing)} of {len(self.buckets)} buckets "
+                f"not compiled ahead ({shown}); they run eagerly, never compiled mid-run: `mmcli compile --buckets` "
+                "compiles them")
+
+    def use_report(self) -> str:
+        eager = ", ".join(b.label for b in self.missing_used) or "none"
+        return (f"{self.backend}: {len(self.loaded)} buckets loaded from the compile cache, "
+                f"{len(self.compiled_at_run_time)} compiled in this run; shapes run eagerly: {eager}")
 
     def _artifacts(self) -> set[str]:
         """Cache entries recorded so far in this process, as paths relative to cache_dir."""
@@ -249,10 +250,11 @@ class CompiledGraphs:
             graph = self.compiled[bucket.component] = torch.compile(
                 fn, backend=self.backend, dynamic=False, fullgraph=True)
         if bucket in self.loaded:
-            with torch.compiler.set_stance("fail_on_recompile"):
+            with self.scope(), torch.compiler.set_stance("fail_on_recompile"):
                 return graph(*args)
         misses = inductor_compilations()
-        out = graph(*args)  # first use in this process: Dynamo traces, the backend loads from its cache
+        with self.scope():
+            out = graph(*args)  # first use in this process: Dynamo traces, the backend loads from its cache
         self.loaded.add(bucket)
         if inductor_compilations() > misses:
             self.compiled_at_run_time.append(bucket)

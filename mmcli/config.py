@@ -13,18 +13,31 @@ from pathlib import Path
 
 import yaml
 
-from .checkpoint import DEFAULT_MODEL
 from .errors import ConfigError
+from .model_config import DEFAULT_MODEL, QWEN_MERGE_SIZE, QWEN_PATCH_SIZE
 
 
 @dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 128
-    temperature: float = 0.0
+class SamplingParams:
+    """How a request's tokens are chosen, and how many: the `generation` settings, and each request's own."""
+
+    temperature: float = 0.0  # 0 is greedy
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 keeps all
     repetition_penalty: float = 1.0
+    max_new_tokens: int = 128
     seed: int = 0
+
+    def __post_init__(self):
+        _refuse(self, "generation.", [
+            ("max_new_tokens", self.max_new_tokens >= 1, "at least 1"),
+            ("temperature", self.temperature >= 0, "0 or more"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, "0 or more"),
+            ("repetition_penalty", self.repetition_penalty > 0, "above 0")])
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -35,7 +48,7 @@ class ImageConfig:
 
 
 @dataclass(frozen=True)
-class VisionConfig:
+class VisionBlocksConfig:
     block_size: int = 5120  # patches per vision block (one batch row of the vision tower)
     num_blocks_buckets: tuple[int, ...] = (1, 2, 4, 8)  # block counts a vision call is padded to
     lookahead: int = 32  # waiting requests considered when forming a wave of images
@@ -68,9 +81,9 @@ class Config:
     dtype: str = "auto"
     device: str = "auto"
     prompt: str = "Describe this image."
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    generation: SamplingParams = field(default_factory=SamplingParams)
     image: ImageConfig = field(default_factory=ImageConfig)
-    vision: VisionConfig = field(default_factory=VisionConfig)
+    vision: VisionBlocksConfig = field(default_factory=VisionBlocksConfig)
     scan: ScanConfig = field(default_factory=ScanConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
@@ -79,11 +92,6 @@ class Config:
         checks: list = [
             ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "auto, float32, bfloat16, float16"),
             ("device", self.device in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
-            ("generation.max_new_tokens", self.generation.max_new_tokens >= 1, "at least 1"),
-            ("generation.temperature", self.generation.temperature >= 0, "0 or more"),
-            ("generation.top_p", 0 < self.generation.top_p <= 1, "in (0, 1]"),
-            ("generation.top_k", self.generation.top_k >= 0, "0 or more"),
-            ("generation.repetition_penalty", self.generation.repetition_penalty > 0, "above 0"),
             ("engine.max_seqs", self.engine.max_seqs >= 1, "at least 1"),
             ("engine.max_len", self.engine.max_len >= 16, "at least 16"),
             ("image.max_decode_pixels", self.image.max_decode_pixels > 0, "above 0"),
@@ -97,9 +105,9 @@ class Config:
             ("compile.decode_context_buckets", _counts(self.compile.decode_context_buckets),
              "a non-empty list of counts >= 1"),
         ]
-        self._refuse(checks)
+        _refuse(self, "", checks)
         if self.compile.backend in ("inductor", "neuron"):  # the buckets must hold what the engine may ask for
-            self._refuse([
+            _refuse(self, "", [
                 ("compile.prefill_buckets", max(self.compile.prefill_buckets) <= self.engine.max_len,
                  f"token counts none over engine.max_len {self.engine.max_len}"),
                 ("compile.decode_batch_buckets", max(self.compile.decode_batch_buckets) >= self.engine.max_seqs,
@@ -109,17 +117,20 @@ class Config:
             ])
         check_vision_budget(self.vision.block_size, self.image.max_pixels)
 
-    def _refuse(self, checks: list) -> None:
-        for key, ok, expected in checks:
-            if not ok:
-                raise ConfigError(f"config {key}: value {_get(self, key)!r} must be {expected}")
+
+
+def _refuse(obj, prefix: str, checks: list) -> None:
+    for key, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"config {prefix}{key}: value {_get(obj, key)!r} must be {expected}")
 
 
 def _counts(values: tuple[int, ...]) -> bool:
     return len(values) > 0 and all(v >= 1 for v in values)
 
 
-def check_vision_budget(block_size: int, max_pixels: int, patch_size: int = 16, merge_size: int = 2) -> None:
+def check_vision_budget(block_size: int, max_pixels: int, patch_size: int = QWEN_PATCH_SIZE,
+                        merge_size: int = QWEN_MERGE_SIZE) -> None:
     """Every allowed image must fit one block: refuse the config otherwise, saying what would fit."""
     unit = merge_size * merge_size
     if block_size < unit or block_size % unit:
@@ -200,3 +211,12 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
 
 def config_as_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def config_as_yaml(cfg: Config) -> str:
+    """The settings as YAML, in the order of configs/default.yaml (tuples as lists)."""
+    def plain(value):
+        return {k: plain(v) for k, v in value.items()} if isinstance(value, dict) else \
+            list(value) if isinstance(value, tuple) else value
+
+    return yaml.safe_dump(plain(config_as_dict(cfg)), sort_keys=False).rstrip()

@@ -52,27 +52,22 @@ class CaptionReplica:
         self.config, self.settings, self.logprobs = config, settings, logprobs
 
     def __call__(self, batch: dict) -> dict:
-        from .output import file_sha256, make_record
+        from .job import caption_record
 
-        cap, cfg = self.captioner, self.config
         paths = dict(zip(batch["key"].tolist(), batch["path"].tolist()))
-        sampling = {k: getattr(cfg.generation, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty",
-                                                             "max_new_tokens", "seed")}
-        records = []
-        for result in cap.caption(list(paths.items()), prompt=cfg.prompt, **sampling):
-            records.append(json.dumps(make_record(
-                key=result.key, task="caption", prompt=cfg.prompt, result=result, model=cap.model_name,
-                model_revision=cap.revision, sampling=sampling, sha256=file_sha256(paths[result.key]),
-                logprobs=self.logprobs, extra={"settings": self.settings})))
-        return {"record": records}
+        return {"record": [json.dumps(caption_record(result, self.captioner, self.config, self.settings,
+                                                     paths[result.key], self.logprobs))
+                           for result in self.captioner.caption(list(paths.items()), prompt=self.config.prompt)]}
 
 
-def caption_on_ray(items: list[tuple[str, Path]], config, settings: str, write, address: str | None,
-                   replicas: int, resources: dict, logprobs: bool, batch_size: int = 4) -> None:
-    """Run the captioning on a Ray cluster (a local instance without `address`); `write(record)` per record."""
+def caption_on_ray(items: list[tuple[str, Path]], config, settings: str, write, options, logprobs: bool,
+                   batch_size: int = 4) -> None:
+    """Run the captioning on a Ray cluster (a local instance without `options.address`); `write(record)` per
+    record. `options` is a job.RayOptions."""
     ray = require_ray()
+    replicas, resources = options.replicas, options.resources
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address=options.address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.actor_task_retry_on_errors = False  # per-item errors are records, not task failures

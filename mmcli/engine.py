@@ -12,9 +12,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import Config, SamplingParams
+from .errors import ItemError
 from .packing import choose_wave
 from .runner import DecodeItem, ModelRunner, PrefillItem
-from .sampling import SamplingParams, step_seed
+from .sampling import step_seed
 
 
 @dataclass(eq=False)
@@ -55,20 +57,20 @@ class Finished:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, max_seqs: int, max_len: int, max_prefill_tokens: int = 16384,
-                 lookahead: int = 1):
-        self.runner, self.max_seqs, self.max_len = runner, max_seqs, max_len
-        self.max_prefill_tokens, self.lookahead = max_prefill_tokens, max(lookahead, 1)
+    def __init__(self, runner: ModelRunner, config: Config):
+        self.runner = runner
+        self.max_seqs, self.max_len = config.engine.max_seqs, config.engine.max_len
+        self.max_prefill_tokens, self.lookahead = config.engine.max_prefill_tokens, config.vision.lookahead
+        self.block_size, self.num_blocks_buckets = config.vision.block_size, list(config.vision.num_blocks_buckets)
 
     def _pick(self, waiting: deque[Request], slots: int) -> list[Request]:
         """The requests to admit now: with vision blocks, the look-ahead wave that packs with least padding."""
         window = list(waiting)[:self.lookahead]
-        if self.runner.block_size is None or len(window) <= slots:
+        if len(window) <= slots:
             picked = window[:slots]
         else:
             patches = [[t * h * w for t, h, w in r.image_grids] for r in window]
-            picked = [window[i] for i in choose_wave(patches, slots, self.runner.block_size,
-                                                     list(self.runner.buckets))]
+            picked = [window[i] for i in choose_wave(patches, slots, self.block_size, self.num_blocks_buckets)]
         admitted, budget = [], self.max_prefill_tokens
         for req in picked:
             if admitted and len(req.input_ids) > budget:
@@ -112,7 +114,7 @@ class Engine:
                     exhausted = True
                 else:
                     if len(nxt.input_ids) >= self.max_len:
-                        raise ValueError(f"{nxt.key}: prompt of {len(nxt.input_ids)} tokens does not fit "
+                        raise ItemError(f"{nxt.key}: prompt of {len(nxt.input_ids)} tokens does not fit "
                                          f"engine.max_len {self.max_len}")
                     waiting.append(nxt)
             if not waiting and not running:

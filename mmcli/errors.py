@@ -29,3 +29,15 @@ class ItemError(MmcliError):
 
 class ImageError(ItemError):
     """One input image cannot be used."""
+
+
+class OutputLocked(MmcliError):
+    """Another run holds the output's lock: exit 2 (a usage error: choose another output or wait)."""
+
+    exit_code = 2
+
+
+class OutputError(MmcliError):
+    """The output cannot be written: exit 3."""
+
+    exit_code = 3

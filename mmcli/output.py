@@ -9,6 +9,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO
 
+from .errors import OutputError, OutputLocked
+
 SCHEMA = 1
 
 
@@ -63,10 +65,6 @@ def settings_hash(prompt: str, model: str, sampling: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-class OutputLocked(Exception):
-    pass
-
-
 class JsonlOutput:
     """An output JSONL file owned by one run: an exclusive lock, a torn last line set aside, appends fsynced."""
 
@@ -78,6 +76,13 @@ class JsonlOutput:
         self.set_aside: Path | None = None
 
     def open(self) -> JsonlOutput:
+        try:
+            return self._open()
+        except OSError as e:
+            self.close()
+            raise OutputError(f"{self.path}: cannot write ({e.strerror or e})") from None
+
+    def _open(self) -> JsonlOutput:
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Vision block packing (seed 004), as small pure functions over token counts.
+"""Vision block packing, as small pure functions over token counts.
 
 A wave of images is packed First-Fit-Decreasing into `num_blocks` blocks of `block_size` patches; each block is
 one batch row of the vision tower, and per-row bounds keep every query inside its own image (its own temporal
@@ -62,11 +62,6 @@ def make_layout(tokens: list[int], bins: list[list[int]], num_blocks: int, block
         if start > block_size:
             raise ValueError(f"block {block} holds {start} patches, over block_size {block_size}")
     return BlockLayout(tuple(padded), block_size, tuple(offsets[i] for i in range(len(tokens))))
-
-
-def pack(tokens: list[int], block_size: int, buckets: list[int]) -> BlockLayout:
-    bins = ffd_pack(tokens, block_size)
-    return make_layout(tokens, bins, choose_bucket(len(bins), buckets), block_size)
 
 
 def gather_index(tokens: list[int], layout: BlockLayout) -> list[int]:

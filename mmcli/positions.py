@@ -1,4 +1,4 @@
-"""M-RoPE positions (seed 000), as pure functions.
+"""M-RoPE positions (Qwen3-VL's get_rope_index, interleaved frequency slots), as pure functions.
 
 Two position streams reach every forward pass: `positions` [T], sequential per sequence (KV-cache slots and
 the causal mask), and `rotary_position_ids` [3, T], the T/H/W ids that only the rotary embedding reads.

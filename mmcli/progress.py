@@ -43,9 +43,13 @@ class Progress:
             print(f"mmcli: [{self.done}/{self.total}] {record['key']}: {status} ({images_s:.2f} images/s)",
                   file=sys.stderr, flush=True)
 
-    def finish(self, interrupted: bool = False) -> None:
+    def stop(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+            self.bar = None
+
+    def finish(self, interrupted: bool = False) -> None:
+        self.stop()
         if self.quiet:
             return
         images_s, tokens_s = self._rates()

@@ -11,7 +11,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ItemError
 
 IMAGE_PAD = "<|image_pad|>"
 
@@ -79,7 +79,8 @@ class PromptBuilder:
         ids = self.tokenizer.encode(self.render(question, len(image_token_counts))).ids
         found = sum(1 for i in ids if i == self.image_token_id)
         if found != len(image_token_counts):
-            raise ValueError(f"chat template produced {found} image placeholders for {len(image_token_counts)} images")
+            raise ItemError(f"the prompt holds {found} image placeholders for {len(image_token_counts)} images (does "
+                            f"the question contain {IMAGE_PAD}?)")
         counts = iter(image_token_counts)
         out: list[int] = []
         for i in ids:

@@ -3,29 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 is greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 keeps all
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 128
-    seed: int = 0
-
-    def __post_init__(self):
-        for name, ok in (("temperature", self.temperature >= 0), ("top_p", 0 < self.top_p <= 1),
-                         ("top_k", self.top_k >= 0), ("repetition_penalty", self.repetition_penalty > 0),
-                         ("max_new_tokens", self.max_new_tokens >= 1)):
-            if not ok:
-                raise ValueError(f"sampling {name}={getattr(self, name)!r} is out of range")
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+from .config import SamplingParams
 
 
 def step_seed(seed: int, key: str, step: int) -> int:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from .config import ScanConfig
+from .errors import ConfigError
 
 IMAGE_EXTENSIONS = ScanConfig().extensions
 
@@ -33,7 +34,7 @@ def scan(roots: list[Path], extensions: tuple[str, ...] = IMAGE_EXTENSIONS, recu
                 items.setdefault(root.name, root)
             continue
         if not root.is_dir():
-            raise FileNotFoundError(f"{root}: no such file or folder")
+            raise ConfigError(f"{root}: no such file or folder")
         seen: set[str] = set()
         for folder, dirs, files in os.walk(root, followlinks=True):
             real = os.path.realpath(folder)
@@ -61,7 +62,7 @@ def parse_shard(text: str) -> tuple[int, int]:
     try:
         index, count = (int(x) for x in text.split("/"))
     except ValueError:
-        raise ValueError(f"--shard {text!r}: expected I/N, e.g. 0/4") from None
+        raise ConfigError(f"--shard {text!r}: expected I/N, e.g. 0/4") from None
     if not 0 <= index < count:
-        raise ValueError(f"--shard {text!r}: I must be in 0..N-1")
+        raise ConfigError(f"--shard {text!r}: I must be in 0..N-1")
     return index, count

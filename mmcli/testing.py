@@ -130,7 +130,7 @@ def tiny_config(variant: str = "base", rope_form: str = "rope_scaling", vocab_si
 
 
 def qwen3_vl_2b_config(special_ids: dict) -> dict:
-    """config.json with the shapes of Qwen3-VL-2B-Instruct (spec section 1), for benchmarks on random weights."""
+    """config.json with the shapes of the released Qwen3-VL-2B-Instruct, for benchmarks on random weights."""
     config = tiny_config("base", "rope_scaling", 151936, special_ids)
     config["text_config"].update(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128,

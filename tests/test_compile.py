@@ -102,10 +102,10 @@ def test_padded_buckets_give_the_eager_tokens(tiny_dir, tmp_path, monkeypatch):
                                       "prefill_buckets": [64, 128, 256], "decode_batch_buckets": [1, 4],
                                       "decode_context_buckets": [64, 256]}}
     padded = Captioner.from_pretrained(str(tiny_dir), config=load_config(None, padded_cfg))
-    assert padded.runner.graphs.attach() == padded.runner.graphs.buckets  # nothing compiled: all run eagerly
+    assert padded.graphs.attach() == padded.graphs.buckets  # nothing compiled: all run eagerly
     assert {r.key: r.token_ids for r in padded.caption(items)} == expected
-    used = {b.label for b in padded.runner.graphs.missing_used}
-    assert {"decode 4x64", "prefill 64", "vision 1x256"} <= used and not padded.runner.graphs.loaded
+    used = {b.label for b in padded.graphs.missing_used}
+    assert {"decode 4x64", "prefill 64", "vision 1x256"} <= used and not padded.graphs.loaded
     # a prompt longer than the largest prefill bucket is refused for its item, the rest goes on
     small = Captioner.from_pretrained(str(tiny_dir), config=load_config(None, {
         **padded_cfg, "compile": {**padded_cfg["compile"], "prefill_buckets": [64]}}))

@@ -8,6 +8,7 @@ from conftest import SAMPLES, photo
 
 from mmcli.captioner import Captioner
 from mmcli.config import load_config
+from mmcli.encoder import ImageEncoder
 
 SIZES = [(224, 224), (97, 211), (640, 480), (128, 128), (300, 77), (512, 384), (64, 500), (451, 300)]
 NAMES = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"]
@@ -40,8 +41,7 @@ def test_packed_vision_equals_per_image_path(tiny_dir):
     # (64, (1, 2)) needs more blocks than its largest bucket: the wave is split into several calls
     for block_size, buckets, fixed in ((64, (1, 2, 4, 8), True), (64, (1, 2), True), (128, (4, 8), True),
                                        (256, (2,), True), (1024, (1,), False)):
-        cap.runner.block_size, cap.runner.buckets, cap.runner.fixed_shapes = block_size, buckets, fixed
-        packed = cap.runner.encode_images(pixels, grids)
+        packed = ImageEncoder(cap.model.visual, cap.runner.device, block_size, buckets, fixed).encode(pixels, grids)
         for (f_ref, ds_ref), (f, ds) in zip(reference, packed):
             torch.testing.assert_close(f, f_ref, atol=1e-5, rtol=0)
             for a, b in zip(ds, ds_ref):
@@ -50,12 +50,7 @@ def test_packed_vision_equals_per_image_path(tiny_dir):
 
 
 def _per_image(cap, pixels, grids):
-    block_size = cap.runner.block_size
-    cap.runner.block_size = None
-    try:
-        return cap.runner.encode_images(pixels, grids)
-    finally:
-        cap.runner.block_size = block_size
+    return ImageEncoder(cap.model.visual, cap.runner.device, None, (1,), False).encode(pixels, grids)
 
 
 def test_caption_tokens_do_not_depend_on_block_size_or_bucket(tiny_dir, tmp_path):
@@ -64,7 +59,7 @@ def test_caption_tokens_do_not_depend_on_block_size_or_bucket(tiny_dir, tmp_path
     for vision in ({"block_size": 64, "num_blocks_buckets": [1, 2, 4, 8]}, {"block_size": 1024,
                                                                            "num_blocks_buckets": [4]}):
         cap = _captioner(tiny_dir, vision=vision, generation={"max_new_tokens": 8}, image={"max_pixels": 128 * 128})
-        cap.runner.fixed_shapes = True
+        cap.runner.encoder.fixed_shapes = True
         runs.append({r.key: r.token_ids for r in cap.caption(items)})
     assert runs[0] == runs[1] and len(runs[0]) == 5
 

@@ -33,7 +33,7 @@ def _reference_inputs(processor, images):
 def _prefill_logits(captioner, req, rotary=None):
     item = PrefillItem(0, req.input_ids, req.rotary_position_ids if rotary is None else rotary,
                        req.pixel_values, req.image_grids)
-    return captioner.runner.prefill([item], all_logits=True)
+    return captioner.model.lm_head(captioner.runner.forward_prompts([item])).float()
 
 
 @pytest.mark.parametrize("case", CASES)

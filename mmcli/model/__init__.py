@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checkpoint import ModelConfig
+from ..model_config import ModelConfig
 from .linear import Linear
 from .text import AttentionBatch, KVCache, TextDecoder
 from .vision import VisionTower

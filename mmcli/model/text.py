@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import TextConfig
+from ..model_config import TextConfig
 from .linear import Linear
-from .vision import rotate_half
+from .rope import apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -77,9 +77,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # M-RoPE after the q/k norms
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # M-RoPE after the q/k norms
         if batch.seqlens is not None:
             out = self._prefill(q, k, v, batch, k_cache, v_cache)
         else:
@@ -141,6 +139,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class TextDecoder(nn.Module):
     def __init__(self, cfg: TextConfig):
@@ -155,8 +158,7 @@ class TextDecoder(nn.Module):
         added after layer l (prefill only)."""
         cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)
         for i, layer in enumerate(self.layers):
-            h = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, batch, cache.k[i], cache.v[i])
-            hidden = h + layer.mlp(layer.post_attention_layernorm(h))
+            hidden = layer(hidden, cos, sin, batch, cache.k[i], cache.v[i])
             if deepstack is not None and i < len(deepstack):
                 hidden = hidden + deepstack[i].to(hidden.dtype)
         return self.norm(hidden)

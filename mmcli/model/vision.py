@@ -6,17 +6,18 @@ the mergers only regroup 4 consecutive rows. Module names follow the checkpoint 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import VisionConfig
+from ..model_config import VisionConfig
+from .attention import BlockAttention, segment_attention
 from .linear import Linear
+from .rope import apply_rotary
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q, k, v [..., N, heads, d] -> out
 
 
 def patch_coords(grid_thw: list[tuple[int, int, int]], merge: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,82 +83,12 @@ class VisionAttention(nn.Module):
         self.qkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def qkv_rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q, k, v [..., N, heads, head_dim] with the 2-D rotary applied in float32."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """x [..., N, hidden]; the 2-D rotary in float32 (as the reference); `attend` confines each query."""
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(-3)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        return q, k, v
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
-        q, k, v = self.qkv_rotated(x, cos, sin)
-        out = []
-        start = 0
-        for n in seqlens:  # full attention within each image (each temporal patch), none across
-            s = slice(start, start + n)
-            # 4-D inputs: the CPU flash kernel takes only those (3-D falls back to the math path, 2x slower)
-            o = F.scaled_dot_product_attention(q[s].transpose(0, 1)[None], k[s].transpose(0, 1)[None],
-                                               v[s].transpose(0, 1)[None])
-            out.append(o[0].transpose(0, 1))
-            start += n
-        return self.proj(torch.cat(out).flatten(-2))
-
-
-def bounded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_min: torch.Tensor,
-                      bound_max: torch.Tensor) -> torch.Tensor:
-    """Reference for the Neuron kernel's bounded attention (attention_cte with bound_min / bound_max).
-
-    q, k, v [B, heads, S, d]; bounds [B, S]: query row r sees keys in [bound_min[r], bound_max[r]). A row with
-    an empty range (padding) attends to nothing and outputs zeros.
-    """
-    keys = torch.arange(q.shape[-2], device=q.device)
-    allowed = (keys >= bound_min[..., None]) & (keys < bound_max[..., None])  # [B, S, S]
-    empty = bound_max <= bound_min
-    allowed = allowed | (empty[..., None] & (keys == 0))  # keep softmax finite; zeroed below
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
-    return out.masked_fill(empty[:, None, :, None], 0.0)
-
-
-def nki_bounded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_min: torch.Tensor,
-                          bound_max: torch.Tensor) -> torch.Tensor:
-    """`bounded_attention` on Trainium: the NKI library's attention_cte kernel with its sequence-packing bounds
-    (query row r sees keys [bound_min[r], bound_max[r])). Heads fold into the kernel's batch, q is pre-scaled
-    (the kernel's bounded path needs scale 1.0). Written against the documented API; not run here (no Trainium2)."""
-    from nkilib.core.attention.attention_cte import attention_cte
-    from torch_neuronx import wrap_nki
-    from torch_neuronx.utils import get_logical_neuron_cores
-
-    b, heads, s, d = q.shape
-    fold = (b * heads, s, d)
-    bmin = bound_min.repeat_interleave(heads, 0).unsqueeze(-1).to(torch.int32)  # [B*heads, S, 1]
-    bmax = bound_max.repeat_interleave(heads, 0).unsqueeze(-1).to(torch.int32)
-    out = wrap_nki(attention_cte)[(int(get_logical_neuron_cores()),)](
-        (q * d**-0.5).reshape(fold), k.reshape(fold), v.reshape(fold), scale=1.0, causal_mask=False,
-        tp_q=True, tp_k=True, tp_out=False, softmax_dtype=torch.float32, bound_min=bmin, bound_max=bmax)
-    empty = (bound_max <= bound_min)[:, None, :, None]  # padding rows: zeros, as the reference defines
-    return out.reshape(b, heads, s, d).masked_fill(empty, 0.0)
-
-
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_min: torch.Tensor,
-                      bound_max: torch.Tensor) -> torch.Tensor:
-    """The same result as `bounded_attention`, computing only inside the bounds: each run of rows that share a
-    [bound_min, bound_max) range attends to that range alone (what a bounds-aware kernel skips, we skip too).
-    For eager execution; compiled graphs keep the fixed-shape reference."""
-    out = torch.zeros_like(q)
-    bmin, bmax = bound_min.tolist(), bound_max.tolist()
-    for b, (lo_row, hi_row) in enumerate(zip(bmin, bmax)):
-        r = 0
-        while r < len(lo_row):
-            lo, hi = lo_row[r], hi_row[r]
-            end = r + 1
-            while end < len(lo_row) and lo_row[end] == lo and hi_row[end] == hi:
-                end += 1
-            if hi > lo:
-                out[b, :, r:end] = F.scaled_dot_product_attention(q[b:b + 1, :, r:end], k[b:b + 1, :, lo:hi],
-                                                                  v[b:b + 1, :, lo:hi])[0]
-            r = end
-    return out
+        q = apply_rotary(q.float(), cos, sin).to(x.dtype)
+        k = apply_rotary(k.float(), cos, sin).to(x.dtype)
+        return self.proj(attend(q, k, v).flatten(-2))
 
 
 class VisionMLP(nn.Module):
@@ -177,6 +108,10 @@ class VisionBlock(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, attend)
+        return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Module):
@@ -207,6 +142,7 @@ class VisionTower(nn.Module):
         self.merger = PatchMerger(cfg, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes)
+        self.block_attention: BlockAttention = segment_attention  # the runner sets its backend's kernel
 
     def patch_inputs(self, grid_thw: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
         """Per-patch inputs computed on the CPU from the grids alone: rotary cos/sin, pos-table taps."""
@@ -221,35 +157,37 @@ class VisionTower(nn.Module):
         pos = (self.pos_embed(pos_idx) * pos_weights.unsqueeze(-1)).sum(-2)
         return x + pos.to(x.dtype)
 
-    def forward_packed(self, pixels: torch.Tensor, pos_idx: torch.Tensor, pos_weights: torch.Tensor,
-                       cos: torch.Tensor, sin: torch.Tensor, bound_min: torch.Tensor, bound_max: torch.Tensor):
-        """Packed path: every input is [num_blocks, block_size, ...], one block per batch row, attention confined
-        by the bounds. Returns merged [num_blocks, block_size/4, out] and the DeepStack levels alike."""
-        x = self.embed(pixels, pos_idx, pos_weights)
+    def run_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend):
+        """The blocks, with a DeepStack merger's output taken after each of deepstack_visual_indexes; returns
+        (merged, [DeepStack features])."""
         deepstack = []
-        for i, blk in enumerate(self.blocks):
-            attn = blk.attn
-            q, k, v = attn.qkv_rotated(blk.norm1(x), cos, sin)
-            # Trainium: the NKI kernel; other compiled graphs: the fixed-shape reference; eager: only inside bounds.
-            attend = nki_bounded_attention if x.device.type == "neuron" else \
-                bounded_attention if torch.compiler.is_compiling() else segment_attention
-            o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bound_min, bound_max)
-            x = x + attn.proj(o.transpose(1, 2).flatten(-2))
-            x = x + blk.mlp(blk.norm2(x))
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, attend)
             if i in self.cfg.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[self.cfg.deepstack_visual_indexes.index(i)](x))
         return self.merger(x), deepstack
 
+    def forward_packed(self, pixels: torch.Tensor, pos_idx: torch.Tensor, pos_weights: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, bound_min: torch.Tensor, bound_max: torch.Tensor):
+        """Packed path: every input is [num_blocks, block_size, ...], one block per batch row, attention confined
+        by the bounds (with `block_attention`, chosen by the runner). Returns merged [num_blocks, block_size/4,
+        out] and the DeepStack levels alike."""
+        def attend(q, k, v):  # [B, S, heads, d] -> the kernels' [B, heads, S, d] and back
+            out = self.block_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bound_min, bound_max)
+            return out.transpose(1, 2)
+
+        return self.run_blocks(self.embed(pixels, pos_idx, pos_weights), cos, sin, attend)
+
     def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]):
         """Per-image path: pixels [N, C*T*P*P] -> (merged [N/4, out], [DeepStack features [N/4, out]])."""
-        dev = pixels.device
-        inputs = {k: v.to(dev) for k, v in self.patch_inputs(grid_thw).items()}
-        x = self.embed(pixels, inputs["pos_idx"], inputs["pos_weights"])
+        inputs = {k: v.to(pixels.device) for k, v in self.patch_inputs(grid_thw).items()}
         seqlens = [h * w for t, h, w in grid_thw for _ in range(t)]
-        deepstack = []
-        for i, blk in enumerate(self.blocks):
-            x = x + blk.attn(blk.norm1(x), inputs["cos"], inputs["sin"], seqlens)
-            x = x + blk.mlp(blk.norm2(x))
-            if i in self.cfg.deepstack_visual_indexes:
-                deepstack.append(self.deepstack_merger_list[self.cfg.deepstack_visual_indexes.index(i)](x))
-        return self.merger(x), deepstack
+
+        def attend(q, k, v):  # full attention within each image (each temporal patch), none across
+            out = [F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                                  vs.transpose(0, 1)[None])[0].transpose(0, 1)
+                   for qs, ks, vs in zip(q.split(seqlens), k.split(seqlens), v.split(seqlens))]
+            return torch.cat(out)  # 4-D SDPA inputs: the CPU flash kernel takes only those
+
+        x = self.embed(pixels, inputs["pos_idx"], inputs["pos_weights"])
+        return self.run_blocks(x, inputs["cos"], inputs["sin"], attend)

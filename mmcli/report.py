@@ -1,0 +1,76 @@
+"""What `mmcli plan` and `mmcli compile` print: Rich tables of vision blocks and of compiled buckets."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .config import Config
+from .errors import ImageError
+from .images import decode_image, image_processor_config, num_patches
+from .packing import ffd_pack, flat_efficiency, packed_efficiency, padded_efficiency, recommend_block_size
+from .scan import scan
+
+
+def image_patches(paths: list[Path], cfg: Config) -> tuple[list[str], list[int]]:
+    """Patch counts of the images under `paths`, decoded and sized exactly as a run does (a local checkpoint's
+    preprocessor_config.json, else Qwen3-VL's, with the configured pixel budget)."""
+    local = Path(cfg.model).expanduser()
+    image_cfg = image_processor_config(local if local.is_dir() else None, cfg.image.min_pixels, cfg.image.max_pixels)
+    names, patches = [], []
+    for key, path in scan(paths, cfg.scan.extensions):
+        try:
+            patches.append(num_patches(decode_image(path, cfg.image.max_decode_pixels).image, image_cfg))
+        except ImageError as e:
+            print(f"mmcli: {path}: skipped ({e})", file=sys.stderr)
+            continue
+        names.append(key)
+    return names, patches
+
+
+def print_plan(names: list[str], patches: list[int], size: int) -> None:
+    bins = ffd_pack(patches, size)
+    console = Console(width=100)
+    table = Table(title=f"{len(patches)} images in {len(bins)} blocks of {size} patches")
+    for col in ("block", "images", "patches", "fill"):
+        table.add_column(col, justify="right" if col != "images" else "left")
+    for b, images in enumerate(bins):
+        used = sum(patches[i] for i in images)
+        shown = ", ".join(f"{names[i]} ({patches[i]})" for i in sorted(images)[:6])
+        table.add_row(str(b), shown + (" …" if len(images) > 6 else ""), str(used), f"{100 * used / size:.1f}%")
+    console.print(table)
+    console.print(f"attention efficiency, blocks of {size}: {100 * packed_efficiency(patches, len(bins), size):.1f}%")
+    console.print(f"attention efficiency, one flat sequence with a mask: {100 * flat_efficiency(patches):.1f}%")
+    console.print(f"attention efficiency, each image padded to the largest: {100 * padded_efficiency(patches):.1f}%")
+    best = recommend_block_size(patches)
+    best_blocks = len(ffd_pack(patches, best))
+    console.print(f"recommended block_size: {best} ({best_blocks} blocks, "
+                  f"{100 * packed_efficiency(patches, best_blocks, best):.1f}% attention efficiency, least estimated "
+                  f"vision work: padded linear layers plus block attention)")
+
+
+def compile_buckets(cfg: Config, bucket_list: str | None) -> None:
+    """Load the model, compile each configured bucket (or those listed) unless cached, and print the table."""
+    from .captioner import Captioner
+    from .compiled import parse_buckets
+
+    started = time.perf_counter()
+    captioner = Captioner.from_pretrained(config=cfg)
+    graphs = captioner.graphs
+    todo = parse_buckets(bucket_list, graphs.buckets) if bucket_list else graphs.buckets
+    console = Console(width=100, stderr=False)
+    table = Table(title=f"{graphs.backend} buckets in {graphs.cache_dir}")
+    for col in ("component", "bucket shape", "seconds", "status"):
+        table.add_column(col, justify="right" if col == "seconds" else "left")
+    counts: dict[str, int] = {}
+    for bucket in todo:
+        status, seconds = graphs.compile_bucket(bucket, captioner.runner.run_bucket)
+        counts[status.split()[0]] = counts.get(status.split()[0], 0) + 1
+        table.add_row(bucket.component, "x".join(map(str, bucket.shape)), f"{seconds:.1f}", status)
+    console.print(table)
+    summary = ", ".join(f"{n} {status}" for status, n in counts.items())
+    console.print(f"{len(todo)} buckets ({summary}) in {time.perf_counter() - started:.1f} s")
