@@ -9,12 +9,13 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .captioner import Captioner, Result
+    from .captioner import Captioner
     from .config import Config, SamplingParams, load_config
+    from .output import Result
 
 __all__ = ["Captioner", "Config", "Result", "SamplingParams", "load_config"]
 __version__ = "0.1.0"
-_HOMES = {"Captioner": "captioner", "Result": "captioner", "Config": "config", "SamplingParams": "config",
+_HOMES = {"Captioner": "captioner", "Result": "output", "Config": "config", "SamplingParams": "config",
           "load_config": "config"}
 
 

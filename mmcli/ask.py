@@ -11,10 +11,20 @@ from .errors import MmcliError
 
 def run_ask(config: Config, images: list[Path], question: str, output: Path | None, logprobs: bool) -> int:
     """Load, answer, print; returns 0, or 1 when the item failed (its error is on stderr and in the record)."""
-    from .captioner import Captioner, Result
-    from .output import JsonlOutput, file_sha256, make_record
+    from .captioner import Captioner
+    from .output import JsonlOutput
 
-    captioner = Captioner.from_pretrained(config=config)
+    out = JsonlOutput(output).open() if output is not None else None  # locked before the work, like caption
+    try:
+        return _answer(Captioner.from_pretrained(config=config), images, question, out, logprobs)
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _answer(captioner, images: list[Path], question: str, out, logprobs: bool) -> int:
+    from .output import Result, make_record
+
     captioner.report_compile_cache()
     try:
         result = captioner.ask([str(p) for p in images], question)
@@ -24,14 +34,9 @@ def run_ask(config: Config, images: list[Path], question: str, output: Path | No
         print(f"mmcli: {e}", file=sys.stderr)
     if result.ok:
         print(result.text)
-    if output is not None:
-        record = make_record(key=str(images[0]), task="ask", prompt=question, result=result,
-                             model=captioner.model_name, model_revision=captioner.revision,
-                             sampling=config.generation.as_dict(), sha256=file_sha256(images[0]), logprobs=logprobs,
-                             extra={"images": [str(p) for p in images]} if len(images) > 1 else None)
-        out = JsonlOutput(output).open()
-        try:
-            out.append(record)
-        finally:
-            out.close()
+    if out is not None:
+        out.append(make_record(key=str(images[0]), task="ask", prompt=question, result=result,
+                               model=captioner.model_name, model_revision=captioner.revision,
+                               sampling=captioner.config.generation.as_dict(), path=images[0], logprobs=logprobs,
+                               extra={"images": [str(p) for p in images]} if len(images) > 1 else None))
     return 0 if result.ok else 1

@@ -8,7 +8,7 @@ import math
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from .checkpoint import (
     expected_shapes,
     load_weights,
     read_model_config,
+    resolve_dtype,
     resolve_model,
     torch_dtype,
 )
@@ -28,32 +29,12 @@ from .engine import Engine, Request
 from .errors import ImageError, ItemError
 from .images import ImageProcessorConfig, image_processor_config
 from .model import Qwen3VL
+from .output import Result
 from .positions import rope_index
 from .preprocess import decode_image, preprocess
 from .prompt import PromptBuilder
+from .resume import label_settings
 from .runner import ModelRunner, pick_device
-
-
-@dataclass
-class Result:
-    key: str
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_input_tokens: int = 0
-    num_image_tokens: int = 0
-    latency_ms: int = 0
-    images: list[dict] = field(default_factory=list)  # width, height, note per input image
-    error: dict | None = None  # {"type", "message"} when the item failed
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
 
 
 def _stop_ids(path: Path, prompts: PromptBuilder) -> frozenset[int]:
@@ -75,6 +56,8 @@ class Captioner:
         self.image_cfg, self.config, self.graphs = image_cfg, config, graphs
         self.model_name = config.model
         self.revision = checkpoint_revision(path)
+        dtype = str(runner.dtype).removeprefix("torch.")
+        self.label_settings = label_settings(config, path, weights_dtype=dtype, compute_dtype=dtype)
         self.stop_ids = _stop_ids(path, prompts)
         self.engine = Engine(runner, config)
 
@@ -88,10 +71,7 @@ class Captioner:
         path = resolve_model(cfg.model)
         model_cfg = read_model_config(path)
         dev = torch.device("neuron") if backend == "neuron" else pick_device(cfg.device)
-        # auto: the checkpoint's dtype on accelerators; float32 on the CPU, where bfloat16 matmuls mostly lack fast
-        # kernels (measured 11 vs 58 GFLOP/s on an AVX2 server) and decode reads weights at GEMV speed either way.
-        dt = torch_dtype(("float32" if dev.type == "cpu" else model_cfg.torch_dtype) if cfg.dtype == "auto"
-                         else cfg.dtype)
+        dt = torch_dtype(resolve_dtype(cfg.dtype, model_cfg.torch_dtype, dev.type))
         graphs = None if backend == "eager" else CompiledGraphs.for_run(backend, cfg, model_cfg, dt, dev)
         qwen = Qwen3VL.from_weights(model_cfg, load_weights(path, model_cfg, dt))
         runner = ModelRunner(qwen, dev, cfg, graphs)
@@ -156,6 +136,12 @@ class Captioner:
     def caption(self, items: Iterable[tuple[str, str | Path]], prompt: str | None = None,
                 **sampling) -> Iterator[Result]:
         """Caption (key, image path) items; yields each Result as soon as it is finished (errors included)."""
+        items = list(items)
+        seen: set[str] = set()
+        for key, _ in items:
+            if key in seen:
+                raise ValueError(f"caption: key {key!r} is given twice; keys name results and must be unique")
+            seen.add(key)
         params = self.sampling(**sampling)
         question = prompt or self.config.prompt
         started: dict[str, float] = {}

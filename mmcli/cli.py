@@ -119,6 +119,8 @@ def caption(
     limit: int | None = typer.Option(None, help="At most this many items."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Redo items already recorded."),
     retry_errors: bool = typer.Option(False, "--retry-errors", help="Redo items recorded as errors."),
+    check_changed: bool = typer.Option(True, "--check-changed/--no-check-changed",
+                                       help="Redo items whose image changed since its record (size, mtime, sha256)."),
     sidecar: str | None = typer.Option(None, help="Also write each caption next to its image, e.g. .txt."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be captioned, then stop."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress or summary (for cron)."),
@@ -141,7 +143,7 @@ def caption(
         cfg = _settings(config, model=model, dtype=dtype, device=device, prompt=prompt, compile={"backend": backend},
                         generation={"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed})
         job = CaptionJob(paths, cfg, output, recursive, include, exclude, shard, limit, overwrite, retry_errors,
-                         sidecar, dry_run, quiet, logprobs, ray_options)
+                         sidecar, dry_run, quiet, logprobs, ray_options, check_changed)
         code = run_caption_job(job)
     raise typer.Exit(code)
 

@@ -13,6 +13,7 @@ NEFF caches pointed into cache_dir/neuron). The neuron path has not run here: no
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import hashlib
@@ -34,7 +35,8 @@ from .model_config import ModelConfig
 # What the neuron backend imports, the distributions that provide it, and where they come from.
 NEURON_MODULES = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "nki": "nki", "nkilib": "nki-library"}
 NEURON_SOURCE = "AWS's Neuron pip repository (https://pip.repos.neuron.amazonaws.com), on a Trainium2 instance"
-COMPILED_SOURCES = ("model/__init__.py", "model/text.py", "model/vision.py", "compiled.py", "positions.py")
+PACKAGE_ROOT = Path(__file__).parent
+GRAPH_ENTRY = "steps.py"  # the bodies of the prefill and decode graphs; the vision graph is the model's forward_packed
 
 
 @dataclass(frozen=True, order=True)
@@ -104,10 +106,35 @@ def backend_version(backend: str) -> str:
     return f"torch {torch.__version__}"
 
 
-def source_digest() -> str:
-    root = Path(__file__).parent
+def compiled_sources(root: Path, entry: str = GRAPH_ENTRY) -> list[str]:
+    """Every module of the package whose code can run inside a compiled graph: the graph bodies and, transitively,
+    every package module they import (read from the source, so a new module is covered without a list to keep)."""
+    found: set[str] = set()
+    todo = [entry]
+    while todo:
+        rel = todo.pop()
+        if rel in found or not (root / rel).is_file():
+            continue
+        found.add(rel)
+        here = Path(rel).parent
+        for node in ast.walk(ast.parse((root / rel).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = here
+                for _ in range(node.level - 1):
+                    base = base.parent
+                parts = (node.module or "").split(".") if node.module else []
+                targets = [base.joinpath(*parts)] if parts else [base / alias.name for alias in node.names]
+                for target in targets:
+                    todo += [f"{target.as_posix()}.py".removeprefix("./"),
+                             f"{(target / '__init__.py').as_posix()}".removeprefix("./")]
+    return sorted(found)
+
+
+def source_digest(root: Path | None = None) -> str:
+    """A digest of the compiled sources (see compiled_sources): editing any of them makes every bucket stale."""
+    root = root or PACKAGE_ROOT
     digest = hashlib.sha256()
-    for name in COMPILED_SOURCES:
+    for name in compiled_sources(root):
         digest.update(name.encode() + b"\0" + (root / name).read_bytes())
     return digest.hexdigest()[:16]
 

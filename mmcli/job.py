@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import Config
-from .errors import MmcliError
-from .output import JsonlOutput, append_record, file_sha256, make_record, settings_hash, write_sidecar
+from .errors import ConfigError, MmcliError
+from .output import JsonlOutput, Result, append_record, make_record, sidecar_path, write_sidecar
+from .resume import file_changed, settings_hash
 from .scan import parse_shard, scan, shard_of
 
 
@@ -42,18 +43,39 @@ class CaptionJob:
     quiet: bool = False
     logprobs: bool = False
     ray: RayOptions | None = None
-
-    @property
-    def settings(self) -> str:
-        return settings_hash(self.config.prompt, self.config.model, self.config.generation.as_dict())
+    check_changed: bool = True  # redo an item whose image changed since its record
+    settings: str = ""  # the label settings' hash; set when the job starts
 
 
 def caption_record(result, captioner, config: Config, settings: str, path: str | Path, logprobs: bool) -> dict:
     """The record of one captioned item (local and Ray runs alike)."""
     return make_record(key=result.key, task="caption", prompt=config.prompt, result=result,
                        model=captioner.model_name, model_revision=captioner.revision,
-                       sampling=config.generation.as_dict(), sha256=file_sha256(path), logprobs=logprobs,
+                       sampling=config.generation.as_dict(), path=path, logprobs=logprobs,
                        extra={"settings": settings})
+
+
+def error_record(key: str, path: Path, config: Config, settings: str, error: MmcliError) -> dict:
+    """The record of an item refused before it ran."""
+    result = Result(key, error={"type": type(error).__name__, "message": str(error)})
+    return make_record(key=key, task="caption", prompt=config.prompt, result=result, model=config.model,
+                       model_revision=None, sampling=config.generation.as_dict(), path=path,
+                       extra={"settings": settings})
+
+
+def sidecar_clashes(items: list[tuple[str, Path]], ext: str | None) -> dict[str, str]:
+    """{key: earlier key} for every item whose sidecar path an earlier item (in key order) already takes."""
+    if not ext:
+        return {}
+    owners: dict[Path, str] = {}
+    clashes = {}
+    for key, path in items:
+        target = sidecar_path(path, ext)
+        if target in owners:
+            clashes[key] = owners[target]
+        else:
+            owners[target] = key
+    return clashes
 
 
 def select_items(job: CaptionJob) -> list[tuple[str, Path]]:
@@ -67,17 +89,30 @@ def select_items(job: CaptionJob) -> list[tuple[str, Path]]:
 
 
 def pending(items: list[tuple[str, Path]], out: JsonlOutput, job: CaptionJob) -> list[tuple[str, Path]]:
-    """Items the output does not hold as done under the same settings (errors too, unless --retry-errors)."""
+    """Items the output does not hold as done under the same settings (errors too, unless --retry-errors); with
+    check_changed, also those whose image changed since its record."""
     if job.overwrite:
         return items
-    recorded = {r.get("key"): r.get("status") for r in out.records() if r.get("settings") == job.settings}
-    return [(k, p) for k, p in items if recorded.get(k) is None or (recorded[k] == "error" and job.retry_errors)]
+    recorded = {r.get("key"): r for r in out.records() if r.get("settings") == job.settings}
+
+    def todo(key: str, path: Path) -> bool:
+        record = recorded.get(key)
+        if record is None:
+            return True
+        if record.get("status") == "error":
+            return job.retry_errors
+        return job.check_changed and file_changed(path, record)
+
+    return [(k, p) for k, p in items if todo(k, p)]
 
 
 def run_caption_job(job: CaptionJob) -> int:
     """Run the job; returns the exit code (0 done, 1 an item failed, 130 interrupted). Raises MmcliError for
     what stops it before or during the work."""
+    from .resume import planned_settings
+
     items = select_items(job)
+    job.settings = settings_hash(planned_settings(job.config))
     out = JsonlOutput(Path(job.output)).open() if job.output != "-" else None
     try:
         if out is not None:
@@ -91,13 +126,13 @@ def run_caption_job(job: CaptionJob) -> int:
                 print("\n".join(key for key, _ in items) + ("\n" if items else ""), end="")
                 print(f"mmcli: {len(items)} images to caption", file=sys.stderr)
             return 0
-        return _run(job, items, out)
+        return _run(job, items, out, sidecar_clashes(select_items(job), job.sidecar) if job.sidecar else {})
     finally:
         if out is not None:
             out.close()
 
 
-def _run(job: CaptionJob, items: list[tuple[str, Path]], out: JsonlOutput | None) -> int:
+def _run(job: CaptionJob, items: list[tuple[str, Path]], out: JsonlOutput | None, clashes: dict[str, str]) -> int:
     from .captioner import Captioner
     from .progress import Progress
 
@@ -105,6 +140,7 @@ def _run(job: CaptionJob, items: list[tuple[str, Path]], out: JsonlOutput | None
     if job.ray is None:
         captioner = Captioner.from_pretrained(config=job.config)
         captioner.report_compile_cache()
+        job.settings = settings_hash(captioner.label_settings)  # the same, unless the model was fetched just now
     paths = dict(items)
     progress = Progress(len(items), quiet=job.quiet)
 
@@ -119,6 +155,12 @@ def _run(job: CaptionJob, items: list[tuple[str, Path]], out: JsonlOutput | None
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
+        for key, first in clashes.items():
+            if key in paths:
+                error = ConfigError(f"{paths[key]}: its sidecar {sidecar_path(paths[key], job.sidecar)} is also the "
+                                    f"sidecar of {first}; rename one of the two")
+                write(error_record(key, paths[key], job.config, job.settings, error))
+        items = [(k, p) for k, p in items if k not in clashes]
         if job.ray is not None:
             from .distributed import caption_on_ray
 

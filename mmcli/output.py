@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import stat
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO
@@ -12,6 +15,28 @@ from typing import IO
 from .errors import OutputError, OutputLocked
 
 SCHEMA = 1
+
+
+@dataclass
+class Result:
+    key: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_input_tokens: int = 0
+    num_image_tokens: int = 0
+    latency_ms: int = 0
+    images: list[dict] = field(default_factory=list)  # width, height, note per input image
+    error: dict | None = None  # {"type", "message"} when the item failed
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
 def file_sha256(path: str | Path) -> str | None:
@@ -25,12 +50,23 @@ def file_sha256(path: str | Path) -> str | None:
     return h.hexdigest()
 
 
+def file_facts(path: str | Path | None) -> dict:
+    """sha256, size and mtime of the input file: what resume checks to see whether an image changed."""
+    try:
+        st = os.stat(path) if path is not None else None
+    except OSError:
+        st = None
+    return {"sha256": file_sha256(path) if st else None, "file_size": st.st_size if st else None,
+            "file_mtime_ns": st.st_mtime_ns if st else None}
+
+
 def make_record(*, key: str, task: str, prompt: str, result, model: str, model_revision: str | None,
-                sampling: dict, sha256: str | None = None, logprobs: bool = False, extra: dict | None = None) -> dict:
-    """One record; `result` is a captioner.Result (ok or failed)."""
+                sampling: dict, path: str | Path | None = None, logprobs: bool = False,
+                extra: dict | None = None) -> dict:
+    """One record; `result` is a captioner.Result (ok or failed), `path` the input file."""
     first = result.images[0] if result.images else {}
     record = {
-        "schema": SCHEMA, "key": key, "sha256": sha256, "width": first.get("width"), "height": first.get("height"),
+        "schema": SCHEMA, "key": key, **file_facts(path), "width": first.get("width"), "height": first.get("height"),
         "task": task, "prompt": prompt, "text": result.text if result.ok else None,
         "status": "ok" if result.ok else "error", "error": result.error,
         "finish_reason": result.finish_reason, "num_input_tokens": result.num_input_tokens,
@@ -50,19 +86,16 @@ def make_record(*, key: str, task: str, prompt: str, result, model: str, model_r
 
 
 def append_record(stream: IO[str], record: dict) -> None:
-    """Write one line, flush it, and fsync it when it is a real file, so a crash never loses it."""
+    """Write one line to a stream (stdout, a pipe) and flush it; a regular file is fsynced too, and a failing
+    fsync there is an error (an EIO must not go unnoticed)."""
     stream.write(json.dumps(record, ensure_ascii=False) + "\n")
     stream.flush()
     try:
-        os.fsync(stream.fileno())
+        fd = stream.fileno()
     except (OSError, ValueError, AttributeError):
-        pass  # stdout, pipes and in-memory streams cannot be fsynced
-
-
-def settings_hash(prompt: str, model: str, sampling: dict) -> str:
-    """What makes two records of a key comparable: same prompt, model and sampling."""
-    blob = json.dumps({"prompt": prompt, "model": model, "sampling": sampling}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return  # an in-memory stream
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        os.fsync(fd)
 
 
 class JsonlOutput:
@@ -101,7 +134,7 @@ class JsonlOutput:
         lock.flush()
         self._lock = lock
         self._repair_torn_tail()
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "ab", buffering=0)  # unbuffered: a failed write leaves nothing queued
         return self
 
     def _repair_torn_tail(self) -> None:
@@ -129,7 +162,10 @@ class JsonlOutput:
             torn = f.read()
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
             self.set_aside = self.path.with_name(f"{self.path.name}.torn-{stamp}")
-            self.set_aside.write_bytes(torn)
+            with open(self.set_aside, "wb") as side:  # durable before the output loses the line
+                side.write(torn)
+                side.flush()
+                os.fsync(side.fileno())
             f.truncate(start)
             f.flush()
             os.fsync(f.fileno())
@@ -138,7 +174,7 @@ class JsonlOutput:
         """Records already in the file (lines that do not parse are skipped)."""
         if not self.path.exists():
             return
-        with open(self.path, encoding="utf-8") as f:
+        with open(self.path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     yield json.loads(line)
@@ -146,7 +182,21 @@ class JsonlOutput:
                     continue
 
     def append(self, record: dict) -> None:
-        append_record(self._file, record)
+        """One whole line, fsynced; on a write error (a full disk, EIO) the partial line is cut off again and
+        OutputError names the file and the cause."""
+        data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        fd = self._file.fileno()
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
+            os.fsync(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)  # whole records only; if even this fails, the next run sets the tail aside
+            raise OutputError(f"{self.path}: cannot write ({e.strerror or e}); the records before this one are "
+                              "kept, and a rerun continues from them") from None
 
     def close(self) -> None:
         if self._file:
@@ -156,12 +206,22 @@ class JsonlOutput:
         self._file = self._lock = None
 
 
+def sidecar_path(image: Path, ext: str) -> Path:
+    return image.with_suffix(ext if ext.startswith(".") else "." + ext)
+
+
 def write_sidecar(image: Path, ext: str, text: str) -> None:
-    """The caption next to the image, written whole through a temporary file and a rename."""
-    target = image.with_suffix(ext if ext.startswith(".") else "." + ext)
+    """The caption next to the image, written whole through a temporary file, fsync and a rename; a failure is
+    OutputError naming the sidecar."""
+    target = sidecar_path(image, ext)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OutputError(f"{target}: cannot write the sidecar ({e.strerror or e})") from None

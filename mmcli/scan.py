@@ -24,14 +24,24 @@ def _wanted(key: str, extensions: tuple[str, ...], include: list[str], exclude: 
 def scan(roots: list[Path], extensions: tuple[str, ...] = IMAGE_EXTENSIONS, recursive: bool = True,
          include: list[str] | None = None, exclude: list[str] | None = None) -> list[tuple[str, Path]]:
     """Image files under `roots`, keyed by their path relative to their root (a file given directly is keyed by
-    its name). Hidden files and folders are skipped; a folder reached twice through symlinks is walked once."""
+    its name); with several roots, each folder's keys start with the folder's name (`a/img.jpg`, `b/img.jpg`), and
+    two roots that would give one key are refused, naming both. Hidden files and folders are skipped; a folder
+    reached twice through symlinks is walked once."""
     include, exclude = include or [], exclude or []
     extensions = tuple(e.lower() for e in extensions)
     items: dict[str, Path] = {}
+
+    def add(key: str, path: Path) -> None:
+        if key in items and items[key] != path:
+            raise ConfigError(f"{items[key]} and {path} both give the key {key!r}; caption them in separate runs "
+                              "(or give their folders other names)")
+        items[key] = path
+
     for root in roots:
+        prefix = f"{root.resolve().name}/" if len(roots) > 1 else ""
         if root.is_file() or (root.is_symlink() and not root.exists()):
             if _wanted(root.name, extensions, include, exclude):
-                items.setdefault(root.name, root)
+                add(root.name, root)
             continue
         if not root.is_dir():
             raise ConfigError(f"{root}: no such file or folder")
@@ -47,9 +57,9 @@ def scan(roots: list[Path], extensions: tuple[str, ...] = IMAGE_EXTENSIONS, recu
                 if name.startswith("."):
                     continue
                 path = Path(folder) / name
-                key = path.relative_to(root).as_posix()
+                key = prefix + path.relative_to(root).as_posix()
                 if _wanted(key, extensions, include, exclude):
-                    items.setdefault(key, path)
+                    add(key, path)
     return sorted(items.items())
 
 

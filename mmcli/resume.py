@@ -1,0 +1,92 @@
+"""What makes a recorded label current: the settings it was made under (hashed into the record's `settings`),
+and the image file it was made from (size and mtime, confirmed by sha256).
+
+The settings cover everything that changes a label: the record schema, the model's identity (the hub revision, or
+a digest of a local checkpoint's config.json and its weight files' headers, sizes and modification times), the
+weights' and the computation's precision, the pixel budget, the prompt and the sampling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+from .config import Config
+from .images import image_processor_config
+from .output import SCHEMA, file_sha256
+
+
+def local_checkpoint(model: str) -> Path | None:
+    """The checkpoint directory behind `model` without fetching anything: a local folder, or the hub cache's
+    snapshot of a hub id (None when it is not downloaded yet)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not in the cache (or no cache): unknown until fetched
+        return None
+
+
+def model_identity(model: str, path: Path | None) -> str:
+    """The hub revision of a snapshot, else a digest of config.json and every weight file's safetensors header,
+    size and mtime (a changed weight file changes it; reading every weight byte would cost seconds per run)."""
+    if path is None:
+        return f"{model}@not-downloaded"
+    real = Path(os.path.realpath(path))
+    if real.parent.name == "snapshots":
+        return f"revision {real.name}"
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (path / name).is_file():
+            digest.update(name.encode() + b"\0" + (path / name).read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        stat = weights.stat()
+        digest.update(f"{weights.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        with open(weights, "rb") as f:
+            header = f.read(8)
+            if len(header) == 8:
+                digest.update(f.read(min(struct.unpack("<Q", header)[0], 100 << 20)))
+    return f"digest {digest.hexdigest()[:20]}"
+
+
+def label_settings(cfg: Config, path: Path | None, *, weights_dtype: str, compute_dtype: str) -> dict:
+    """Everything a label depends on, as a JSON-able dict."""
+    image = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
+    return {"schema": SCHEMA, "prompt": cfg.prompt, "model": model_identity(cfg.model, path),
+            "weights_dtype": weights_dtype, "compute_dtype": compute_dtype,
+            "pixels": [image.min_pixels, image.max_pixels], "sampling": cfg.generation.as_dict()}
+
+
+def settings_hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def file_changed(path: Path, record: dict) -> bool:
+    """The file differs from the one the record was made from: size or mtime differ, and so does the sha256."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return False  # gone or unreadable: a rerun would only record the error again
+    if stat.st_size == record.get("file_size") and stat.st_mtime_ns == record.get("file_mtime_ns"):
+        return False
+    return file_sha256(path) != record.get("sha256")
+
+
+def planned_settings(cfg: Config) -> dict:
+    """The label settings a run of `cfg` will have, known before loading (and without fetching) the model."""
+    from .checkpoint import read_model_config, resolve_dtype
+    from .runner import pick_device
+
+    path = local_checkpoint(cfg.model)
+    checkpoint_dtype = read_model_config(path).torch_dtype if path is not None else "bfloat16"
+    device = "neuron" if cfg.compile.backend == "neuron" else pick_device(cfg.device).type
+    dtype = resolve_dtype(cfg.dtype, checkpoint_dtype, device)
+    return label_settings(cfg, path, weights_dtype=dtype, compute_dtype=dtype)
