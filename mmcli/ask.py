@@ -9,31 +9,44 @@ from .config import Config
 from .errors import MmcliError
 
 
-def run_ask(config: Config, images: list[Path], question: str, output: Path | None, logprobs: bool) -> int:
-    """Load, answer, print; returns 0, or 1 when the item failed (its error is on stderr and in the record)."""
+def run_ask(config: Config, images: list[Path], question: str, output: Path | None, logprobs: bool,
+            stream: bool = True) -> int:
+    """Load, answer (streamed to stdout as it is generated, or printed whole), and append the record; returns 0,
+    or 1 when the item failed (its error is on stderr and in the record)."""
+    from rich.console import Console
+
     from .captioner import Captioner
     from .output import JsonlOutput
+    from .progress import status_line
+    from .resume import load_description
 
     out = JsonlOutput(output).open() if output is not None else None  # locked before the work, like caption
     try:
-        return _answer(Captioner.from_pretrained(config=config), images, question, out, logprobs)
+        with status_line(Console(stderr=True), f"loading {load_description(config)}"):
+            captioner = Captioner.from_pretrained(config=config)
+        return _answer(captioner, images, question, out, logprobs, stream)
     finally:
         if out is not None:
             out.close()
 
 
-def _answer(captioner, images: list[Path], question: str, out, logprobs: bool) -> int:
+def _print_piece(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def _answer(captioner, images: list[Path], question: str, out, logprobs: bool, stream: bool) -> int:
     from .output import Result, make_record
 
     captioner.report_compile_cache()
     try:
-        result = captioner.ask([str(p) for p in images], question)
+        result = captioner.ask([str(p) for p in images], question, on_text=_print_piece if stream else None)
         captioner.report_compile_use()
     except MmcliError as e:
         result = Result(str(images[0]), error={"type": type(e).__name__, "message": str(e)})
         print(f"mmcli: {e}", file=sys.stderr)
     if result.ok:
-        print(result.text)
+        print("" if stream else result.text)
     if out is not None:
         out.append(make_record(key=str(images[0]), task="ask", prompt=question, result=result,
                                model=captioner.model_name, model_revision=captioner.revision,

@@ -7,7 +7,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from .model import Qwen3VL
 from .output import Result
 from .positions import rope_index
 from .preprocess import decode_image, preprocess
-from .prompt import PromptBuilder
+from .prompt import PromptBuilder, TextStream
 from .resume import label_settings
 from .runner import ModelRunner, pick_device
 
@@ -126,11 +126,16 @@ class Captioner:
                       done.finish_reason, done.num_input_tokens, done.num_image_tokens,
                       int((time.perf_counter() - started) * 1000), infos)
 
-    def ask(self, images: list, question: str, **sampling) -> Result:
-        """One answer about one or more images (paths or PIL images)."""
+    def ask(self, images: list, question: str, on_text: Callable[[str], None] | None = None, **sampling) -> Result:
+        """One answer about one or more images (paths or PIL images). `on_text` receives the answer's text piece
+        by piece as it is generated (the pieces join to the result's text)."""
         started = time.perf_counter()
         req, infos = self.request("ask", list(images), question, self.sampling(**sampling))
-        done = next(iter(self.engine.generate([req])))
+        stream = TextStream(self.prompts) if on_text is not None else None
+        on_token = (lambda key, token: on_text(stream.push(token))) if stream is not None else None
+        done = next(iter(self.engine.generate([req], on_token)))
+        if stream is not None:
+            on_text(stream.finish())
         return self._finish(done, infos, started)
 
     def caption(self, items: Iterable[tuple[str, str | Path]], prompt: str | None = None,

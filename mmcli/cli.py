@@ -50,7 +50,7 @@ def _settings(config: Path | None, **overrides) -> dict:
 
 @app.command()
 def ask(
-    question: str = typer.Argument(..., help="The question about the image(s)."),
+    question: str = typer.Argument(..., metavar="QUESTION", help="The question about the image(s)."),
     image: list[Path] = typer.Option(..., "--image", "-i", help="An image file; repeat for several."),
     model: ModelOption = None, config: ConfigOption = None, dtype: DtypeOption = None, device: DeviceOption = None,
     backend: BackendOption = None, max_new_tokens: MaxNewTokensOption = None, temperature: TemperatureOption = None,
@@ -59,8 +59,15 @@ def ask(
     repetition_penalty: float | None = typer.Option(None, help="Above 1 discourages repeats."),
     seed: SeedOption = None, logprobs: LogprobsOption = False,
     output: Path | None = typer.Option(None, "--output", "-o", help="Append the JSONL record to this file."),
+    stream: bool = typer.Option(True, "--stream/--no-stream", help="Print the answer as it is generated."),
 ) -> None:
-    """Answer one question about one or more images."""
+    """Answer one question about one or more images; the answer streams to stdout.
+
+    \b
+    Examples:
+      mmcli ask --image samples/coffee.jpg "What is in the cup?"
+      mmcli ask -i samples/coffee.jpg -i samples/rocket.jpg "What differs?"
+    """
     from .ask import run_ask
 
     generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
@@ -68,18 +75,24 @@ def ask(
     with exit_codes():
         cfg = _settings(config, model=model, dtype=dtype, device=device, compile={"backend": backend},
                         generation=generation)
-        code = run_ask(cfg, image, question, output, logprobs)
+        code = run_ask(cfg, image, question, output, logprobs, stream)
     raise typer.Exit(code)
 
 
 @app.command()
 def plan(
-    paths: list[Path] = typer.Argument(None, help="Image files or folders."),
+    paths: list[Path] = typer.Argument(None, metavar="PATHS", help="Image files or folders."),
     tokens: str | None = typer.Option(None, help="Patch counts instead of images, e.g. 1024,512,256,128,128."),
     block_size: int | None = typer.Option(None, help="Patches per vision block (default: the config's)."),
     config: ConfigOption = None,
 ) -> None:
-    """Show how images pack into vision-attention blocks, the waste, and the block size to use."""
+    """Show how images pack into vision-attention blocks, the waste, and the block size to use.
+
+    \b
+    Examples:
+      mmcli plan samples
+      mmcli plan --tokens 1024,512,256,128,128 --block-size 1024
+    """
     from .report import image_patches, print_plan
 
     with exit_codes():
@@ -105,7 +118,7 @@ def plan(
 
 @app.command()
 def caption(
-    paths: list[Path] = typer.Argument(..., help="Image folders or files."),
+    paths: list[Path] = typer.Argument(..., metavar="PATHS", help="Image folders or files."),
     model: ModelOption = None, config: ConfigOption = None,
     output: str = typer.Option("captions.jsonl", "--output", "-o", help="JSONL file to append to; - for stdout."),
     prompt: str | None = typer.Option(None, help="The caption prompt (default: the config's)."),
@@ -130,7 +143,14 @@ def caption(
     replica_resources: str | None = typer.Option(
         None, help='With --ray: JSON per replica, e.g. \'{"num_cpus": 4}\' or \'{"resources": {"neuron_cores": 2}}\'.'),
 ) -> None:
-    """Caption every image under PATHS, appending one JSONL record per image; resumable."""
+    """Caption every image under PATHS, appending one JSONL record per image; resumable.
+
+    \b
+    Examples:
+      mmcli caption samples -o captions.jsonl
+      mmcli caption samples --sidecar .txt --max-new-tokens 64 --dry-run
+      mmcli caption samples --shard 0/2 -o shard0.jsonl --quiet
+    """
     from .job import CaptionJob, RayOptions, run_caption_job
 
     with exit_codes():
@@ -156,7 +176,13 @@ def compile_cmd(
     model: ModelOption = None, config: ConfigOption = None, dtype: DtypeOption = None, device: DeviceOption = None,
     backend: str | None = typer.Option(None, help="compile.backend: inductor or neuron."),
 ) -> None:
-    """Compile and cache every fixed-shape bucket ahead of time (vision blocks, prefill, decode)."""
+    """Compile and cache every fixed-shape bucket ahead of time (vision blocks, prefill, decode).
+
+    \b
+    Examples:
+      mmcli compile --buckets --backend inductor
+      mmcli compile --buckets 'decode 8x1024, prefill 512' --backend inductor
+    """
     from .report import compile_buckets
 
     with exit_codes():

@@ -8,7 +8,7 @@ its sequence stops.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,7 @@ class Engine:
         self.max_seqs, self.max_len = config.engine.max_seqs, config.engine.max_len
         self.max_prefill_tokens, self.lookahead = config.engine.max_prefill_tokens, config.vision.lookahead
         self.block_size, self.num_blocks_buckets = config.vision.block_size, list(config.vision.num_blocks_buckets)
+        self.on_token: Callable[[str, int], None] | None = None  # the running generate() call's callback
 
     def _pick(self, waiting: deque[Request], slots: int) -> list[Request]:
         """The requests to admit now: with vision blocks, the look-ahead wave that packs with least padding."""
@@ -85,6 +86,8 @@ class Engine:
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
         req = seq.request
+        if self.on_token is not None:
+            self.on_token(req.key, token)
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
         if token in req.stop_ids:
@@ -101,7 +104,10 @@ class Engine:
         for seq, choice in zip(seqs, self.runner.choose(logits, params, histories, seeds)):
             self._append(seq, choice.token_id, choice.logprob)
 
-    def generate(self, requests: Iterable[Request]) -> Iterator[Finished]:
+    def generate(self, requests: Iterable[Request], on_token: Callable[[str, int], None] | None = None
+                 ) -> Iterator[Finished]:
+        """Finished sequences as they finish; `on_token(key, token id)` is called as each token is chosen."""
+        self.on_token = on_token
         pending = iter(requests)
         waiting: deque[Request] = deque()
         running: list[Sequence] = []

@@ -15,7 +15,7 @@ from pathlib import Path
 from .config import Config
 from .errors import ConfigError, MmcliError
 from .output import JsonlOutput, Result, append_record, make_record, sidecar_path, write_sidecar
-from .resume import file_changed, settings_hash
+from .resume import file_changed, load_description, settings_hash
 from .scan import parse_shard, scan, shard_of
 
 
@@ -109,17 +109,20 @@ def pending(items: list[tuple[str, Path]], out: JsonlOutput, job: CaptionJob) ->
 def run_caption_job(job: CaptionJob) -> int:
     """Run the job; returns the exit code (0 done, 1 an item failed, 130 interrupted). Raises MmcliError for
     what stops it before or during the work."""
+    from rich.console import Console
+
+    from .progress import status_line
     from .resume import planned_settings
 
-    items = select_items(job)
-    job.settings = settings_hash(planned_settings(job.config))
-    out = JsonlOutput(Path(job.output)).open() if job.output != "-" else None
+    with status_line(Console(stderr=True, quiet=job.quiet), "finding the images and what is done"):
+        items = select_items(job)
+        job.settings = settings_hash(planned_settings(job.config))
+        out = JsonlOutput(Path(job.output)).open() if job.output != "-" else None
     try:
-        if out is not None:
-            if out.set_aside and not job.quiet:
-                print(f"mmcli: {job.output}: a torn last line from an interrupted run was moved to {out.set_aside}",
-                      file=sys.stderr)
-            items = pending(items, out, job)
+        items = pending(items, out, job) if out is not None else items
+        if out is not None and out.set_aside and not job.quiet:
+            print(f"mmcli: {job.output}: a torn last line from an interrupted run was moved to {out.set_aside}",
+                  file=sys.stderr)
         items = items[:job.limit] if job.limit is not None else items
         if job.dry_run or not items:
             if not job.quiet:
@@ -137,12 +140,15 @@ def _run(job: CaptionJob, items: list[tuple[str, Path]], out: JsonlOutput | None
     from .progress import Progress
 
     captioner = None
+    progress = Progress(len(items), quiet=job.quiet)
     if job.ray is None:
-        captioner = Captioner.from_pretrained(config=job.config)
+        with progress.loading(load_description(job.config)):
+            captioner = Captioner.from_pretrained(config=job.config)
         captioner.report_compile_cache()
         job.settings = settings_hash(captioner.label_settings)  # the same, unless the model was fetched just now
+    else:
+        progress.start()
     paths = dict(items)
-    progress = Progress(len(items), quiet=job.quiet)
 
     def write(record: dict) -> None:
         if job.sidecar and record["status"] == "ok":

@@ -89,3 +89,27 @@ class PromptBuilder:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class TextStream:
+    """Text of a growing token sequence, piece by piece, as it is generated: each piece is what the decoded text
+    gained, held back while it ends in an incomplete UTF-8 character (a character split over two byte-level
+    tokens is emitted once, whole). The pieces join to `decode(all ids)`."""
+
+    def __init__(self, prompts: PromptBuilder):
+        self.prompts, self.ids, self.emitted = prompts, [], ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.prompts.decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""  # an unfinished character (or a re-spelled tail): wait for the next token
+        piece, self.emitted = text[len(self.emitted):], text
+        return piece
+
+    def finish(self) -> str:
+        """What is left once generation stops (a character never completed stays as the decoder spells it)."""
+        text = self.prompts.decode(self.ids)
+        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return piece

@@ -80,13 +80,30 @@ def file_changed(path: Path, record: dict) -> bool:
     return file_sha256(path) != record.get("sha256")
 
 
-def planned_settings(cfg: Config) -> dict:
-    """The label settings a run of `cfg` will have, known before loading (and without fetching) the model."""
+def planned_run(cfg: Config) -> tuple[Path | None, str, str]:
+    """(checkpoint directory if present, device type, dtype) a run of `cfg` will use, known before loading."""
     from .checkpoint import read_model_config, resolve_dtype
+    from .compiled import resolve_backend
     from .runner import pick_device
 
+    resolve_backend(cfg.compile.backend)  # a backend that cannot run is refused before anything else
     path = local_checkpoint(cfg.model)
     checkpoint_dtype = read_model_config(path).torch_dtype if path is not None else "bfloat16"
     device = "neuron" if cfg.compile.backend == "neuron" else pick_device(cfg.device).type
-    dtype = resolve_dtype(cfg.dtype, checkpoint_dtype, device)
+    return path, device, resolve_dtype(cfg.dtype, checkpoint_dtype, device)
+
+
+def planned_settings(cfg: Config) -> dict:
+    """The label settings a run of `cfg` will have, known before loading (and without fetching) the model."""
+    path, _, dtype = planned_run(cfg)
     return label_settings(cfg, path, weights_dtype=dtype, compute_dtype=dtype)
+
+
+def load_description(cfg: Config) -> str:
+    """What is about to load, for the status line: the model, its size on disk, the device and the precision."""
+    path, device, dtype = planned_run(cfg)
+    if path is None:
+        return f"{cfg.model} (not downloaded yet) on {device}, {dtype}"
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    shown = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+    return f"{cfg.model} ({shown}) on {device}, {dtype}"
