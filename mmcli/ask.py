@@ -51,5 +51,6 @@ def _answer(captioner, images: list[Path], question: str, out, logprobs: bool, s
         out.append(make_record(key=str(images[0]), task="ask", prompt=question, result=result,
                                model=captioner.model_name, model_revision=captioner.revision,
                                sampling=captioner.config.generation.as_dict(), path=images[0], logprobs=logprobs,
-                               extra={"images": [str(p) for p in images]} if len(images) > 1 else None))
+                               extra={"precision": captioner.precision,
+                                      **({"images": [str(p) for p in images]} if len(images) > 1 else {})}))
     return 0 if result.ok else 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -16,11 +15,10 @@ from PIL import Image
 
 from .checkpoint import (
     checkpoint_revision,
-    expected_shapes,
     load_weights,
     read_model_config,
-    resolve_dtype,
     resolve_model,
+    run_precision,
     torch_dtype,
 )
 from .compiled import CompiledGraphs, resolve_backend
@@ -29,6 +27,7 @@ from .engine import Engine, Request
 from .errors import ImageError, ItemError
 from .images import ImageProcessorConfig, image_processor_config
 from .model import Qwen3VL
+from .model.linear import held_bytes
 from .output import Result
 from .positions import rope_index
 from .preprocess import decode_image, preprocess
@@ -51,13 +50,14 @@ def _stop_ids(path: Path, prompts: PromptBuilder) -> frozenset[int]:
 
 class Captioner:
     def __init__(self, path: Path, model: Qwen3VL, runner: ModelRunner, prompts: PromptBuilder,
-                 image_cfg: ImageProcessorConfig, config: Config, graphs: CompiledGraphs | None = None):
+                 image_cfg: ImageProcessorConfig, config: Config, precision: dict,
+                 graphs: CompiledGraphs | None = None):
         self.path, self.model, self.runner, self.prompts = path, model, runner, prompts
         self.image_cfg, self.config, self.graphs = image_cfg, config, graphs
         self.model_name = config.model
         self.revision = checkpoint_revision(path)
-        dtype = str(runner.dtype).removeprefix("torch.")
-        self.label_settings = label_settings(config, path, weights_dtype=dtype, compute_dtype=dtype)
+        self.precision = {k: v for k, v in precision.items() if k != "loaded"}
+        self.label_settings = label_settings(config, path, precision)
         self.stop_ids = _stop_ids(path, prompts)
         self.engine = Engine(runner, config)
 
@@ -71,14 +71,15 @@ class Captioner:
         path = resolve_model(cfg.model)
         model_cfg = read_model_config(path)
         dev = torch.device("neuron") if backend == "neuron" else pick_device(cfg.device)
-        dt = torch_dtype(resolve_dtype(cfg.dtype, model_cfg.torch_dtype, dev.type))
+        precision = run_precision(cfg.dtype, cfg.weights_dtype, cfg.quantize, model_cfg.torch_dtype, dev.type)
+        dt = torch_dtype(precision["compute"])
         graphs = None if backend == "eager" else CompiledGraphs.for_run(backend, cfg, model_cfg, dt, dev)
-        qwen = Qwen3VL.from_weights(model_cfg, load_weights(path, model_cfg, dt))
+        qwen = Qwen3VL.from_weights(model_cfg, load_weights(path, model_cfg, dt, torch_dtype(precision["loaded"])))
         runner = ModelRunner(qwen, dev, cfg, graphs)
         prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id)
         image_cfg = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
         check_vision_budget(cfg.vision.block_size, image_cfg.max_pixels, image_cfg.patch_size, image_cfg.merge_size)
-        return cls(path, qwen, runner, prompts, image_cfg, cfg, graphs)
+        return cls(path, qwen, runner, prompts, image_cfg, cfg, precision, graphs)
 
     def sampling(self, **overrides) -> SamplingParams:
         """The configured sampling with these values replaced (None keeps the configured one)."""
@@ -182,10 +183,6 @@ class Captioner:
 
     @property
     def weight_bytes(self) -> int:
-        """The checkpoint's tensors in the compute dtype (a tied lm_head counted once), however the runner holds
-        them."""
-        shapes = expected_shapes(self.model.cfg)
-        if self.model.cfg.tie_word_embeddings:
-            del shapes["lm_head.weight"]
-        return sum(math.prod(shape) for shape in shapes.values()) * self.runner.dtype.itemsize
-
+        """Bytes the model's weights take in memory as the runner holds them (packed or quantized copies included;
+        a tied lm_head's weight is the embedding's, counted once)."""
+        return held_bytes(self.model)

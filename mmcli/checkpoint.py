@@ -30,6 +30,26 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device_type: str) -> str:
     return "float32" if device_type == "cpu" else checkpoint_dtype
 
 
+def resolve_weights_dtype(weights: str, compute: str, dtype_setting: str, checkpoint_dtype: str,
+                          device_type: str) -> str:
+    """weights_dtype as run. auto: as stored when the computation is float32 on the CPU by default (`dtype: auto`;
+    a stored bfloat16 or float16 value converts to float32 exactly), else the compute dtype (so an explicit
+    `dtype: float32` holds float32 weights)."""
+    if weights != "auto":
+        return weights
+    stored_lower = checkpoint_dtype in ("bfloat16", "float16")
+    return checkpoint_dtype if dtype_setting == "auto" and device_type == "cpu" and stored_lower else compute
+
+
+def run_precision(dtype: str, weights_dtype: str, quantize: str, checkpoint_dtype: str, device_type: str) -> dict:
+    """The precisions a run holds and computes in, as records name them: weights (as loaded; `int8` once
+    quantized), compute (activations and accumulation) and the quantization."""
+    compute = resolve_dtype(dtype, checkpoint_dtype, device_type)
+    loaded = resolve_weights_dtype(weights_dtype, compute, dtype, checkpoint_dtype, device_type)
+    return {"weights": "int8" if quantize == "int8" else loaded, "loaded": loaded, "compute": compute,
+            "quantize": quantize}
+
+
 def resolve_model(model: str) -> Path:
     """A local checkpoint directory, or a hub id fetched (once) with huggingface_hub."""
     path = Path(model).expanduser()
@@ -60,14 +80,28 @@ def read_model_config(path: Path) -> ModelConfig:
     return parse_config(raw, str(path / "config.json"))
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of the released layout and its shape: the model's own state dict, built on the meta
-    device (no memory), so it cannot drift from the module tree."""
+def _meta_model(cfg: ModelConfig):
     from .model import Qwen3VL
 
     with torch.device("meta"):
-        model = Qwen3VL(cfg)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        return Qwen3VL(cfg)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the released layout and its shape: the model's own state dict, built on the meta
+    device (no memory), so it cannot drift from the module tree."""
+    return {name: tuple(t.shape) for name, t in _meta_model(cfg).state_dict().items()}
+
+
+def matrix_weight_names(cfg: ModelConfig) -> set[str]:
+    """The matrices (every linear layer's weight, the token and vision position embeddings, the patch embedding):
+    what `weights_dtype` applies to. Norms and biases are held in the compute dtype."""
+    from .model.linear import Linear
+
+    model = _meta_model(cfg)
+    names = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear)}
+    return names | {"model.language_model.embed_tokens.weight", "model.visual.pos_embed.weight",
+                    "model.visual.patch_embed.proj.weight"}
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -86,9 +120,12 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All tensors, cast to `dtype`, checked by name and shape against the config (safetensors only)."""
+def load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype,
+                 weights_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """All tensors, checked by name and shape against the config (safetensors only): the matrices in
+    `weights_dtype` (default `dtype`), the rest in `dtype`. A tensor already in its dtype is not copied again."""
     expected = expected_shapes(cfg)
+    matrices = matrix_weight_names(cfg) if weights_dtype not in (None, dtype) else set()
     tensors: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         try:
@@ -103,7 +140,7 @@ def load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, 
                         name = names.pop(0)
                         t = f.get_tensor(name)
                         read += t.numel() * t.element_size()
-                        tensors[name] = t.to(dtype)
+                        tensors[name] = t.to(weights_dtype if name in matrices else dtype)
         except (OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{file}: cannot read safetensors ({str(e)[:160]})") from None
     if "lm_head.weight" not in tensors and cfg.tie_word_embeddings:

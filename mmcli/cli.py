@@ -21,6 +21,8 @@ DtypeOption = Annotated[str | None, typer.Option("--dtype", help="auto, float32,
 DeviceOption = Annotated[str | None, typer.Option("--device", help="auto, cpu or cuda.")]
 BackendOption = Annotated[str | None, typer.Option(
     "--backend", help="compile.backend: auto, eager, inductor or neuron.")]
+QuantizeOption = Annotated[str | None, typer.Option(
+    "--quantize", help="none, or int8: linear layers in 8-bit integers (CPU).")]
 MaxNewTokensOption = Annotated[int | None, typer.Option("--max-new-tokens", help="Most tokens to generate.")]
 TemperatureOption = Annotated[float | None, typer.Option("--temperature", help="0 is greedy.")]
 SeedOption = Annotated[int | None, typer.Option("--seed", help="Sampling seed (per item and step).")]
@@ -53,7 +55,8 @@ def ask(
     question: str = typer.Argument(..., metavar="QUESTION", help="The question about the image(s)."),
     image: list[Path] = typer.Option(..., "--image", "-i", help="An image file; repeat for several."),
     model: ModelOption = None, config: ConfigOption = None, dtype: DtypeOption = None, device: DeviceOption = None,
-    backend: BackendOption = None, max_new_tokens: MaxNewTokensOption = None, temperature: TemperatureOption = None,
+    backend: BackendOption = None, quantize: QuantizeOption = None, max_new_tokens: MaxNewTokensOption = None,
+    temperature: TemperatureOption = None,
     top_p: float | None = typer.Option(None, help="Nucleus sampling mass."),
     top_k: int | None = typer.Option(None, help="Keep the k most likely tokens (0 keeps all)."),
     repetition_penalty: float | None = typer.Option(None, help="Above 1 discourages repeats."),
@@ -73,8 +76,8 @@ def ask(
     generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                   "repetition_penalty": repetition_penalty, "seed": seed}
     with exit_codes():
-        cfg = _settings(config, model=model, dtype=dtype, device=device, compile={"backend": backend},
-                        generation=generation)
+        cfg = _settings(config, model=model, dtype=dtype, device=device, quantize=quantize,
+                        compile={"backend": backend}, generation=generation)
         code = run_ask(cfg, image, question, output, logprobs, stream)
     raise typer.Exit(code)
 
@@ -124,7 +127,7 @@ def caption(
     prompt: str | None = typer.Option(None, help="The caption prompt (default: the config's)."),
     max_new_tokens: MaxNewTokensOption = None, temperature: TemperatureOption = None, seed: SeedOption = None,
     dtype: DtypeOption = None, device: DeviceOption = None, backend: BackendOption = None,
-    logprobs: LogprobsOption = False,
+    quantize: QuantizeOption = None, logprobs: LogprobsOption = False,
     recursive: bool = typer.Option(True, "--recursive/--no-recursive", help="Walk sub-folders."),
     include: list[str] = typer.Option([], "--include", help="Only keys matching this glob (repeatable)."),
     exclude: list[str] = typer.Option([], "--exclude", help="Skip keys matching this glob (repeatable)."),
@@ -160,7 +163,8 @@ def caption(
 
             require_ray()
             ray_options = RayOptions(ray_address, replicas, parse_resources(replica_resources))
-        cfg = _settings(config, model=model, dtype=dtype, device=device, prompt=prompt, compile={"backend": backend},
+        cfg = _settings(config, model=model, dtype=dtype, device=device, prompt=prompt, quantize=quantize,
+                        compile={"backend": backend},
                         generation={"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed})
         job = CaptionJob(paths, cfg, output, recursive, include, exclude, shard, limit, overwrite, retry_errors,
                          sidecar, dry_run, quiet, logprobs, ray_options, check_changed)
@@ -175,6 +179,7 @@ def compile_cmd(
     buckets: bool = typer.Option(False, "--buckets", help="Compile the configured buckets (or those in LIST)."),
     model: ModelOption = None, config: ConfigOption = None, dtype: DtypeOption = None, device: DeviceOption = None,
     backend: str | None = typer.Option(None, help="compile.backend: inductor or neuron."),
+    quantize: QuantizeOption = None,
 ) -> None:
     """Compile and cache every fixed-shape bucket ahead of time (vision blocks, prefill, decode).
 
@@ -188,7 +193,8 @@ def compile_cmd(
     with exit_codes():
         if not buckets:
             raise ConfigError("say --buckets (every configured bucket) or --buckets 'decode 8x1024, ...'")
-        cfg = _settings(config, model=model, dtype=dtype, device=device, compile={"backend": backend})
+        cfg = _settings(config, model=model, dtype=dtype, device=device, quantize=quantize,
+                        compile={"backend": backend})
         if cfg.compile.backend in ("auto", "eager"):
             raise ConfigError(f"compile.backend {cfg.compile.backend} runs eagerly here: nothing to compile "
                               "(choose --backend inductor or neuron)")

@@ -78,7 +78,9 @@ class CompileConfig:
 @dataclass(frozen=True)
 class Config:
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"
+    dtype: str = "auto"  # computation: activations and accumulation
+    weights_dtype: str = "auto"  # weights as held in memory
+    quantize: str = "none"  # none or int8 (CPU)
     device: str = "auto"
     prompt: str = "Describe this image."
     generation: SamplingParams = field(default_factory=SamplingParams)
@@ -91,6 +93,9 @@ class Config:
     def __post_init__(self):
         checks: list = [
             ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "auto, float32, bfloat16, float16"),
+            ("weights_dtype", self.weights_dtype in ("auto", "float32", "bfloat16", "float16"),
+             "auto, float32, bfloat16, float16"),
+            ("quantize", self.quantize in ("none", "int8"), "none, int8"),
             ("device", self.device in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
             ("engine.max_seqs", self.engine.max_seqs >= 1, "at least 1"),
             ("engine.max_len", self.engine.max_len >= 16, "at least 16"),

@@ -104,6 +104,11 @@ class Engine:
         for seq, choice in zip(seqs, self.runner.choose(logits, params, histories, seeds)):
             self._append(seq, choice.token_id, choice.logprob)
 
+    def _prefill_item(self, seq: Sequence) -> PrefillItem:
+        req = seq.request
+        return PrefillItem(seq.slot, req.input_ids, req.rotary_position_ids, req.pixel_values, req.image_grids,
+                           req.image_hashes, min(self.max_len, len(req.input_ids) + req.sampling.max_new_tokens))
+
     def generate(self, requests: Iterable[Request], on_token: Callable[[str, int], None] | None = None
                  ) -> Iterator[Finished]:
         """Finished sequences as they finish; `on_token(key, token id)` is called as each token is chosen."""
@@ -130,9 +135,7 @@ class Engine:
                 free.sort()
                 admitted = [Sequence(req, free.pop(0)) for req in self._pick(waiting, len(free))]
             if admitted:
-                logits = self.runner.prefill([PrefillItem(s.slot, s.request.input_ids, s.request.rotary_position_ids,
-                                                          s.request.pixel_values, s.request.image_grids,
-                                                          s.request.image_hashes) for s in admitted])
+                logits = self.runner.prefill([self._prefill_item(s) for s in admitted])
                 self._step(admitted, logits)
                 running.extend(admitted)
             live = [s for s in running if s.finish_reason is None]

@@ -52,7 +52,7 @@ def caption_record(result, captioner, config: Config, settings: str, path: str |
     return make_record(key=result.key, task="caption", prompt=config.prompt, result=result,
                        model=captioner.model_name, model_revision=captioner.revision,
                        sampling=config.generation.as_dict(), path=path, logprobs=logprobs,
-                       extra={"settings": settings})
+                       extra={"precision": captioner.precision, "settings": settings})
 
 
 def error_record(key: str, path: Path, config: Config, settings: str, error: MmcliError) -> dict:

@@ -57,11 +57,11 @@ def model_identity(model: str, path: Path | None) -> str:
     return f"digest {digest.hexdigest()[:20]}"
 
 
-def label_settings(cfg: Config, path: Path | None, *, weights_dtype: str, compute_dtype: str) -> dict:
-    """Everything a label depends on, as a JSON-able dict."""
+def label_settings(cfg: Config, path: Path | None, precision: dict) -> dict:
+    """Everything a label depends on, as a JSON-able dict (`precision` from checkpoint.run_precision)."""
     image = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
     return {"schema": SCHEMA, "prompt": cfg.prompt, "model": model_identity(cfg.model, path),
-            "weights_dtype": weights_dtype, "compute_dtype": compute_dtype,
+            "weights_dtype": precision["weights"], "compute_dtype": precision["compute"], "quantize": cfg.quantize,
             "pixels": [image.min_pixels, image.max_pixels], "sampling": cfg.generation.as_dict()}
 
 
@@ -80,9 +80,9 @@ def file_changed(path: Path, record: dict) -> bool:
     return file_sha256(path) != record.get("sha256")
 
 
-def planned_run(cfg: Config) -> tuple[Path | None, str, str]:
-    """(checkpoint directory if present, device type, dtype) a run of `cfg` will use, known before loading."""
-    from .checkpoint import read_model_config, resolve_dtype
+def planned_run(cfg: Config) -> tuple[Path | None, str, dict]:
+    """(checkpoint directory if present, device type, precision) of a run of `cfg`, known before loading."""
+    from .checkpoint import read_model_config, run_precision
     from .compiled import resolve_backend
     from .runner import pick_device
 
@@ -90,18 +90,19 @@ def planned_run(cfg: Config) -> tuple[Path | None, str, str]:
     path = local_checkpoint(cfg.model)
     checkpoint_dtype = read_model_config(path).torch_dtype if path is not None else "bfloat16"
     device = "neuron" if cfg.compile.backend == "neuron" else pick_device(cfg.device).type
-    return path, device, resolve_dtype(cfg.dtype, checkpoint_dtype, device)
+    return path, device, run_precision(cfg.dtype, cfg.weights_dtype, cfg.quantize, checkpoint_dtype, device)
 
 
 def planned_settings(cfg: Config) -> dict:
     """The label settings a run of `cfg` will have, known before loading (and without fetching) the model."""
-    path, _, dtype = planned_run(cfg)
-    return label_settings(cfg, path, weights_dtype=dtype, compute_dtype=dtype)
+    path, _, precision = planned_run(cfg)
+    return label_settings(cfg, path, precision)
 
 
 def load_description(cfg: Config) -> str:
     """What is about to load, for the status line: the model, its size on disk, the device and the precision."""
-    path, device, dtype = planned_run(cfg)
+    path, device, precision = planned_run(cfg)
+    dtype = f"{precision['weights']} weights, {precision['compute']} compute"
     if path is None:
         return f"{cfg.model} (not downloaded yet) on {device}, {dtype}"
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))

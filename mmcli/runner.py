@@ -13,12 +13,27 @@ from .encoder import ImageEncoder, ImageFeatures
 from .errors import ConfigError
 from .model import AttentionBatch, KVCache, Qwen3VL
 from .model.attention import choose_block_attention
-from .model.linear import pack_linears
+from .model.linear import can_quantize, pack_linears
+from .model.quantize import quantize_model
 from .model_config import ModelConfig
 from .packing import choose_bucket
 from .positions import decode_rotary_position_ids, mrope_cos_sin, mrope_slot_axes, text_inv_freq
 from .sampling import choose_tokens
 from .steps import decode_step, prefill_step
+
+
+def prepare_weights(model: Qwen3VL, device: torch.device, quantize: str, compiled: bool) -> str:
+    """Choose the linear kernels (see model/linear.py) and convert the weights for them; returns which."""
+    if quantize == "int8":
+        if device.type != "cpu" or compiled or not can_quantize():
+            raise ConfigError("quantize int8 runs on the CPU with the eager backend and fbgemm (x86); this run has "
+                              f"device {device.type}, compiled {compiled}, fbgemm {can_quantize()}")
+        return f"int8 ({quantize_model(model)} linears, fbgemm)"
+    if compiled:
+        return "plain (traced into the compiled graphs)"
+    if device.type == "cpu" and pack_linears(model):
+        return "packed float32 (oneDNN)"
+    return "upcast (weights below the compute dtype)" if device.type == "cpu" else "plain"
 
 
 def pick_device(name: str) -> torch.device:
@@ -41,6 +56,7 @@ class PrefillItem:
     pixel_values: list[torch.Tensor]  # one [n_i, C*T*P*P] per image, in prompt order
     image_grids: list[tuple[int, int, int]]
     image_hashes: list[str] = field(default_factory=list)  # content hashes; equal images are encoded once
+    max_tokens: int = 0  # prompt and output tokens the sequence may reach (KV cache columns to hold)
 
 
 @dataclass
@@ -64,19 +80,19 @@ class ModelRunner:
         self.model = model.to(device)
         self.cfg: ModelConfig = model.cfg
         self.device = device
-        self.dtype = model.lm_head.weight.dtype
-        backend = "eager" if graphs is None else graphs.backend
-        if graphs is None:  # compiled graphs trace the plain weights
-            pack_linears(model)
-        model.visual.block_attention = choose_block_attention(backend)
+        self.dtype = model.language_model.norm.weight.dtype  # the compute dtype; matrices may be held lower
+        self.kernels = prepare_weights(model, device, config.quantize, compiled=graphs is not None)
+        model.visual.block_attention = choose_block_attention("eager" if graphs is None else graphs.backend)
         text = self.cfg.text
         self.inv_freq = text_inv_freq(text.head_dim, text.rope_theta).to(device)
         self.slot_axes = mrope_slot_axes(text.mrope_section, text.head_dim).to(device)
         # Compiled graphs: every call padded to a bucket; padding rows of a decode batch write to one scratch row.
         self.graphs = graphs
         engine, buckets = config.engine, config.compile
-        self.scratch_slot = engine.max_seqs
-        self.cache = KVCache(text, engine.max_seqs + (graphs is not None), engine.max_len, self.dtype, device)
+        self.scratch_slot, self.max_len = engine.max_seqs, engine.max_len
+        # Compiled graphs need the whole cache shape; eager runs start small and grow to what the job uses.
+        rows, columns = (engine.max_seqs + 1, engine.max_len) if graphs is not None else (1, min(256, engine.max_len))
+        self.cache = KVCache(text, rows, columns, self.dtype, device)
         self.prefill_buckets = sorted(buckets.prefill_buckets)
         self.decode_batch_buckets = sorted(buckets.decode_batch_buckets)
         self.decode_context_buckets = sorted(buckets.decode_context_buckets)
@@ -87,9 +103,17 @@ class ModelRunner:
     def images_encoded(self) -> int:
         return self.encoder.images_encoded
 
+    def _reserve(self, items: list[PrefillItem]) -> None:
+        """Grow the KV cache to hold these sequences' rows and every token they may reach (columns in steps of
+        256, never past engine.max_len)."""
+        if self.graphs is not None:
+            return
+        need = max(max(item.max_tokens, len(item.input_ids) + 1) for item in items)
+        self.cache.grow(max(item.slot for item in items) + 1, min(self.max_len, -(-need // 256) * 256))
+
     def _embed_prompts(self, items: list[PrefillItem], image_features: list | None):
         ids = torch.tensor([i for item in items for i in item.input_ids], device=self.device)
-        hidden = self.model.language_model.embed_tokens(ids)
+        hidden = self.model.language_model.embed(ids)
         visual_mask = ids == self.cfg.image_token_id
         if not bool(visual_mask.any()):
             return hidden, None, None
@@ -111,6 +135,7 @@ class ModelRunner:
     def prefill(self, items: list[PrefillItem], image_features: list[ImageFeatures] | None = None) -> torch.Tensor:
         """Prompts back to back (no padding), each filling its cache row -> logits of each last token [B, V]."""
         seqlens = [len(item.input_ids) for item in items]
+        self._reserve(items)
         if self.graphs is not None:
             hidden, _, deepstack = self._embed_prompts(items, image_features)
             rows = zip(items, hidden.split(seqlens), zip(*[d.split(seqlens) for d in deepstack]) if deepstack
@@ -124,6 +149,7 @@ class ModelRunner:
     def forward_prompts(self, items: list[PrefillItem], image_features: list[ImageFeatures] | None = None
                         ) -> torch.Tensor:
         """The text decoder over whole prompts (eager), filling their cache rows -> final hidden states [T, H]."""
+        self._reserve(items)
         hidden, _, deepstack = self._embed_prompts(items, image_features)
         seqlens = [len(item.input_ids) for item in items]
         rotary = torch.cat([item.rotary_position_ids for item in items], dim=1).to(self.device)

@@ -25,5 +25,5 @@ def decode_step(model: Qwen3VL, cache: KVCache, ids: torch.Tensor, cos: torch.Te
     """One token per row over `context_len` cache columns; with fixed shapes (the compiled decode graph) the batch
     and context are padded buckets."""
     batch = AttentionBatch(slots=slots, positions=positions, context_len=context_len, fixed_shapes=fixed_shapes)
-    out = model.language_model(model.language_model.embed_tokens(ids), cos, sin, batch, cache)
+    out = model.language_model(model.language_model.embed(ids), cos, sin, batch, cache)
     return model.lm_head(out).float()

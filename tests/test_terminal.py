@@ -51,7 +51,8 @@ def test_caption_off_a_terminal_prints_a_line_per_phase_and_names_failures(tiny_
                                       "--max-new-tokens", "3"], terminal_width=100)
     assert result.exit_code == 1
     lines = result.output.splitlines()
-    assert lines[0].startswith(f"mmcli: loading {tiny_dir} (") and lines[0].endswith("MB) on cpu, float32")
+    assert lines[0].startswith(f"mmcli: loading {tiny_dir} (") and lines[0].endswith("MB) on cpu, float32 weights,"
+                                                                             " float32 compute")
     assert lines[1].startswith("mmcli: loaded in ") and lines[1].endswith("captioning 4 images")
     assert any("load s" in line and "labeling s" in line for line in lines)
     for name in ("broken1.jpg", "broken2.jpg", "broken3.jpg"):

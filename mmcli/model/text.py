@@ -47,13 +47,35 @@ class AttentionBatch:
 
 
 class KVCache:
-    """Static K/V tensors [layers][max_seqs, kv_heads, max_len, head_dim]; a sequence owns one row."""
+    """K/V tensors [layers][rows, kv_heads, columns, head_dim]; a sequence owns one row, a token one column.
+    `grow` reallocates to a larger shape keeping what is written (the runner sizes the cache to the job)."""
 
-    def __init__(self, cfg: TextConfig, max_seqs: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        shape = (max_seqs, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.max_seqs, self.max_len = max_seqs, max_len
+    def __init__(self, cfg: TextConfig, rows: int, columns: int, dtype: torch.dtype, device: torch.device):
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.k, self.v = self._alloc(rows, columns), self._alloc(rows, columns)
+
+    def _alloc(self, rows: int, columns: int) -> list[torch.Tensor]:
+        shape = (rows, self.cfg.num_key_value_heads, columns, self.cfg.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.cfg.num_hidden_layers)]
+
+    @property
+    def rows(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def columns(self) -> int:
+        return self.k[0].shape[2]
+
+    def grow(self, rows: int, columns: int) -> None:
+        rows, columns = max(rows, self.rows), max(columns, self.columns)
+        if (rows, columns) == (self.rows, self.columns):
+            return
+        for old in (self.k, self.v):
+            for i, tensor in enumerate(old):
+                new = torch.zeros((rows, tensor.shape[1], columns, tensor.shape[3]), dtype=self.dtype,
+                                  device=self.device)
+                new[:tensor.shape[0], :, :tensor.shape[2]] = tensor
+                old[i] = new  # layer by layer: the old layer is freed before the next is copied
 
     @property
     def nbytes(self) -> int:
@@ -151,6 +173,10 @@ class TextDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings in the compute dtype (the norms' dtype; the table may be held in a lower precision)."""
+        return self.embed_tokens(ids).to(self.norm.weight.dtype)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
                 cache: KVCache, deepstack: list[torch.Tensor] | None = None) -> torch.Tensor:

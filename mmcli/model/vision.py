@@ -72,8 +72,9 @@ class PatchEmbed(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         # The kernel covers the whole patch, so the convolution is one matmul over flattened patches.
+        dtype = self.proj.bias.dtype  # the compute dtype; the weight may be held lower (converted exactly here)
         w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
+        return F.linear(pixels.to(dtype), w.view(w.shape[0], -1).to(dtype), self.proj.bias)
 
 
 class VisionAttention(nn.Module):

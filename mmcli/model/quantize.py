@@ -1,0 +1,49 @@
+"""int8 for both towers: norm scales folded into the linear layers that read them, then every linear quantized.
+
+A norm's per-channel scale makes channel outliers (a few channels many times larger than the rest, as large
+language models show); folding it into the next linear's weight columns (W' = W diag(g), b' = b + W beta) takes
+those channels out of the activations before they are quantized, exactly in real arithmetic. The weights then get
+a scale per output channel, so a large column costs only its own rows' precision.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .linear import Linear, quantize_linears
+
+
+@torch.no_grad()
+def fold_norm(norm: nn.Module, linears: list[Linear]) -> None:
+    """Move `norm`'s scale (and bias, for LayerNorm) into the linears that read its output."""
+    scale = norm.weight.detach().float()
+    shift = norm.bias.detach().float() if getattr(norm, "bias", None) is not None else None
+    for linear in linears:
+        weight = linear.weight.detach().float()
+        if shift is not None:
+            extra = weight @ shift
+            linear.bias = nn.Parameter(extra if linear.bias is None else linear.bias.float() + extra,
+                                       requires_grad=False)
+        linear.weight = nn.Parameter(weight * scale, requires_grad=False)  # float32, quantized right after
+    norm.weight.fill_(1.0)
+    if shift is not None:
+        norm.bias.zero_()
+
+
+def quantize_model(model: nn.Module) -> int:
+    """Fold the decoder's and the vision blocks' norms, then int8 for every linear but a tied lm_head (which stays
+    the embedding's bfloat16). Returns how many linears were quantized."""
+    text = model.language_model
+    for layer in text.layers:  # layer by layer: one layer's folded float32 weights at a time
+        attn, mlp = layer.self_attn, layer.mlp
+        fold_norm(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj])
+        fold_norm(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])
+        quantize_linears(layer)
+    for block in model.visual.blocks:
+        fold_norm(block.norm1, [block.attn.qkv])
+        fold_norm(block.norm2, [block.mlp.linear_fc1])
+        quantize_linears(block)
+    tied = model.lm_head.weight is text.embed_tokens.weight
+    quantize_linears(model, keep=(model.lm_head,) if tied else ())
+    return sum(isinstance(m, Linear) and m.kernel == "int8" for m in model.modules())
