@@ -26,6 +26,7 @@ from .config import Config, SamplingParams, check_vision_budget, load_config
 from .engine import Engine, Request
 from .errors import ImageError, ItemError
 from .images import ImageProcessorConfig, image_processor_config
+from .inputs import NOT_READY, default_workers, prefetch
 from .model import Qwen3VL
 from .model.linear import held_bytes
 from .output import Result
@@ -154,14 +155,22 @@ class Captioner:
         infos: dict[str, list[dict]] = {}
         failed: list[Result] = []
 
-        def requests() -> Iterator[Request]:
-            for key, path in items:
-                started[key] = time.perf_counter()
-                try:
-                    req, infos[key] = self.request(key, [path], question, params)
-                except (ItemError, ValueError) as e:
-                    failed.append(Result(key, error={"type": type(e).__name__, "message": str(e)}))
+        def prepare(item: tuple[str, str | Path]):
+            started[item[0]] = time.perf_counter()
+            return self.request(item[0], [item[1]], question, params)
+
+        def requests() -> Iterator[Request | None]:
+            workers = default_workers(self.config.inputs.workers)
+            depth = max(self.config.engine.max_seqs, self.config.vision.lookahead) + workers
+            for ready in prefetch(items, prepare, workers, depth):
+                if ready is NOT_READY:
+                    yield None  # the engine goes on with what it has
                     continue
+                (key, _), outcome = ready
+                if isinstance(outcome, Exception):  # a bad file, or anything else a worker raised: its record
+                    failed.append(Result(key, error={"type": type(outcome).__name__, "message": str(outcome)}))
+                    continue
+                req, infos[key] = outcome
                 yield req
 
         for done in self.engine.generate(requests()):

@@ -60,6 +60,11 @@ class ScanConfig:
 
 
 @dataclass(frozen=True)
+class InputsConfig:
+    workers: int = 0  # threads decoding and preprocessing ahead of the engine; 0: one per core but one
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     max_seqs: int = 8
     max_len: int = 4096
@@ -87,6 +92,7 @@ class Config:
     image: ImageConfig = field(default_factory=ImageConfig)
     vision: VisionBlocksConfig = field(default_factory=VisionBlocksConfig)
     scan: ScanConfig = field(default_factory=ScanConfig)
+    inputs: InputsConfig = field(default_factory=InputsConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
 
@@ -97,6 +103,7 @@ class Config:
              "auto, float32, bfloat16, float16"),
             ("quantize", self.quantize in ("none", "int8"), "none, int8"),
             ("device", self.device in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
+            ("inputs.workers", self.inputs.workers >= 0, "0 (one per core but one) or more"),
             ("engine.max_seqs", self.engine.max_seqs >= 1, "at least 1"),
             ("engine.max_len", self.engine.max_len >= 16, "at least 16"),
             ("image.max_decode_pixels", self.image.max_decode_pixels > 0, "above 0"),

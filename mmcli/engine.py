@@ -7,6 +7,7 @@ its sequence stops.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from .errors import ItemError
 from .packing import choose_wave
 from .runner import DecodeItem, ModelRunner, PrefillItem
 from .sampling import step_seed
+
+_END = object()
 
 
 @dataclass(eq=False)
@@ -63,6 +66,7 @@ class Engine:
         self.max_prefill_tokens, self.lookahead = config.engine.max_prefill_tokens, config.vision.lookahead
         self.block_size, self.num_blocks_buckets = config.vision.block_size, list(config.vision.num_blocks_buckets)
         self.on_token: Callable[[str, int], None] | None = None  # the running generate() call's callback
+        self.input_wait = 0.0  # seconds the engine had nothing to run while inputs were being prepared
 
     def _pick(self, waiting: deque[Request], slots: int) -> list[Request]:
         """The requests to admit now: with vision blocks, the look-ahead wave that packs with least padding."""
@@ -109,26 +113,41 @@ class Engine:
         return PrefillItem(seq.slot, req.input_ids, req.rotary_position_ids, req.pixel_values, req.image_grids,
                            req.image_hashes, min(self.max_len, len(req.input_ids) + req.sampling.max_new_tokens))
 
-    def generate(self, requests: Iterable[Request], on_token: Callable[[str, int], None] | None = None
+    def _refill(self, pending: Iterator[Request | None], waiting: deque[Request], busy: bool) -> bool:
+        """Take ready requests up to the look-ahead; False once the requests are exhausted. None from `pending`
+        means none is ready yet: with sequences to run the engine goes on, with none it waits (counted)."""
+        while len(waiting) < max(self.max_seqs, self.lookahead):
+            nxt = next(pending, _END)
+            if nxt is _END:
+                return False
+            if nxt is None:
+                if busy or waiting:
+                    return True
+                started = time.perf_counter()
+                time.sleep(0.002)
+                self.input_wait += time.perf_counter() - started
+                continue
+            if len(nxt.input_ids) >= self.max_len:
+                raise ItemError(f"{nxt.key}: prompt of {len(nxt.input_ids)} tokens does not fit "
+                                f"engine.max_len {self.max_len}")
+            waiting.append(nxt)
+        return True
+
+    def generate(self, requests: Iterable[Request | None], on_token: Callable[[str, int], None] | None = None
                  ) -> Iterator[Finished]:
-        """Finished sequences as they finish; `on_token(key, token id)` is called as each token is chosen."""
+        """Finished sequences as they finish; `on_token(key, token id)` is called as each token is chosen.
+        `requests` may yield None for "none ready yet" (inputs prepared ahead, see inputs.py)."""
         self.on_token = on_token
         pending = iter(requests)
         waiting: deque[Request] = deque()
         running: list[Sequence] = []
         free = list(range(self.max_seqs))
-        exhausted = False
+        more = True
         while True:
-            while not exhausted and len(waiting) < max(self.max_seqs, self.lookahead):
-                nxt = next(pending, None)
-                if nxt is None:
-                    exhausted = True
-                else:
-                    if len(nxt.input_ids) >= self.max_len:
-                        raise ItemError(f"{nxt.key}: prompt of {len(nxt.input_ids)} tokens does not fit "
-                                         f"engine.max_len {self.max_len}")
-                    waiting.append(nxt)
+            more = more and self._refill(pending, waiting, busy=bool(running))
             if not waiting and not running:
+                if more:
+                    continue
                 return
             admitted: list[Sequence] = []
             if waiting and free:
