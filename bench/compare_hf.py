@@ -6,6 +6,10 @@ transformers gets a per-row stopping criterion with the same lengths). Both side
 float32, what mmcli picks on a CPU). Each side runs in a process of its own (peak RSS is per process).
 
     python bench/compare_hf.py [--smoke] [--cache-dir DIR] [--dtype float32] [--hf-batch-sizes 1,4,8]
+    python bench/compare_hf.py --device cuda --dtype bfloat16 --images 256 --max-seqs 64 --hf-batch-sizes 16,64
+
+With --images N the 16 sizes and lengths repeat. mmcli reads its inputs through its input pipeline (worker threads
+ahead of the engine) and reports the fraction of the run its engine waited for them.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ LENGTHS = [16, 96, 32, 64, 24, 80, 48, 16, 96, 40, 72, 20, 56, 88, 32, 64]
 PROMPT = "Describe this image."
 
 
-def make_inputs(cache: Path, smoke: bool) -> tuple[Path, list[Path], list[int]]:
+def make_inputs(cache: Path, smoke: bool, count: int = 16) -> tuple[Path, list[Path], list[int]]:
     from PIL import Image
 
     from mmcli.testing import make_tiny_checkpoint
@@ -42,44 +46,54 @@ def make_inputs(cache: Path, smoke: bool) -> tuple[Path, list[Path], list[int]]:
                              **({} if smoke else {"max_pixels": 16777216, "min_pixels": 65536}))
     images = []
     names = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"]
-    count = 6 if smoke else len(SIZES)
-    for n, (w, h) in enumerate(SIZES[:count]):
-        f = cache / "images" / f"{n:02d}_{w}x{h}.png"
+    count = 6 if smoke else count
+    for n in range(count):
+        w, h = SIZES[n % len(SIZES)]
+        f = cache / "images" / (f"{n:02d}_{w}x{h}.png" if n < len(SIZES) else f"{n:03d}_{w}x{h}.png")
         if not f.is_file():
             f.parent.mkdir(parents=True, exist_ok=True)
-            Image.open(ROOT / "samples" / names[n % 4]).convert("RGB").resize((w, h), Image.BICUBIC).save(f)
+            im = Image.open(ROOT / "samples" / names[n % 4]).convert("RGB")
+            im.rotate(n // len(SIZES) * 7).resize((w, h), Image.BICUBIC).save(f)  # repeats differ: no cache hits
         images.append(f)
-    lengths = [max(2, n // 8) for n in LENGTHS[:count]] if smoke else LENGTHS
+    lengths = [max(2, n // 8) for n in LENGTHS[:count]] if smoke else [LENGTHS[n % len(LENGTHS)] for n in range(count)]
     return ckpt, images, lengths
 
 
-def machine_limits() -> dict:
-    """Read bandwidth (sum over a 512 MiB tensor) and float32 matmul FLOP/s, best of a few tries."""
-    x = torch.ones(128 << 20, dtype=torch.float32)
+def machine_limits(device: str = "cpu", dtype: str = "float32") -> dict:
+    """Read bandwidth (sum over a 512 MiB tensor; 4 GiB on a GPU) and matmul FLOP/s, best of a few tries."""
+    x = torch.ones((1 << 30) if device == "cuda" else (128 << 20), dtype=torch.float32, device=device)
     x.sum()
     bw = max(x.numel() * 4 / _timed(x.sum) for _ in range(5))
-    a = torch.randn(2048, 2048)
+    del x
+    n = 8192 if device == "cuda" else 2048
+    a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
     a @ a
-    flops = max(2 * 2048**3 / _timed(lambda: a @ a) for _ in range(3))
+    flops = max(2 * n**3 / _timed(lambda: a @ a) for _ in range(3))
     return {"bandwidth": bw, "matmul_flops": flops}
 
 
 def _timed(fn) -> float:
+    _sync()
     start = time.perf_counter()
     fn()
+    _sync()
     return time.perf_counter() - start
 
 
-def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], dtype: str) -> dict:
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: dict) -> dict:
     from dataclasses import replace
 
     from mmcli.captioner import Captioner
     from mmcli.checkpoint import expected_shapes
     from mmcli.config import load_config
-    from mmcli.model.text import KVCache
+    from mmcli.inputs import NOT_READY, default_workers, prefetch
 
-    # All 16 images in flight (the KV cache for 16 x 512 tokens is 1.9 GB in float32); the default is 8 x 4096.
-    cfg = load_config(None, {"dtype": dtype, "device": "cpu", "engine": {"max_seqs": 16, "max_len": 512}})
+    cfg = load_config(None, settings)
     cap = Captioner.from_pretrained(str(ckpt), config=cfg)
     spent = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}  # where the time goes (prefill includes vision)
 
@@ -97,12 +111,19 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], dtype: str)
         setattr(owner, attr, timed(name, getattr(owner, attr)))
     start = time.perf_counter()
 
-    def requests():
-        for n, (path, length) in enumerate(zip(images, lengths)):
-            req, _ = cap.request(f"img{n}", [path], PROMPT, cap.sampling(max_new_tokens=length))
-            yield replace(req, stop_ids=frozenset())  # the length schedule stands in for eos
+    def prepare(item):
+        n, path, length = item
+        req, _ = cap.request(f"img{n}", [path], PROMPT, cap.sampling(max_new_tokens=length))
+        return replace(req, stop_ids=frozenset())  # the length schedule stands in for eos
+
+    def requests():  # the input pipeline `caption` uses: worker threads ahead of the engine
+        workers = default_workers(cfg.inputs.workers)
+        items = [(n, path, length) for n, (path, length) in enumerate(zip(images, lengths))]
+        for ready in prefetch(items, prepare, workers, max(cfg.engine.max_seqs, cfg.vision.lookahead) + workers):
+            yield None if ready is NOT_READY else ready[1]
 
     done = {r.key: len(r.token_ids) for r in cap.engine.generate(requests())}
+    _sync()
     elapsed = time.perf_counter() - start
     split = dict(spent)
     assert [done[f"img{n}"] for n in range(len(images))] == lengths, done
@@ -118,14 +139,16 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], dtype: str)
         steps.append(_timed(lambda pos=pos: runner.decode([DecodeItem(0, 1, pos, req.rope_delta)])))
     # A decode step reads every text weight but the embedding (one row of it), and the lm_head (tied or not).
     shapes = expected_shapes(cap.model.cfg)
-    decode_bytes = runner.dtype.itemsize * sum(
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}[cap.precision["weights"]]
+    decode_bytes = itemsize * sum(
         math.prod(shape) for name, shape in shapes.items()
         if name == "lm_head.weight" or name.startswith("model.language_model.") and "embed" not in name)
-    assert isinstance(runner.cache, KVCache)
+    gpu = torch.cuda.max_memory_allocated() if cap.runner.device.type == "cuda" else 0
     return {"images_per_s": len(images) / elapsed, "seconds": elapsed, "decode_step": statistics.median(steps[2:]),
             "weight_bytes": cap.weight_bytes, "decode_weight_bytes": decode_bytes, "kv_bytes": runner.cache.nbytes,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "generated": sum(lengths), "spent": split}
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "gpu_peak": gpu,
+            "input_wait": cap.engine.input_wait / elapsed, "generated": sum(lengths), "spent": split,
+            "precision": cap.precision}
 
 
 def _hf_processor(ckpt: Path):
@@ -143,11 +166,12 @@ def _hf_processor(ckpt: Path):
                             video_processor=None, chat_template=template)
 
 
-def worker_hf(ckpt: Path, images: list[Path], lengths: list[int], dtype: str, batch_size: int) -> dict:
+def worker_hf(ckpt: Path, images: list[Path], lengths: list[int], dtype: str, batch_size: int,
+              device: str = "cpu") -> dict:
     from PIL import Image
     from transformers import GenerationConfig, Qwen3VLForConditionalGeneration, StoppingCriteria
 
-    model = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
+    model = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval().to(device)
     model.generation_config.eos_token_id = None
     processor = _hf_processor(ckpt)
     content = [{"type": "image"}, {"type": "text", "text": PROMPT}]
@@ -159,7 +183,7 @@ def worker_hf(ckpt: Path, images: list[Path], lengths: list[int], dtype: str, ba
             self.prompt_len, self.targets = prompt_len, torch.tensor(targets)
 
         def __call__(self, input_ids, scores, **kwargs):
-            return (input_ids.shape[1] - self.prompt_len) >= self.targets
+            return (input_ids.shape[1] - self.prompt_len) >= self.targets.to(input_ids.device)
 
     start = time.perf_counter()
     generated = 0
@@ -167,19 +191,30 @@ def worker_hf(ckpt: Path, images: list[Path], lengths: list[int], dtype: str, ba
         for b in range(0, len(images), batch_size):
             chunk = [Image.open(p).convert("RGB") for p in images[b:b + batch_size]]
             targets = lengths[b:b + batch_size]
-            inputs = processor(text=[text] * len(chunk), images=chunk, padding=True, return_tensors="pt")
+            inputs = processor(text=[text] * len(chunk), images=chunk, padding=True, return_tensors="pt").to(device)
             gen = GenerationConfig(max_new_tokens=max(targets), do_sample=False, pad_token_id=0)
             out = model.generate(**inputs, generation_config=gen,
                                  stopping_criteria=[RowLengths(inputs["input_ids"].shape[1], targets)])
             generated += (out.shape[1] - inputs["input_ids"].shape[1]) * len(chunk)
+    _sync()
     elapsed = time.perf_counter() - start
     return {"images_per_s": len(images) / elapsed, "seconds": elapsed, "batch_size": batch_size,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rows_computed": generated}
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rows_computed": generated,
+            "gpu_peak": torch.cuda.max_memory_allocated() if device == "cuda" else 0}
+
+
+def mmcli_settings(args) -> dict:
+    # On the CPU all 16 images in flight (the KV cache for 16 x 512 tokens is 1.9 GB in float32); the default is
+    # 8 x 4096.
+    return {"dtype": args.dtype, "device": args.device, "engine": {"max_seqs": args.max_seqs, "max_len": args.max_len},
+            **json.loads(args.settings)}
 
 
 def run_worker(args, kind: str, batch_size: int = 0) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--cache-dir", str(args.cache_dir), "--dtype", args.dtype,
-           "--batch-size", str(batch_size)] + (["--smoke"] if args.smoke else [])
+           "--batch-size", str(batch_size), "--device", args.device, "--images", str(args.images),
+           "--max-seqs", str(args.max_seqs), "--max-len", str(args.max_len), "--settings", args.settings
+           ] + (["--smoke"] if args.smoke else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -190,24 +225,29 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--hf-batch-sizes", default="1,4,8")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--images", type=int, default=16, help="images (the 16 sizes and lengths repeat)")
+    parser.add_argument("--max-seqs", type=int, default=16, help="mmcli's sequences in flight")
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--settings", default="{}", help="more mmcli settings, JSON")
     parser.add_argument("--worker", choices=["mmcli", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cache_dir is None:
         args.cache_dir = Path(tempfile.gettempdir()) / "mmcli-bench" if args.smoke else ROOT / ".bench_cache"
     args.cache_dir.mkdir(parents=True, exist_ok=True)
-    ckpt, images, lengths = make_inputs(args.cache_dir, args.smoke)
+    ckpt, images, lengths = make_inputs(args.cache_dir, args.smoke, args.images)
     if args.worker == "mmcli":
-        print(json.dumps(worker_mmcli(ckpt, images, lengths, args.dtype)))
+        print(json.dumps(worker_mmcli(ckpt, images, lengths, mmcli_settings(args))))
         return
     if args.worker == "hf":
-        print(json.dumps(worker_hf(ckpt, images, lengths, args.dtype, args.batch_size)))
+        print(json.dumps(worker_hf(ckpt, images, lengths, args.dtype, args.batch_size, args.device)))
         return
 
-    limits = machine_limits()
+    limits = machine_limits(args.device, args.dtype)
     print(f"{len(images)} images, output lengths {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all), "
           f"dtype {args.dtype}, {torch.get_num_threads()} threads", flush=True)
-    print(f"machine: read bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s, float32 matmul "
+    print(f"machine: read bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s, {args.dtype} matmul "
           f"{limits['matmul_flops'] / 1e9:.1f} GFLOP/s", flush=True)
     ours = run_worker(args, "mmcli")
     spent = ours["spent"]
@@ -221,8 +261,8 @@ def main() -> None:
     best = max(theirs, key=lambda r: r["images_per_s"])
     # The machine's limits are what it can do at best: measured again at the end (a shared machine, or the writeback
     # of a freshly written checkpoint, can slow one measurement), the higher figure counts.
-    after = machine_limits()
-    print(f"machine, after the runs: read bandwidth {after['bandwidth'] / 1e9:.1f} GB/s, float32 matmul "
+    after = machine_limits(args.device, args.dtype)
+    print(f"machine, after the runs: read bandwidth {after['bandwidth'] / 1e9:.1f} GB/s, {args.dtype} matmul "
           f"{after['matmul_flops'] / 1e9:.1f} GFLOP/s", flush=True)
     bandwidth = max(limits["bandwidth"], after["bandwidth"])
     bound = ours["decode_weight_bytes"] / bandwidth
@@ -236,6 +276,10 @@ def main() -> None:
     print(f"| decode weight bytes / read bandwidth ({bandwidth / 1e9:.1f} GB/s) | {bound * 1000:.1f} ms "
           f"(step is {ours['decode_step'] / bound:.2f}x) |")
     print(f"| mmcli peak RSS | {ours['peak_rss'] / 2**30:.2f} GiB |")
+    if args.device == "cuda":
+        print(f"| GPU memory peak, mmcli / transformers (best) | {ours['gpu_peak'] / 2**30:.2f} / "
+              f"{best['gpu_peak'] / 2**30:.2f} GiB |")
+    print(f"| mmcli engine waiting for inputs | {100 * ours['input_wait']:.1f}% of the run |")
     print(f"| weight bytes + KV cache bytes | {ours['weight_bytes'] / 2**30:.2f} + {ours['kv_bytes'] / 2**30:.2f} GiB "
           f"(RSS is {ours['peak_rss'] / budget:.2f}x) |")
     print(f"images/s ratio (mmcli / transformers): {ours['images_per_s'] / best['images_per_s']:.2f}")

@@ -78,6 +78,7 @@ class CompileConfig:
     prefill_buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096)  # padded prompt lengths, one prompt per call
     decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)  # sequences per decode step, padded
     decode_context_buckets: tuple[int, ...] = (512, 1024, 2048, 4096)  # KV columns a decode step reads, padded
+    cuda_graphs: bool = True  # eager backend on CUDA: decode steps replayed from CUDA graphs per bucket
 
 
 @dataclass(frozen=True)

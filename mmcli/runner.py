@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from .compiled import Bucket, CompiledGraphs
 from .config import Config, SamplingParams
+from .cuda_graphs import DecodeGraphs
 from .encoder import ImageEncoder, ImageFeatures
 from .errors import ConfigError
 from .model import AttentionBatch, KVCache, Qwen3VL
@@ -82,7 +84,8 @@ class ModelRunner:
         self.device = device
         self.dtype = model.language_model.norm.weight.dtype  # the compute dtype; matrices may be held lower
         self.kernels = prepare_weights(model, device, config.quantize, compiled=graphs is not None)
-        model.visual.block_attention = choose_block_attention("eager" if graphs is None else graphs.backend)
+        model.visual.block_attention = choose_block_attention("eager" if graphs is None else graphs.backend,
+                                                              device.type)
         text = self.cfg.text
         self.inv_freq = text_inv_freq(text.head_dim, text.rope_theta).to(device)
         self.slot_axes = mrope_slot_axes(text.mrope_section, text.head_dim).to(device)
@@ -90,9 +93,15 @@ class ModelRunner:
         self.graphs = graphs
         engine, buckets = config.engine, config.compile
         self.scratch_slot, self.max_len = engine.max_seqs, engine.max_len
-        # Compiled graphs need the whole cache shape; eager runs start small and grow to what the job uses.
-        rows, columns = (engine.max_seqs + 1, engine.max_len) if graphs is not None else (1, min(256, engine.max_len))
+        use_cuda_graphs = device.type == "cuda" and graphs is None and config.compile.cuda_graphs
+        # Compiled and CUDA graphs hold the cache's shape and addresses: the whole of it, allocated once. Other
+        # runs start small and grow to what the job uses.
+        self.fixed_cache = graphs is not None or use_cuda_graphs
+        rows, columns = (engine.max_seqs + 1, engine.max_len) if self.fixed_cache else (1, min(256, engine.max_len))
         self.cache = KVCache(text, rows, columns, self.dtype, device)
+        self.cuda_graphs = DecodeGraphs(model, self.cache, engine.max_seqs + 1, engine.max_len, self.scratch_slot,
+                                        text.head_dim) if use_cuda_graphs else None
+        self._pinned: torch.Tensor | None = None
         self.prefill_buckets = sorted(buckets.prefill_buckets)
         self.decode_batch_buckets = sorted(buckets.decode_batch_buckets)
         self.decode_context_buckets = sorted(buckets.decode_context_buckets)
@@ -106,7 +115,7 @@ class ModelRunner:
     def _reserve(self, items: list[PrefillItem]) -> None:
         """Grow the KV cache to hold these sequences' rows and every token they may reach (columns in steps of
         256, never past engine.max_len)."""
-        if self.graphs is not None:
+        if self.fixed_cache:
             return
         need = max(max(item.max_tokens, len(item.input_ids) + 1) for item in items)
         self.cache.grow(max(item.slot for item in items) + 1, min(self.max_len, -(-need // 256) * 256))
@@ -175,22 +184,40 @@ class ModelRunner:
                                 cos, sin, torch.tensor([slot], device=self.device), [F.pad(d, pad) for d in deepstack],
                                 torch.tensor([n - 1], device=self.device))
 
+    def _decode_inputs(self, rows: list[DecodeItem]) -> tuple[torch.Tensor, ...]:
+        """positions, deltas, ids, slots on the device, in one copy (pinned and asynchronous on CUDA: the step
+        before ended with the sampled tokens' copy, so the buffer is free)."""
+        host = torch.tensor([[r.position, r.rope_delta, r.token_id, r.slot] for r in rows], dtype=torch.long)
+        if self.device.type != "cuda":
+            return tuple(column.contiguous() for column in host.to(self.device).unbind(1))
+        if self._pinned is None or self._pinned.shape[0] < len(rows):
+            self._pinned = torch.empty((max(len(rows), self.scratch_slot + 1), 4), dtype=torch.long).pin_memory()
+        self._pinned[:len(rows)].copy_(host)
+        device = self._pinned[:len(rows)].to(self.device, non_blocking=True)
+        return tuple(column.contiguous() for column in device.unbind(1))
+
     @torch.inference_mode()
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:
         """One new token per sequence, all in one forward pass -> logits [B, V]. With compiled graphs the batch is
-        padded to its (batch, context) bucket; padding rows write the scratch row at column 0."""
+        padded to its (batch, context) bucket; padding rows write the scratch row at column 0. On CUDA the step
+        replays a CUDA graph of its bucket (see cuda_graphs.py)."""
         rows, context = items, max(item.position for item in items) + 1
         if self.graphs is not None:
             batch = choose_bucket(len(items), self.decode_batch_buckets)
             context = choose_bucket(context, self.decode_context_buckets)
             rows = items + [DecodeItem(self.scratch_slot, 0, 0, 0)] * (batch - len(items))
-        positions = torch.tensor([r.position for r in rows], device=self.device)
-        rotary = decode_rotary_position_ids(positions, torch.tensor([r.rope_delta for r in rows], device=self.device))
-        cos, sin = mrope_cos_sin(rotary, self.inv_freq, self.slot_axes)
-        args = (self.model, self.cache, torch.tensor([r.token_id for r in rows], device=self.device), cos, sin,
-                torch.tensor([r.slot for r in rows], device=self.device), positions, context)
+        positions, deltas, ids, slots = self._decode_inputs(rows)
+        cos, sin = mrope_cos_sin(decode_rotary_position_ids(positions, deltas), self.inv_freq, self.slot_axes)
+        if self.cuda_graphs is not None:
+            try:
+                return self.cuda_graphs.run(ids, cos, sin, slots, positions, context)
+            except RuntimeError as e:  # a capture this torch or driver refuses: decode eagerly, and say so once
+                print(f"mmcli: CUDA graphs off for this run ({str(e).splitlines()[0][:200]})", file=sys.stderr)
+                self.cuda_graphs = None
+        args = (self.model, self.cache, ids, cos, sin, slots, positions, context)
         if self.graphs is None:
-            return decode_step(*args, fixed_shapes=False)
+            contiguous = [r.slot for r in rows] == list(range(len(rows)))
+            return decode_step(*args, fixed_shapes=False, contiguous=contiguous)
         return self.graphs.call(Bucket("decode", (len(rows), context)), decode_step, *args)[:len(items)]
 
     @torch.inference_mode()

@@ -30,11 +30,15 @@ def _filter_top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch
 
 def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
                   seeds: list[int]) -> tuple[list[int], list[float]]:
-    """One token per row of `logits` [B, V], and its log-probability under the model (unprocessed logits)."""
+    """One token per row of `logits` [B, V], and its log-probability under the model (unprocessed logits). Greedy
+    rows without a penalty are chosen together on the device; the tokens and log-probabilities come back to the
+    host in one copy (on CUDA, the decode loop's one synchronisation)."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
-    tokens: list[int] = []
-    for row, p, history, seed in zip(logits, params, histories, seeds):
+    chosen = logits.argmax(-1)
+    for i, (row, p, history, seed) in enumerate(zip(logits, params, histories, seeds)):
+        if p.temperature == 0.0 and (p.repetition_penalty == 1.0 or not history):
+            continue
         scores = row
         if p.repetition_penalty != 1.0 and history:
             seen = torch.tensor(sorted(set(history)), device=row.device)
@@ -42,11 +46,12 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], histories:
             scores = scores.clone()
             scores[seen] = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
         if p.temperature == 0.0:
-            tokens.append(int(torch.argmax(scores)))
+            chosen[i] = torch.argmax(scores)
             continue
         scores = _filter_top_k_top_p(scores / p.temperature, p.top_k, p.top_p)
         generator = torch.Generator(device="cpu").manual_seed(seed)
         probs = scores.softmax(-1).cpu()
-        tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1)
-    return tokens, chosen.tolist()
+        chosen[i] = int(torch.multinomial(probs, 1, generator=generator))
+    picked = logprobs.gather(1, chosen[:, None]).squeeze(1)
+    both = torch.stack([chosen.double(), picked.double()]).cpu()
+    return [int(t) for t in both[0].tolist()], both[1].tolist()

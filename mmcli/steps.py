@@ -20,10 +20,11 @@ def prefill_step(model: Qwen3VL, cache: KVCache, hidden: torch.Tensor, cos: torc
 
 
 def decode_step(model: Qwen3VL, cache: KVCache, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slots: torch.Tensor, positions: torch.Tensor, context_len: int, fixed_shapes: bool = True
-                ) -> torch.Tensor:
-    """One token per row over `context_len` cache columns; with fixed shapes (the compiled decode graph) the batch
-    and context are padded buckets."""
-    batch = AttentionBatch(slots=slots, positions=positions, context_len=context_len, fixed_shapes=fixed_shapes)
+                slots: torch.Tensor, positions: torch.Tensor, context_len: int, fixed_shapes: bool = True,
+                contiguous: bool = False) -> torch.Tensor:
+    """One token per row over `context_len` cache columns; with fixed shapes (the compiled decode graph, a CUDA
+    graph) the batch and context are padded buckets."""
+    batch = AttentionBatch(slots=slots, positions=positions, context_len=context_len, fixed_shapes=fixed_shapes,
+                           contiguous=contiguous)
     out = model.language_model(model.language_model.embed(ids), cos, sin, batch, cache)
     return model.lm_head(out).float()

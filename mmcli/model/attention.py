@@ -70,11 +70,12 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_m
     return out
 
 
-def choose_block_attention(backend: str) -> BlockAttention:
+def choose_block_attention(backend: str, device_type: str = "cpu") -> BlockAttention:
     """The kernel for a runner's backend: Trainium's NKI kernel; the fixed-shape reference inside other compiled
-    graphs (its shapes do not depend on the bounds' values); eager execution computes only inside the bounds."""
+    graphs (its shapes do not depend on the bounds' values) and on CUDA (one masked SDPA call a layer, no host
+    round trip); eager execution on the CPU computes only inside the bounds."""
     if backend == "neuron":
         return nki_bounded_attention
-    if backend == "eager":
+    if backend == "eager" and device_type == "cpu":
         return segment_attention
     return bounded_attention

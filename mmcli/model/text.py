@@ -44,6 +44,7 @@ class AttentionBatch:
     seqlens: list[int] | None = None  # prefill only
     context_len: int = 0  # decode only: cache columns read (max(positions) + 1, or its bucket)
     fixed_shapes: bool = False
+    contiguous: bool = False  # decode: slots are 0..B-1 (known to the caller, so no device round trip here)
 
 
 class KVCache:
@@ -128,9 +129,8 @@ class Attention(nn.Module):
         if batch.fixed_shapes:
             keys, values = k_cache[slots, :, :n], v_cache[slots, :, :n]
         else:
-            contiguous = bool(torch.equal(slots, torch.arange(b, device=slots.device)))
-            keys = k_cache[:b, :, :n] if contiguous else k_cache[slots, :, :n]
-            values = v_cache[:b, :, :n] if contiguous else v_cache[slots, :, :n]
+            keys = k_cache[:b, :, :n] if batch.contiguous else k_cache[slots, :, :n]
+            values = v_cache[:b, :, :n] if batch.contiguous else v_cache[slots, :, :n]
             if b == 1:  # one sequence: its whole context, no mask needed
                 return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, enable_gqa=True).squeeze(2)
         mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]  # each row sees its own past
