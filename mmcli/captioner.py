@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -24,17 +23,17 @@ from .checkpoint import (
 from .compiled import CompiledGraphs, resolve_backend
 from .config import Config, SamplingParams, check_vision_budget, load_config
 from .engine import Engine, Request
-from .errors import ImageError, ItemError
+from .grammar import JsonGrammar
 from .images import ImageProcessorConfig, image_processor_config
 from .inputs import NOT_READY, default_workers, prefetch
 from .model import Qwen3VL
 from .model.linear import held_bytes
 from .output import Result
-from .positions import rope_index
-from .preprocess import decode_image, preprocess
 from .prompt import PromptBuilder, TextStream
+from .requests import RequestBuilder
 from .resume import label_settings
 from .runner import ModelRunner, pick_device
+from .tasks import Task, finish, render_prompt, resolve_tasks
 
 
 def _stop_ids(path: Path, prompts: PromptBuilder) -> frozenset[int]:
@@ -61,6 +60,8 @@ class Captioner:
         self.label_settings = label_settings(config, path, precision)
         self.stop_ids = _stop_ids(path, prompts)
         self.engine = Engine(runner, config)
+        self.requests = RequestBuilder(prompts, image_cfg, config, model.cfg.image_token_id, self.stop_ids,
+                                       compiled=graphs is not None)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,
@@ -88,76 +89,83 @@ class Captioner:
 
     def request(self, key: str, images: list, question: str, sampling: SamplingParams) -> tuple[Request, list[dict]]:
         """Decode and preprocess the images and build the prompt; raises ImageError for a bad image."""
-        pixels, grids, infos, hashes = [], [], [], []
-        for image in images:
-            if isinstance(image, Image.Image):
-                rgb, note = image.convert("RGB"), None
-            else:
-                try:
-                    decoded = decode_image(image, self.config.image.max_decode_pixels)
-                except ImageError as e:
-                    raise ImageError(f"{image}: {e}") from None
-                rgb, note = decoded.image, decoded.note
-            try:
-                pv, grid = preprocess(rgb, self.image_cfg)
-            except ImageError as e:
-                raise ImageError(f"{image if not isinstance(image, Image.Image) else 'image'}: {e}") from None
-            if pv.shape[0] > self.config.vision.block_size:  # only extreme aspect ratios under tiny budgets
-                raise ImageError(f"{image}: {pv.shape[0]} patches do not fit vision.block_size "
-                                 f"{self.config.vision.block_size}")
-            pixels.append(pv)
-            grids.append(grid)
-            hashes.append(hashlib.blake2b(pv.numpy().tobytes(), digest_size=16).hexdigest())
-            infos.append({"width": rgb.width, "height": rgb.height, "note": note})
-        m2 = self.image_cfg.merge_size**2
-        counts = [t * h * w // m2 for t, h, w in grids]
-        ids = self.prompts.encode(question, counts)
-        if len(ids) >= self.config.engine.max_len:
-            raise ItemError(f"{key}: prompt of {len(ids)} tokens does not fit engine.max_len "
-                            f"{self.config.engine.max_len}")
-        largest = max(self.config.compile.prefill_buckets)
-        if self.graphs is not None and len(ids) > largest:
-            raise ItemError(f"{key}: prompt of {len(ids)} tokens is over the largest compile.prefill_buckets entry "
-                            f"{largest}")
-        rotary, delta = rope_index(ids, grids, self.model.cfg.image_token_id, self.image_cfg.merge_size)
-        req = Request(key, ids, rotary, delta, pixels, grids, sampling, self.stop_ids, sum(counts), hashes)
-        return req, infos
+        prepared = self.requests.images(images)
+        return self.requests.build(key, prepared, question, sampling), prepared.infos
 
-    def _finish(self, done, infos: list[dict], started: float) -> Result:
-        return Result(done.key, self.prompts.decode(done.token_ids), done.token_ids, done.logprobs,
-                      done.finish_reason, done.num_input_tokens, done.num_image_tokens,
-                      int((time.perf_counter() - started) * 1000), infos)
+    def _finish(self, done, infos: list[dict], started: float, task: Task | None = None) -> Result:
+        text = self.prompts.decode(done.token_ids)
+        result = Result(done.key, text, done.token_ids, done.logprobs, done.finish_reason, done.num_input_tokens,
+                        done.num_image_tokens, int((time.perf_counter() - started) * 1000), infos,
+                        task=task.name if task else "")
+        if task is None:
+            return result
+        if done.constraint is not None and not done.constraint.accepting:
+            result.error = {"type": "ItemError", "message": f"the JSON answer did not close within max_new_tokens "
+                            f"{task.sampling.max_new_tokens} (task {task.name})"}
+            return result
+        first = infos[0] if infos else {}
+        try:
+            result.fields = finish(task, text, first.get("width"), first.get("height"))
+        except ValueError as e:
+            result.error = {"type": "ItemError", "message": f"task {task.name}: {e}"}
+        return result
 
-    def ask(self, images: list, question: str, on_text: Callable[[str], None] | None = None, **sampling) -> Result:
-        """One answer about one or more images (paths or PIL images). `on_text` receives the answer's text piece
-        by piece as it is generated (the pieces join to the result's text)."""
+    def tasks(self, tasks: list[str | Task] | None = None, prompt: str | None = None, **sampling) -> list[Task]:
+        """Task objects for names (the settings' `tasks`), or the one plain task of `prompt` when none are named;
+        sampling values given here override every task's."""
+        if tasks is None:
+            resolved = [Task("caption", prompt or self.config.prompt, "text", None, self.sampling(), None, "", "")]
+        else:
+            resolved = [t if isinstance(t, Task) else resolve_tasks(self.config, [t])[0] for t in tasks]
+        overrides = {k: v for k, v in sampling.items() if v is not None}
+        return [replace(t, sampling=replace(t.sampling, **overrides)) for t in resolved]
+
+    def grammars(self, tasks: list[Task]) -> dict:
+        """Each json task's schema compiled (once; a schema that cannot compile is a ConfigError naming it)."""
+        eos = min(self.stop_ids) if self.stop_ids else 0
+        return {t.name: JsonGrammar(t.name, t.schema, self.prompts.tokenizer.to_str(), eos)
+                for t in tasks if t.output == "json"}
+
+    def ask(self, images: list, question: str | None = None, on_text: Callable[[str], None] | None = None,
+            task: str | Task | None = None, **sampling) -> Result:
+        """One answer about one or more images (paths or PIL images), to `question` or as `task` asks. `on_text`
+        receives the answer's text piece by piece as it is generated (the pieces join to the result's text)."""
         started = time.perf_counter()
-        req, infos = self.request("ask", list(images), question, self.sampling(**sampling))
+        (chosen,) = self.tasks([task] if task is not None else None, question, **sampling)
+        prepared = self.requests.images(list(images))
+        path = images[0] if images and not isinstance(images[0], Image.Image) else None
+        grammar = self.grammars([chosen]).get(chosen.name)
+        req = self.requests.build("ask", prepared, question or render_prompt(chosen, path), chosen.sampling,
+                                  task=chosen.name, constraint=grammar.start() if grammar else None)
         stream = TextStream(self.prompts) if on_text is not None else None
         on_token = (lambda key, token: on_text(stream.push(token))) if stream is not None else None
         done = next(iter(self.engine.generate([req], on_token)))
         if stream is not None:
             on_text(stream.finish())
-        return self._finish(done, infos, started)
+        return self._finish(done, prepared.infos, started, chosen if task is not None else None)
 
-    def caption(self, items: Iterable[tuple[str, str | Path]], prompt: str | None = None,
+    def caption(self, items: Iterable[tuple], prompt: str | None = None, tasks: list[str | Task] | None = None,
                 **sampling) -> Iterator[Result]:
-        """Caption (key, image path) items; yields each Result as soon as it is finished (errors included)."""
+        """Label (key, image path) items, or (key, path, task names) to run only some tasks for an item; yields
+        each Result (one per item and task, `.task` naming it) as soon as it is finished, errors included. Without
+        `tasks`, one caption per item with `prompt`. An image's tasks share its decoding, its vision encoding and
+        the prefill of their common prompt prefix."""
         items = list(items)
         seen: set[str] = set()
-        for key, _ in items:
+        for key, *_ in items:
             if key in seen:
                 raise ValueError(f"caption: key {key!r} is given twice; keys name results and must be unique")
             seen.add(key)
-        params = self.sampling(**sampling)
-        question = prompt or self.config.prompt
+        chosen = self.tasks(tasks, prompt, **sampling)
+        by_name, grammars = {t.name: t for t in chosen}, self.grammars(chosen)
         started: dict[str, float] = {}
         infos: dict[str, list[dict]] = {}
         failed: list[Result] = []
 
-        def prepare(item: tuple[str, str | Path]):
-            started[item[0]] = time.perf_counter()
-            return self.request(item[0], [item[1]], question, params)
+        def prepare(item: tuple):
+            key, path, names = item[0], item[1], item[2] if len(item) > 2 else list(by_name)
+            started[key] = time.perf_counter()
+            return self.requests.for_tasks(key, path, [by_name[n] for n in names], grammars)
 
         def requests() -> Iterator[Request | None]:
             workers = default_workers(self.config.inputs.workers)
@@ -166,17 +174,20 @@ class Captioner:
                 if ready is NOT_READY:
                     yield None  # the engine goes on with what it has
                     continue
-                (key, _), outcome = ready
-                if isinstance(outcome, Exception):  # a bad file, or anything else a worker raised: its record
-                    failed.append(Result(key, error={"type": type(outcome).__name__, "message": str(outcome)}))
+                item, outcome = ready
+                if isinstance(outcome, Exception):  # a bad file, or anything else a worker raised: its records
+                    names = item[2] if len(item) > 2 else list(by_name)
+                    failed.extend(Result(item[0], error={"type": type(outcome).__name__, "message": str(outcome)},
+                                         task=n if tasks is not None else "") for n in names)
                     continue
-                req, infos[key] = outcome
-                yield req
+                reqs, infos[item[0]] = outcome
+                yield from reqs
 
         for done in self.engine.generate(requests()):
             while failed:
                 yield failed.pop(0)
-            yield self._finish(done, infos.pop(done.key), started.pop(done.key))
+            task = by_name[done.task] if tasks is not None else None
+            yield self._finish(done, infos[done.key], started[done.key], task)
         yield from failed
 
     def report_compile_cache(self) -> None:

@@ -41,6 +41,33 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class TaskConfig:
+    """One label to make per image (see mmcli/tasks.py for the presets and the placeholders)."""
+
+    prompt: str = ""  # the question; placeholders {filename} {stem} {folder} {sidecar}; "" (caption): `prompt`
+    output: str = "text"  # text, json (with `schema`), or boxes (Qwen3-VL's bbox_2d JSON, in pixels)
+    schema: dict | None = None  # JSON Schema the answer must match (output json): decoding is constrained to it
+    max_new_tokens: int | None = None  # None: generation.max_new_tokens
+    temperature: float | None = None  # None: generation.temperature
+    sidecar: str | None = None  # this task's sidecar extension (--sidecar applies to the first task)
+    prefix: str = ""  # put before the answer in `text` and the sidecar (a trigger word, say)
+    suffix: str = ""  # put after it
+
+
+PRESET_TASKS = {
+    "caption": TaskConfig(),
+    "detailed": TaskConfig(prompt="Describe this image in detail: the subjects, what they do, the setting, the "
+                           "colours, the light and the composition.", max_new_tokens=256),
+    "tags": TaskConfig(prompt="List the main subjects, objects and attributes in this image as short "
+                       "comma-separated tags.", max_new_tokens=64),
+    "ocr": TaskConfig(prompt="Read all the text in this image exactly as written. Answer with the text only.",
+                      max_new_tokens=256),
+    "detect": TaskConfig(prompt="Locate every distinct object in this image. Answer in JSON: a list of "
+                         '{{"bbox_2d": [x1, y1, x2, y2], "label": "name"}}.', output="boxes", max_new_tokens=512),
+}
+
+
+@dataclass(frozen=True)
 class ImageConfig:
     min_pixels: int | None = None  # None: the checkpoint's preprocessor_config.json
     max_pixels: int = 1_310_720  # cap on the checkpoint's own max_pixels (1280 visual tokens)
@@ -89,6 +116,8 @@ class Config:
     quantize: str = "none"  # none or int8 (CPU)
     device: str = "auto"
     prompt: str = "Describe this image."
+    task: tuple[str, ...] = ("caption",)  # the tasks `mmcli caption` runs (--task), each one record per image
+    tasks: dict[str, TaskConfig] = field(default_factory=lambda: dict(PRESET_TASKS))
     generation: SamplingParams = field(default_factory=SamplingParams)
     image: ImageConfig = field(default_factory=ImageConfig)
     vision: VisionBlocksConfig = field(default_factory=VisionBlocksConfig)
@@ -119,6 +148,9 @@ class Config:
              "a non-empty list of counts >= 1"),
         ]
         _refuse(self, "", checks)
+        from .tasks import check_tasks
+
+        check_tasks(self)
         if self.compile.backend in ("inductor", "neuron"):  # the buckets must hold what the engine may ask for
             _refuse(self, "", [
                 ("compile.prefill_buckets", max(self.compile.prefill_buckets) <= self.engine.max_len,
@@ -175,6 +207,12 @@ def _coerce(value, hint, key: str):
         if not isinstance(value, dict):
             raise ConfigError(f"config {key}: expected a mapping, got {value!r}")
         return _build(hint, value, key + ".")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config {key}: expected a mapping, got {value!r}")
+        return {k: _coerce(v, typing.get_args(hint)[1], f"{key}.{k}") for k, v in value.items()}
+    if hint is dict and not isinstance(value, dict):
+        raise ConfigError(f"config {key}: expected a mapping, got {value!r}")
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if origin is tuple:
@@ -219,7 +257,8 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
     def prune(d: dict) -> dict:
         return {k: prune(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
 
-    return _build(Config, _merge(data, prune(overrides or {})))
+    presets = {"tasks": {name: dataclasses.asdict(task) for name, task in PRESET_TASKS.items()}}
+    return _build(Config, _merge(_merge(presets, data), prune(overrides or {})))
 
 
 def config_as_dict(cfg: Config) -> dict:

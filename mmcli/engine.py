@@ -34,6 +34,10 @@ class Request:
     stop_ids: frozenset[int]
     num_image_tokens: int = 0
     image_hashes: list[str] = field(default_factory=list)  # content hash per image: one encode per run
+    task: str = ""
+    group: str | None = None  # requests of one group (an image's tasks) share their first prefix_len tokens
+    prefix_len: int = 0
+    constraint: Any = None  # a grammar.SequenceConstraint: the tokens this sequence may take, step by step
 
 
 @dataclass
@@ -57,6 +61,8 @@ class Finished:
     finish_reason: str  # "stop" (an eos id) or "length" (max_new_tokens or the context limit)
     num_input_tokens: int
     num_image_tokens: int
+    task: str = ""
+    constraint: Any = None
 
 
 class Engine:
@@ -82,14 +88,32 @@ class Engine:
                 break
             admitted.append(req)
             budget -= len(req.input_ids)
+        admitted = self._with_group(admitted, waiting, slots)
         taken = {id(r) for r in admitted}
         kept = [r for r in waiting if id(r) not in taken]  # by identity: requests hold tensors
         waiting.clear()
         waiting.extend(kept)
         return admitted
 
+    @staticmethod
+    def _with_group(admitted: list[Request], waiting: deque[Request], slots: int) -> list[Request]:
+        """The admitted requests with the waiting members of their groups, while slots last (a group prefilled
+        together shares its prefix)."""
+        out = list(admitted)
+        for req in admitted:
+            if req.group is None:
+                continue
+            for other in waiting:
+                if len(out) >= slots:
+                    return out
+                if other.group == req.group and all(other is not o for o in out):
+                    out.append(other)
+        return out
+
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
         req = seq.request
+        if req.constraint is not None:
+            req.constraint.consume(token)
         if self.on_token is not None:
             self.on_token(req.key, token)
         seq.token_ids.append(token)
@@ -105,13 +129,15 @@ class Engine:
         # Only the repetition penalty reads the history; skip building it on every step otherwise.
         histories = [s.request.input_ids + s.token_ids if s.request.sampling.repetition_penalty != 1.0 else []
                      for s in seqs]
-        for seq, choice in zip(seqs, self.runner.choose(logits, params, histories, seeds)):
+        constraints = [s.request.constraint for s in seqs]
+        for seq, choice in zip(seqs, self.runner.choose(logits, params, histories, seeds, constraints)):
             self._append(seq, choice.token_id, choice.logprob)
 
     def _prefill_item(self, seq: Sequence) -> PrefillItem:
         req = seq.request
         return PrefillItem(seq.slot, req.input_ids, req.rotary_position_ids, req.pixel_values, req.image_grids,
-                           req.image_hashes, min(self.max_len, len(req.input_ids) + req.sampling.max_new_tokens))
+                           req.image_hashes, min(self.max_len, len(req.input_ids) + req.sampling.max_new_tokens),
+                           group=req.group, prefix_len=req.prefix_len)
 
     def _refill(self, pending: Iterator[Request | None], waiting: deque[Request], busy: bool) -> bool:
         """Take ready requests up to the look-ahead; False once the requests are exhausted. None from `pending`
@@ -168,4 +194,4 @@ class Engine:
                 free.append(seq.slot)
                 req = seq.request
                 yield Finished(req.key, seq.token_ids, seq.logprobs, seq.finish_reason, len(req.input_ids),
-                               req.num_image_tokens)
+                               req.num_image_tokens, req.task, req.constraint)

@@ -14,7 +14,7 @@ from typing import IO
 
 from .errors import OutputError, OutputLocked
 
-SCHEMA = 1
+SCHEMA = 2  # 2: tasks (the task name in `task`; `json`, `boxes`, `raw_text` where a task gives them)
 
 
 @dataclass
@@ -29,6 +29,8 @@ class Result:
     latency_ms: int = 0
     images: list[dict] = field(default_factory=list)  # width, height, note per input image
     error: dict | None = None  # {"type", "message"} when the item failed
+    task: str = ""  # the task's name, when the item ran tasks
+    fields: dict = field(default_factory=dict)  # the task's record fields: text as templated, json, boxes
 
     @property
     def num_output_tokens(self) -> int:
@@ -81,6 +83,8 @@ def make_record(*, key: str, task: str, prompt: str, result, model: str, model_r
     if logprobs:
         record["token_ids"] = result.token_ids
         record["logprobs"] = [round(x, 6) for x in result.logprobs]
+    if result.ok:
+        record.update(result.fields)
     record.update(extra or {})
     return record
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,9 @@ class PrefillItem:
     image_grids: list[tuple[int, int, int]]
     image_hashes: list[str] = field(default_factory=list)  # content hashes; equal images are encoded once
     max_tokens: int = 0  # prompt and output tokens the sequence may reach (KV cache columns to hold)
+    group: str | None = None  # items of one group share their first prefix_len tokens (prefilled once)
+    prefix_len: int = 0
+    start: int = 0  # the first token's position: its row already holds the tokens before it
 
 
 @dataclass
@@ -102,6 +106,8 @@ class ModelRunner:
         self.cuda_graphs = DecodeGraphs(model, self.cache, engine.max_seqs + 1, engine.max_len, self.scratch_slot,
                                         text.head_dim) if use_cuda_graphs else None
         self._pinned: torch.Tensor | None = None
+        self.prefixes_prefilled = 0  # shared prefixes prefilled (one per group of tasks)
+        self.mask_seconds = 0.0  # time spent masking logits to grammars
         self.prefill_buckets = sorted(buckets.prefill_buckets)
         self.decode_batch_buckets = sorted(buckets.decode_batch_buckets)
         self.decode_context_buckets = sorted(buckets.decode_context_buckets)
@@ -117,7 +123,7 @@ class ModelRunner:
         256, never past engine.max_len)."""
         if self.fixed_cache:
             return
-        need = max(max(item.max_tokens, len(item.input_ids) + 1) for item in items)
+        need = max(max(item.max_tokens, item.start + len(item.input_ids) + 1) for item in items)
         self.cache.grow(max(item.slot for item in items) + 1, min(self.max_len, -(-need // 256) * 256))
 
     def _embed_prompts(self, items: list[PrefillItem], image_features: list | None):
@@ -142,7 +148,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem], image_features: list[ImageFeatures] | None = None) -> torch.Tensor:
-        """Prompts back to back (no padding), each filling its cache row -> logits of each last token [B, V]."""
+        """Prompts back to back (no padding), each filling its cache row -> logits of each last token [B, V].
+        Items of one group (an image's tasks) prefill their shared prefix once (eager backend)."""
+        if self.graphs is None and image_features is None:
+            items = self._share_prefixes(items)
         seqlens = [len(item.input_ids) for item in items]
         self._reserve(items)
         if self.graphs is not None:
@@ -154,6 +163,31 @@ class ModelRunner:
         out = self.forward_prompts(items, image_features)
         return self.model.lm_head(out[torch.tensor(seqlens, device=self.device).cumsum(0) - 1]).float()
 
+    def _share_prefixes(self, items: list[PrefillItem]) -> list[PrefillItem]:
+        """Prefill each group's shared prefix once, in its first member's cache row, copy it to the other members'
+        rows, and return the items with only their own tokens left (starting after the prefix)."""
+        groups: dict[str, list[PrefillItem]] = {}
+        for item in items:
+            if item.group is not None and item.prefix_len > 0:
+                groups.setdefault(item.group, []).append(item)
+        shared = {g: members for g, members in groups.items() if len(members) > 1}
+        if not shared:
+            return items
+        out = list(items)
+        for members in shared.values():
+            n = min(min(m.prefix_len for m in members), min(len(m.input_ids) for m in members) - 1)
+            lead = members[0]
+            self.forward_prompts([PrefillItem(lead.slot, lead.input_ids[:n], lead.rotary_position_ids[:, :n],
+                                              lead.pixel_values, lead.image_grids, lead.image_hashes,
+                                              max(m.max_tokens for m in members))])
+            self.prefixes_prefilled += 1
+            for member in members:
+                self.cache.copy_prefix(lead.slot, member.slot, n)
+                out[items.index(member)] = PrefillItem(member.slot, member.input_ids[n:],
+                                                       member.rotary_position_ids[:, n:], [], [], [],
+                                                       member.max_tokens, start=n)
+        return out
+
     @torch.inference_mode()
     def forward_prompts(self, items: list[PrefillItem], image_features: list[ImageFeatures] | None = None
                         ) -> torch.Tensor:
@@ -164,8 +198,9 @@ class ModelRunner:
         rotary = torch.cat([item.rotary_position_ids for item in items], dim=1).to(self.device)
         cos, sin = mrope_cos_sin(rotary, self.inv_freq, self.slot_axes)
         batch = AttentionBatch(slots=torch.tensor([item.slot for item in items], device=self.device),
-                               positions=torch.cat([torch.arange(n) for n in seqlens]).to(self.device),
-                               seqlens=seqlens)
+                               positions=torch.cat([torch.arange(i.start, i.start + n) for i, n in
+                                                    zip(items, seqlens)]).to(self.device),
+                               seqlens=seqlens, starts=[item.start for item in items])
         return self.model.language_model(hidden, cos, sin, batch, self.cache, deepstack)
 
     def _prefill_padded(self, slot: int, hidden: torch.Tensor, deepstack: list[torch.Tensor],
@@ -237,6 +272,16 @@ class ModelRunner:
             self.decode([DecodeItem(self.scratch_slot, 0, context - 1, 0)] * batch)
 
     def choose(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-               seeds: list[int]) -> list[Choice]:
-        tokens, logprobs = choose_tokens(logits, params, histories, seeds)
+               seeds: list[int], constraints: list | None = None) -> list[Choice]:
+        """Next tokens; a row with a grammar constraint chooses among the tokens it allows (its log-probability
+        is still the model's own)."""
+        scores = logits
+        if constraints and any(c is not None for c in constraints):
+            started = time.perf_counter()
+            scores = logits.float().clone()
+            for row, constraint in zip(scores, constraints):
+                if constraint is not None:
+                    constraint.mask(row)
+            self.mask_seconds += time.perf_counter() - started
+        tokens, logprobs = choose_tokens(scores, params, histories, seeds, model_logits=logits)
         return [Choice(t, lp) for t, lp in zip(tokens, logprobs)]

@@ -29,12 +29,13 @@ def _filter_top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch
 
 
 def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-                  seeds: list[int]) -> tuple[list[int], list[float]]:
-    """One token per row of `logits` [B, V], and its log-probability under the model (unprocessed logits). Greedy
+                  seeds: list[int], model_logits: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+    """One token per row of `logits` [B, V], and its log-probability under the model (`model_logits`, default
+    `logits`: unprocessed by penalties, temperature or a grammar's mask). Greedy
     rows without a penalty are chosen together on the device; the tokens and log-probabilities come back to the
     host in one copy (on CUDA, the decode loop's one synchronisation)."""
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(model_logits.float() if model_logits is not None else logits, dim=-1)
     chosen = logits.argmax(-1)
     for i, (row, p, history, seed) in enumerate(zip(logits, params, histories, seeds)):
         if p.temperature == 0.0 and (p.repetition_penalty == 1.0 or not history):

@@ -30,15 +30,15 @@ def test_results_are_the_same_with_any_number_of_workers(tiny_dir):
 
 def test_a_slow_file_does_not_hold_back_the_others(tiny_dir, monkeypatch):
     cap = _captioner(tiny_dir, 2, engine={"max_seqs": 2})
-    request = cap.request
+    prepare = cap.requests.for_tasks
     released = threading.Event()
 
-    def slow_first(key, images, question, sampling):
+    def slow_first(key, *args):
         if key == "k0":
             released.wait(20)  # stands in for a huge or slow file
-        return request(key, images, question, sampling)
+        return prepare(key, *args)
 
-    monkeypatch.setattr(cap, "request", slow_first)
+    monkeypatch.setattr(cap.requests, "for_tasks", slow_first)
     order = []
     for result in cap.caption(_items(4), max_new_tokens=3):
         order.append(result.key)
@@ -49,14 +49,14 @@ def test_a_slow_file_does_not_hold_back_the_others(tiny_dir, monkeypatch):
 
 def test_an_exception_in_a_worker_is_that_items_error(tiny_dir, monkeypatch):
     cap = _captioner(tiny_dir, 2)
-    request = cap.request
+    prepare = cap.requests.for_tasks
 
-    def failing(key, images, question, sampling):
+    def failing(key, *args):
         if key == "k2":
             raise RuntimeError("decoder crashed")
-        return request(key, images, question, sampling)
+        return prepare(key, *args)
 
-    monkeypatch.setattr(cap, "request", failing)
+    monkeypatch.setattr(cap.requests, "for_tasks", failing)
     results = {r.key: r for r in cap.caption(_items(4), max_new_tokens=3)}
     assert results["k2"].error == {"type": "RuntimeError", "message": "decoder crashed"}
     assert all(results[k].ok for k in ("k0", "k1", "k3"))
@@ -64,8 +64,8 @@ def test_an_exception_in_a_worker_is_that_items_error(tiny_dir, monkeypatch):
 
 def test_the_engine_counts_the_time_it_waits_for_inputs(tiny_dir, monkeypatch):
     cap = _captioner(tiny_dir, 1)
-    request = cap.request
-    monkeypatch.setattr(cap, "request", lambda *a: (time.sleep(0.3), request(*a))[1])
+    prepare = cap.requests.for_tasks
+    monkeypatch.setattr(cap.requests, "for_tasks", lambda *a: (time.sleep(0.3), prepare(*a))[1])
     list(cap.caption(_items(2), max_new_tokens=2))
     assert cap.engine.input_wait >= 0.25  # nothing to run until the first input was ready
 

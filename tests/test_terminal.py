@@ -84,7 +84,7 @@ def test_ask_streams_what_the_record_holds_even_across_split_characters(tiny_dir
     cap = Captioner.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
     forced = iter(cap.prompts.tokenizer.encode("Voilà: 日本 🙂").ids)  # the model is made to say this
 
-    def choose(logits, params, histories, seeds):
+    def choose(logits, params, histories, seeds, constraints=None):
         return [Choice(next(forced, min(cap.stop_ids)), 0.0) for _ in params]
 
     monkeypatch.setattr(cap.runner, "choose", choose)

@@ -45,6 +45,7 @@ class AttentionBatch:
     context_len: int = 0  # decode only: cache columns read (max(positions) + 1, or its bucket)
     fixed_shapes: bool = False
     contiguous: bool = False  # decode: slots are 0..B-1 (known to the caller, so no device round trip here)
+    starts: list[int] | None = None  # prefill: each sequence's first position (> 0: its row holds a prefix)
 
 
 class KVCache:
@@ -77,6 +78,13 @@ class KVCache:
                                   device=self.device)
                 new[:tensor.shape[0], :, :tensor.shape[2]] = tensor
                 old[i] = new  # layer by layer: the old layer is freed before the next is copied
+
+    def copy_prefix(self, source: int, target: int, columns: int) -> None:
+        """Row `target` starts with the first `columns` tokens of row `source` (a shared prompt prefix)."""
+        if source != target:
+            for k, v in zip(self.k, self.v):
+                k[target, :, :columns] = k[source, :, :columns]
+                v[target, :, :columns] = v[source, :, :columns]
 
     @property
     def nbytes(self) -> int:
@@ -111,6 +119,11 @@ class Attention(nn.Module):
         out, start = [], 0
         for i, n in enumerate(batch.seqlens):
             s = slice(start, start + n)
+            if batch.starts and batch.starts[i]:
+                out.append(self._prefill_after(q[s], k[s], v[s], batch.slots[i:i + 1], batch.starts[i], k_cache,
+                                               v_cache))
+                start += n
+                continue
             slot = batch.slots[i:i + 1]  # a tensor index: no host sync, and one compiled graph whatever the slot
             k_cache[slot, :, :n] = k[s].transpose(0, 1)[None]
             v_cache[slot, :, :n] = v[s].transpose(0, 1)[None]
@@ -120,6 +133,18 @@ class Attention(nn.Module):
             out.append(o[0].transpose(0, 1))
             start += n
         return torch.cat(out)
+
+    def _prefill_after(self, q, k, v, slot, first: int, k_cache, v_cache):
+        """Tokens at positions first.. of a row whose earlier tokens are cached (a shared prefix): written after
+        them, attending to all of them and causally among themselves."""
+        n = q.shape[0]
+        k_cache[slot, :, first:first + n] = k.transpose(0, 1)[None]
+        v_cache[slot, :, first:first + n] = v.transpose(0, 1)[None]
+        keys, values = k_cache[slot, :, :first + n], v_cache[slot, :, :first + n]
+        mask = torch.arange(first + n, device=q.device)[None, :] <= torch.arange(first, first + n, device=q.device)[:,
+                                                                                                                  None]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True)
+        return o[0].transpose(0, 1)
 
     def _decode(self, q, k, v, batch, k_cache, v_cache):
         slots, pos, n = batch.slots, batch.positions, batch.context_len

@@ -1,0 +1,124 @@
+"""Tasks: the labels made per image (a caption, tags, typed JSON fields, boxes), from the settings' `tasks`.
+
+A task is a prompt with its own sampling, output kind and template. Placeholders in a prompt are filled per image:
+{filename} (the file's name), {stem} (without its extension), {folder} (its folder's name) and {sidecar} (the
+text of the image's existing sidecar caption, to refine labels). `output: json` decodes under the task's JSON
+Schema (mmcli/grammar.py); `output: boxes` reads Qwen3-VL's `bbox_2d` answer (0-1000 on both axes) and gives the
+boxes in pixels of the image as the user sees it (after its EXIF orientation).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from .config import Config, SamplingParams, TaskConfig
+from .errors import ConfigError
+
+PLACEHOLDERS = ("filename", "stem", "folder", "sidecar")
+OUTPUTS = ("text", "json", "boxes")
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    prompt: str
+    output: str
+    schema: dict | None
+    sampling: SamplingParams
+    sidecar: str | None
+    prefix: str
+    suffix: str
+
+    @property
+    def definition(self) -> dict:
+        """What the task's labels depend on (its part of the resume key)."""
+        return {k: v for k, v in asdict(self).items() if k != "sidecar"}
+
+
+def check_tasks(cfg: Config) -> None:
+    """Refuse unknown task names, outputs and placeholders, and json tasks without a schema (exit 2)."""
+    for name in cfg.task:
+        if name not in cfg.tasks:
+            raise ConfigError(f"config task: {name!r} is not a task (known: {', '.join(cfg.tasks)})")
+    for name, task in cfg.tasks.items():
+        if task.output not in OUTPUTS:
+            raise ConfigError(f"config tasks.{name}.output: value {task.output!r} must be text, json or boxes")
+        if task.output == "json" and not task.schema:
+            raise ConfigError(f"config tasks.{name}: output json needs a schema")
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(task.prompt) if f is not None]
+        except ValueError as e:
+            raise ConfigError(f"config tasks.{name}.prompt: {e}") from None
+        unknown = [f for f in fields if f not in PLACEHOLDERS]
+        if unknown:
+            raise ConfigError(f"config tasks.{name}.prompt: unknown placeholder {{{unknown[0]}}} (known: "
+                              f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
+
+
+def resolve_tasks(cfg: Config, names: tuple[str, ...] | list[str] | None = None) -> list[Task]:
+    """The named tasks (default: the settings' `task` list) with their sampling filled from `generation`."""
+    tasks = []
+    for name in names or cfg.task:
+        if name not in cfg.tasks:
+            raise ConfigError(f"task {name!r} is not defined (known: {', '.join(cfg.tasks)})")
+        spec: TaskConfig = cfg.tasks[name]
+        overrides = {k: v for k, v in (("max_new_tokens", spec.max_new_tokens), ("temperature", spec.temperature))
+                     if v is not None}
+        prompt = spec.prompt or (cfg.prompt if name == "caption" else "")
+        tasks.append(Task(name, prompt, spec.output, spec.schema, replace(cfg.generation, **overrides),
+                          spec.sidecar, spec.prefix, spec.suffix))
+    return tasks
+
+
+def render_prompt(task: Task, path: str | Path | None) -> str:
+    """The task's prompt with this image's placeholders filled (`{{` and `}}` are literal braces)."""
+    if "{" not in task.prompt and "}" not in task.prompt:
+        return task.prompt
+    if path is None:
+        return task.prompt.format(filename="", stem="", folder="", sidecar="")
+    path = Path(path)
+    sidecar = path.with_suffix(task.sidecar or ".txt")
+    try:
+        existing = sidecar.read_text(encoding="utf-8").strip() if sidecar.is_file() else ""
+    except OSError:
+        existing = ""
+    return task.prompt.format(filename=path.name, stem=path.stem, folder=path.parent.name, sidecar=existing)
+
+
+def _json_text(text: str) -> str:
+    """The JSON inside an answer, without a ```json fence around it."""
+    fenced = re.search(r"```(?:json)?\s*(.*?)```", text, re.S)
+    return (fenced.group(1) if fenced else text).strip()
+
+
+def boxes_in_pixels(text: str, width: int, height: int) -> list[dict]:
+    """Qwen3-VL's boxes ({"bbox_2d": [x1, y1, x2, y2], "label": ...}, 0-1000 on both axes) in pixels of a
+    width x height image; raises ValueError when the answer holds no such boxes."""
+    data = json.loads(_json_text(text))
+    data = [data] if isinstance(data, dict) else data
+    boxes = []
+    for entry in data:
+        x1, y1, x2, y2 = (float(v) for v in entry["bbox_2d"])
+        boxes.append({"label": entry.get("label"), "bbox": [round(x1 * width / 1000, 1), round(y1 * height / 1000, 1),
+                                                            round(x2 * width / 1000, 1), round(y2 * height / 1000, 1)]})
+    return boxes
+
+
+def finish(task: Task, text: str, width: int | None, height: int | None) -> dict:
+    """A finished answer's record fields: `text` wrapped in the template, and `json` or `boxes` as the output
+    asks; raises ValueError with the reason when the answer is not what the output needs."""
+    fields: dict = {"text": f"{task.prefix}{text}{task.suffix}"}
+    if task.prefix or task.suffix:
+        fields["raw_text"] = text
+    if task.output == "json":
+        fields["json"] = json.loads(text)
+    elif task.output == "boxes":
+        try:
+            fields["boxes"] = boxes_in_pixels(text, width or 0, height or 0)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"the answer holds no bbox_2d boxes ({str(e)[:120]})") from None
+    return fields
