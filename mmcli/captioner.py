@@ -135,14 +135,19 @@ class Captioner:
         prepared = self.requests.images(list(images))
         path = images[0] if images and not isinstance(images[0], Image.Image) else None
         grammar = self.grammars([chosen]).get(chosen.name)
-        req = self.requests.build("ask", prepared, question or render_prompt(chosen, path), chosen.sampling,
-                                  task=chosen.name, constraint=grammar.start() if grammar else None)
+        asked = question or render_prompt(chosen, path)
+        req = self.requests.build("ask", prepared, asked, chosen.sampling, task=chosen.name,
+                                  constraint=grammar.start() if grammar else None)
         stream = TextStream(self.prompts) if on_text is not None else None
         on_token = (lambda key, token: on_text(stream.push(token))) if stream is not None else None
+        if stream is not None and task is not None:
+            on_text(chosen.prefix)  # the task's template around the answer, as its record's text has it
         done = next(iter(self.engine.generate([req], on_token)))
         if stream is not None:
-            on_text(stream.finish())
-        return self._finish(done, prepared.infos, started, chosen if task is not None else None)
+            on_text(stream.finish() + (chosen.suffix if task is not None else ""))
+        result = self._finish(done, prepared.infos, started, chosen if task is not None else None)
+        result.prompt = asked
+        return result
 
     def caption(self, items: Iterable[tuple], prompt: str | None = None, tasks: list[str | Task] | None = None,
                 **sampling) -> Iterator[Result]:

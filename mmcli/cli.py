@@ -52,7 +52,8 @@ def _settings(config: Path | None, **overrides) -> dict:
 
 @app.command()
 def ask(
-    question: str = typer.Argument(..., metavar="QUESTION", help="The question about the image(s)."),
+    question: str | None = typer.Argument(None, metavar="[QUESTION]",
+                                          help="The question about the image(s) (or --task's own prompt)."),
     image: list[Path] = typer.Option(..., "--image", "-i", help="An image file; repeat for several."),
     model: ModelOption = None, config: ConfigOption = None, dtype: DtypeOption = None, device: DeviceOption = None,
     backend: BackendOption = None, quantize: QuantizeOption = None, max_new_tokens: MaxNewTokensOption = None,
@@ -63,6 +64,7 @@ def ask(
     seed: SeedOption = None, logprobs: LogprobsOption = False,
     output: Path | None = typer.Option(None, "--output", "-o", help="Append the JSONL record to this file."),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print the answer as it is generated."),
+    task: str | None = typer.Option(None, "--task", help="A task of the settings (e.g. detect) instead of a question."),
 ) -> None:
     """Answer one question about one or more images; the answer streams to stdout.
 
@@ -70,6 +72,7 @@ def ask(
     Examples:
       mmcli ask --image samples/coffee.jpg "What is in the cup?"
       mmcli ask -i samples/coffee.jpg -i samples/rocket.jpg "What differs?"
+      mmcli ask --image samples/astronaut.jpg --task detect
     """
     from .ask import run_ask
 
@@ -78,7 +81,9 @@ def ask(
     with exit_codes():
         cfg = _settings(config, model=model, dtype=dtype, device=device, quantize=quantize,
                         compile={"backend": backend}, generation=generation)
-        code = run_ask(cfg, image, question, output, logprobs, stream)
+        if question is None and task is None:
+            raise ConfigError("give a QUESTION or --task NAME")
+        code = run_ask(cfg, image, question, output, logprobs, stream, task)
     raise typer.Exit(code)
 
 
@@ -125,6 +130,7 @@ def caption(
     model: ModelOption = None, config: ConfigOption = None,
     output: str = typer.Option("captions.jsonl", "--output", "-o", help="JSONL file to append to; - for stdout."),
     prompt: str | None = typer.Option(None, help="The caption prompt (default: the config's)."),
+    task: list[str] = typer.Option([], "--task", help="A task to run (repeatable; default: caption)."),
     max_new_tokens: MaxNewTokensOption = None, temperature: TemperatureOption = None, seed: SeedOption = None,
     dtype: DtypeOption = None, device: DeviceOption = None, backend: BackendOption = None,
     quantize: QuantizeOption = None, logprobs: LogprobsOption = False,
@@ -153,6 +159,7 @@ def caption(
       mmcli caption samples -o captions.jsonl
       mmcli caption samples --sidecar .txt --max-new-tokens 64 --dry-run
       mmcli caption samples --shard 0/2 -o shard0.jsonl --quiet
+      mmcli caption samples --task caption --task tags -o labels.jsonl
     """
     from .job import CaptionJob, RayOptions, run_caption_job
 
@@ -164,7 +171,7 @@ def caption(
             require_ray()
             ray_options = RayOptions(ray_address, replicas, parse_resources(replica_resources))
         cfg = _settings(config, model=model, dtype=dtype, device=device, prompt=prompt, quantize=quantize,
-                        compile={"backend": backend},
+                        task=tuple(task) or None, compile={"backend": backend},
                         generation={"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed})
         job = CaptionJob(paths, cfg, output, recursive, include, exclude, shard, limit, overwrite, retry_errors,
                          sidecar, dry_run, quiet, logprobs, ray_options, check_changed)

@@ -41,7 +41,7 @@ def parse_resources(text: str | None) -> dict:
 class CaptionReplica:
     """One model and engine per replica, loaded once; captions each batch of (key, path) rows."""
 
-    def __init__(self, config, settings: str, logprobs: bool, threads: int):
+    def __init__(self, config, settings: dict[str, str], logprobs: bool, threads: int):
         import torch
 
         from .captioner import Captioner
@@ -53,14 +53,19 @@ class CaptionReplica:
 
     def __call__(self, batch: dict) -> dict:
         from .job import caption_record
+        from .tasks import resolve_tasks
 
-        paths = dict(zip(batch["key"].tolist(), batch["path"].tolist()))
-        return {"record": [json.dumps(caption_record(result, self.captioner, self.config, self.settings,
-                                                     paths[result.key], self.logprobs))
-                           for result in self.captioner.caption(list(paths.items()), prompt=self.config.prompt)]}
+        tasks = {t.name: t for t in resolve_tasks(self.config)}
+        items = [(key, path, json.loads(names)) for key, path, names in
+                 zip(batch["key"].tolist(), batch["path"].tolist(), batch["tasks"].tolist())]
+        paths = {key: path for key, path, _ in items}
+        return {"record": [json.dumps(caption_record(result, self.captioner, tasks[result.task],
+                                                     self.settings[result.task], paths[result.key], self.logprobs))
+                           for result in self.captioner.caption(items, tasks=list(tasks.values()))]}
 
 
-def caption_on_ray(items: list[tuple[str, Path]], config, settings: str, write, options, logprobs: bool,
+def caption_on_ray(items: list[tuple[str, Path, list]], config, settings: dict[str, str], write, options,
+                   logprobs: bool,
                    batch_size: int = 4) -> None:
     """Run the captioning on a Ray cluster (a local instance without `options.address`); `write(record)` per
     record. `options` is a job.RayOptions."""
@@ -71,7 +76,7 @@ def caption_on_ray(items: list[tuple[str, Path]], config, settings: str, write, 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.actor_task_retry_on_errors = False  # per-item errors are records, not task failures
-    rows = [{"key": k, "path": str(p)} for k, p in items]
+    rows = [{"key": k, "path": str(p), "tasks": json.dumps(names)} for k, p, names in items]
     ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), replicas * 8)))
     threads = int(resources.get("num_cpus", 1) or 1)
     out = ds.map_batches(
@@ -80,10 +85,10 @@ def caption_on_ray(items: list[tuple[str, Path]], config, settings: str, write, 
         batch_size=batch_size, concurrency=replicas, num_cpus=resources.get("num_cpus", 1),
         **{k: resources[k] for k in ("num_gpus", "resources", "memory") if resources.get(k)},
         max_restarts=-1, max_task_retries=-1)  # a dead replica is replaced and its batch redone
-    written: set[str] = set()
+    written: set[tuple[str, str]] = set()
     for row in out.iter_rows():
         record = json.loads(row["record"])
-        if record["key"] in written:  # a batch redone after a replica died may repeat finished keys
+        if (record["key"], record["task"]) in written:  # a batch redone after a replica died may repeat some
             continue
-        written.add(record["key"])
+        written.add((record["key"], record["task"]))
         write(record)

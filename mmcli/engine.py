@@ -75,20 +75,22 @@ class Engine:
         self.input_wait = 0.0  # seconds the engine had nothing to run while inputs were being prepared
 
     def _pick(self, waiting: deque[Request], slots: int) -> list[Request]:
-        """The requests to admit now: with vision blocks, the look-ahead wave that packs with least padding."""
+        """The requests to admit now: with vision blocks, the look-ahead wave that packs with least padding; an
+        image's tasks (a group) are admitted together, so that they share their prompt prefix."""
         window = list(waiting)[:self.lookahead]
-        if len(window) <= slots:
+        if any(r.group is not None for r in window):
+            picked = self._whole_groups(window, slots, self.max_seqs)
+        elif len(window) <= slots:
             picked = window[:slots]
         else:
             patches = [[t * h * w for t, h, w in r.image_grids] for r in window]
             picked = [window[i] for i in choose_wave(patches, slots, self.block_size, self.num_blocks_buckets)]
         admitted, budget = [], self.max_prefill_tokens
         for req in picked:
-            if admitted and len(req.input_ids) > budget:
+            if admitted and len(req.input_ids) > budget and req.group != admitted[-1].group:
                 break
             admitted.append(req)
             budget -= len(req.input_ids)
-        admitted = self._with_group(admitted, waiting, slots)
         taken = {id(r) for r in admitted}
         kept = [r for r in waiting if id(r) not in taken]  # by identity: requests hold tensors
         waiting.clear()
@@ -96,19 +98,20 @@ class Engine:
         return admitted
 
     @staticmethod
-    def _with_group(admitted: list[Request], waiting: deque[Request], slots: int) -> list[Request]:
-        """The admitted requests with the waiting members of their groups, while slots last (a group prefilled
-        together shares its prefix)."""
-        out = list(admitted)
-        for req in admitted:
-            if req.group is None:
-                continue
-            for other in waiting:
-                if len(out) >= slots:
-                    return out
-                if other.group == req.group and all(other is not o for o in out):
-                    out.append(other)
-        return out
+    def _whole_groups(window: list[Request], slots: int, max_seqs: int) -> list[Request]:
+        """Whole groups in order while they fit the free slots; a group that does not fit waits for slots to free
+        up, unless it is larger than all of them (then it is split)."""
+        units: dict[object, list[Request]] = {}
+        for req in window:
+            units.setdefault(req.group if req.group is not None else id(req), []).append(req)
+        picked: list[Request] = []
+        for unit in units.values():
+            if len(picked) + len(unit) > slots:
+                if not picked and len(unit) > max_seqs:
+                    picked = unit[:slots]
+                break
+            picked.extend(unit)
+        return picked
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
         req = seq.request

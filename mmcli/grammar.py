@@ -19,6 +19,7 @@ class JsonGrammar:
     def __init__(self, task_name: str, schema: dict, tokenizer_json: str, eos_token: int):
         try:
             import llguidance
+            import llguidance.torch  # noqa: F401 - imported here, once (its first import takes seconds)
         except ImportError:
             raise ConfigError(f"task {task_name}: {INSTALL_HINT}") from None
         self.llguidance = llguidance
@@ -40,14 +41,17 @@ class SequenceConstraint:
     """One sequence's place in its grammar."""
 
     def __init__(self, matcher, vocab_size: int):
+        import llguidance.torch as lt
+
         self.matcher, self.vocab_size = matcher, vocab_size
+        self.bitmask = lt.allocate_token_bitmask(1, vocab_size)
 
     def mask(self, row) -> None:
         """Set the logits of the tokens the grammar does not allow next to -inf, in place (row [V] of a batch)."""
         import llguidance.torch as lt
         import torch
 
-        bitmask = lt.allocate_token_bitmask(1, self.vocab_size)
+        bitmask = self.bitmask
         lt.fill_next_token_bitmask(self.matcher, bitmask, 0)
         head = row[:self.vocab_size].unsqueeze(0)
         lt.apply_token_bitmask_inplace(head, bitmask.to(row.device))

@@ -17,6 +17,7 @@ from .errors import ConfigError, MmcliError
 from .output import JsonlOutput, Result, append_record, make_record, sidecar_path, write_sidecar
 from .resume import file_changed, load_description, settings_hash
 from .scan import parse_shard, scan, shard_of
+from .tasks import Task, render_prompt, resolve_tasks
 
 
 @dataclass
@@ -44,22 +45,34 @@ class CaptionJob:
     logprobs: bool = False
     ray: RayOptions | None = None
     check_changed: bool = True  # redo an item whose image changed since its record
-    settings: str = ""  # the label settings' hash; set when the job starts
+    settings: dict[str, str] = field(default_factory=dict)  # task name -> its label settings' hash; set at start
+
+    @property
+    def tasks(self) -> list[Task]:
+        return resolve_tasks(self.config)
+
+    def sidecar_ext(self, task: Task) -> str | None:
+        """A task's own sidecar extension, or --sidecar for the first task."""
+        return task.sidecar or (self.sidecar if task.name == self.config.task[0] else None)
+
+    def settle(self, base: dict) -> None:
+        """Each task's resume key: the run's label settings and the task's definition."""
+        self.settings = {t.name: settings_hash({**base, "task": t.definition}) for t in self.tasks}
 
 
-def caption_record(result, captioner, config: Config, settings: str, path: str | Path, logprobs: bool) -> dict:
-    """The record of one captioned item (local and Ray runs alike)."""
-    return make_record(key=result.key, task="caption", prompt=config.prompt, result=result,
+def caption_record(result, captioner, task: Task, settings: str, path: str | Path, logprobs: bool) -> dict:
+    """The record of one item's task (local and Ray runs alike)."""
+    return make_record(key=result.key, task=task.name, prompt=render_prompt(task, path), result=result,
                        model=captioner.model_name, model_revision=captioner.revision,
-                       sampling=config.generation.as_dict(), path=path, logprobs=logprobs,
+                       sampling=task.sampling.as_dict(), path=path, logprobs=logprobs,
                        extra={"precision": captioner.precision, "settings": settings})
 
 
-def error_record(key: str, path: Path, config: Config, settings: str, error: MmcliError) -> dict:
-    """The record of an item refused before it ran."""
+def error_record(key: str, path: Path, task: Task, config: Config, settings: str, error: MmcliError) -> dict:
+    """The record of an item's task refused before it ran."""
     result = Result(key, error={"type": type(error).__name__, "message": str(error)})
-    return make_record(key=key, task="caption", prompt=config.prompt, result=result, model=config.model,
-                       model_revision=None, sampling=config.generation.as_dict(), path=path,
+    return make_record(key=key, task=task.name, prompt=render_prompt(task, path), result=result, model=config.model,
+                       model_revision=None, sampling=task.sampling.as_dict(), path=path,
                        extra={"settings": settings})
 
 
@@ -88,22 +101,25 @@ def select_items(job: CaptionJob) -> list[tuple[str, Path]]:
     return items
 
 
-def pending(items: list[tuple[str, Path]], out: JsonlOutput, job: CaptionJob) -> list[tuple[str, Path]]:
-    """Items the output does not hold as done under the same settings (errors too, unless --retry-errors); with
-    check_changed, also those whose image changed since its record."""
-    if job.overwrite:
-        return items
-    recorded = {r.get("key"): r for r in out.records() if r.get("settings") == job.settings}
+def pending(items: list[tuple[str, Path]], out: JsonlOutput | None, job: CaptionJob) -> list[tuple[str, Path, list]]:
+    """(key, path, task names) for the tasks of each item the output does not hold as done under their settings
+    (errors too, unless --retry-errors); with check_changed, also those whose image changed since its record."""
+    names = [t.name for t in job.tasks]
+    if job.overwrite or out is None:
+        return [(k, p, names) for k, p in items]
+    wanted = {job.settings[n]: n for n in names}
+    recorded = {(r.get("key"), wanted[r["settings"]]): r for r in out.records() if r.get("settings") in wanted}
 
-    def todo(key: str, path: Path) -> bool:
-        record = recorded.get(key)
+    def todo(key: str, path: Path, name: str) -> bool:
+        record = recorded.get((key, name))
         if record is None:
             return True
         if record.get("status") == "error":
             return job.retry_errors
         return job.check_changed and file_changed(path, record)
 
-    return [(k, p) for k, p in items if todo(k, p)]
+    left = [(k, p, [n for n in names if todo(k, p, n)]) for k, p in items]
+    return [entry for entry in left if entry[2]]
 
 
 def run_caption_job(job: CaptionJob) -> int:
@@ -116,43 +132,48 @@ def run_caption_job(job: CaptionJob) -> int:
 
     with status_line(Console(stderr=True, quiet=job.quiet), "finding the images and what is done"):
         items = select_items(job)
-        job.settings = settings_hash(planned_settings(job.config))
+        job.settle(planned_settings(job.config))
         out = JsonlOutput(Path(job.output)).open() if job.output != "-" else None
     try:
-        items = pending(items, out, job) if out is not None else items
+        items = pending(items, out, job)
         if out is not None and out.set_aside and not job.quiet:
             print(f"mmcli: {job.output}: a torn last line from an interrupted run was moved to {out.set_aside}",
                   file=sys.stderr)
         items = items[:job.limit] if job.limit is not None else items
         if job.dry_run or not items:
             if not job.quiet:
-                print("\n".join(key for key, _ in items) + ("\n" if items else ""), end="")
+                print("".join(f"{key}\n" for key, *_ in items), end="")
                 print(f"mmcli: {len(items)} images to caption", file=sys.stderr)
             return 0
-        return _run(job, items, out, sidecar_clashes(select_items(job), job.sidecar) if job.sidecar else {})
+        everything = select_items(job)
+        clashes = {t.name: sidecar_clashes(everything, job.sidecar_ext(t)) for t in job.tasks if job.sidecar_ext(t)}
+        return _run(job, items, out, clashes)
     finally:
         if out is not None:
             out.close()
 
 
-def _run(job: CaptionJob, items: list[tuple[str, Path]], out: JsonlOutput | None, clashes: dict[str, str]) -> int:
+def _run(job: CaptionJob, items: list[tuple[str, Path, list]], out: JsonlOutput | None,
+         clashes: dict[str, dict[str, str]]) -> int:
     from .captioner import Captioner
     from .progress import Progress
 
     captioner = None
-    progress = Progress(len(items), quiet=job.quiet)
+    progress = Progress(sum(len(names) for *_, names in items), quiet=job.quiet)
     if job.ray is None:
         with progress.loading(load_description(job.config)):
             captioner = Captioner.from_pretrained(config=job.config)
         captioner.report_compile_cache()
-        job.settings = settings_hash(captioner.label_settings)  # the same, unless the model was fetched just now
+        job.settle(captioner.label_settings)  # the same, unless the model was fetched just now
     else:
         progress.start()
-    paths = dict(items)
+    paths = {key: path for key, path, _ in items}
+    tasks = {t.name: t for t in job.tasks}
 
     def write(record: dict) -> None:
-        if job.sidecar and record["status"] == "ok":
-            write_sidecar(paths[record["key"]], job.sidecar, record["text"])
+        ext = job.sidecar_ext(tasks[record["task"]])
+        if ext and record["status"] == "ok":
+            write_sidecar(paths[record["key"]], ext, record["text"])
         out.append(record) if out is not None else append_record(sys.stdout, record)
         progress.update(record)
 
@@ -161,12 +182,7 @@ def _run(job: CaptionJob, items: list[tuple[str, Path]], out: JsonlOutput | None
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        for key, first in clashes.items():
-            if key in paths:
-                error = ConfigError(f"{paths[key]}: its sidecar {sidecar_path(paths[key], job.sidecar)} is also the "
-                                    f"sidecar of {first}; rename one of the two")
-                write(error_record(key, paths[key], job.config, job.settings, error))
-        items = [(k, p) for k, p in items if k not in clashes]
+        items = _refuse_clashes(job, items, clashes, write)
         if job.ray is not None:
             from .distributed import caption_on_ray
 
@@ -185,10 +201,30 @@ def _run(job: CaptionJob, items: list[tuple[str, Path]], out: JsonlOutput | None
         signal.signal(signal.SIGTERM, previous)
 
 
-def _caption_here(captioner, job: CaptionJob, items: list[tuple[str, Path]], write: Callable[[dict], None]) -> None:
-    paths = dict(items)
+def _refuse_clashes(job: CaptionJob, items: list[tuple[str, Path, list]], clashes: dict[str, dict[str, str]],
+                    write: Callable[[dict], None]) -> list[tuple[str, Path, list]]:
+    """An error record for each task whose sidecar another image already takes; the items without those tasks."""
+    tasks = {t.name: t for t in job.tasks}
+    left = []
+    for key, path, names in items:
+        for name in [n for n in names if key in clashes.get(n, {})]:
+            target = sidecar_path(path, job.sidecar_ext(tasks[name]))
+            error = ConfigError(f"{path}: its sidecar {target} is also the sidecar of {clashes[name][key]}; rename "
+                                "one of the two")
+            write(error_record(key, path, tasks[name], job.config, job.settings[name], error))
+        names = [n for n in names if key not in clashes.get(n, {})]
+        if names:
+            left.append((key, path, names))
+    return left
+
+
+def _caption_here(captioner, job: CaptionJob, items: list[tuple[str, Path, list]],
+                  write: Callable[[dict], None]) -> None:
+    paths = {key: path for key, path, _ in items}
+    tasks = {t.name: t for t in job.tasks}
     try:
-        for result in captioner.caption(items, prompt=job.config.prompt):
-            write(caption_record(result, captioner, job.config, job.settings, paths[result.key], job.logprobs))
+        for result in captioner.caption(items, tasks=list(tasks.values())):
+            write(caption_record(result, captioner, tasks[result.task], job.settings[result.task],
+                                 paths[result.key], job.logprobs))
     finally:
         captioner.report_compile_use()

@@ -30,6 +30,7 @@ class Result:
     images: list[dict] = field(default_factory=list)  # width, height, note per input image
     error: dict | None = None  # {"type", "message"} when the item failed
     task: str = ""  # the task's name, when the item ran tasks
+    prompt: str = ""  # the question asked (a task's prompt with its placeholders filled)
     fields: dict = field(default_factory=dict)  # the task's record fields: text as templated, json, boxes
 
     @property

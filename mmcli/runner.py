@@ -151,6 +151,7 @@ class ModelRunner:
         """Prompts back to back (no padding), each filling its cache row -> logits of each last token [B, V].
         Items of one group (an image's tasks) prefill their shared prefix once (eager backend)."""
         if self.graphs is None and image_features is None:
+            self._reserve(items)  # every member's row, before a prefix is copied into it
             items = self._share_prefixes(items)
         seqlens = [len(item.input_ids) for item in items]
         self._reserve(items)
@@ -173,19 +174,22 @@ class ModelRunner:
         shared = {g: members for g, members in groups.items() if len(members) > 1}
         if not shared:
             return items
-        out = list(items)
+        out, prefixes, copies = list(items), [], []
         for members in shared.values():
             n = min(min(m.prefix_len for m in members), min(len(m.input_ids) for m in members) - 1)
             lead = members[0]
-            self.forward_prompts([PrefillItem(lead.slot, lead.input_ids[:n], lead.rotary_position_ids[:, :n],
-                                              lead.pixel_values, lead.image_grids, lead.image_hashes,
-                                              max(m.max_tokens for m in members))])
-            self.prefixes_prefilled += 1
+            prefixes.append(PrefillItem(lead.slot, lead.input_ids[:n], lead.rotary_position_ids[:, :n],
+                                        lead.pixel_values, lead.image_grids, lead.image_hashes,
+                                        max(m.max_tokens for m in members)))
             for member in members:
-                self.cache.copy_prefix(lead.slot, member.slot, n)
+                copies.append((lead.slot, member.slot, n))
                 out[items.index(member)] = PrefillItem(member.slot, member.input_ids[n:],
                                                        member.rotary_position_ids[:, n:], [], [], [],
                                                        member.max_tokens, start=n)
+        self.forward_prompts(prefixes)  # every group's prefix in one pass: their images in one vision call
+        self.prefixes_prefilled += len(prefixes)
+        for source, target, n in copies:
+            self.cache.copy_prefix(source, target, n)
         return out
 
     @torch.inference_mode()
