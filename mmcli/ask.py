@@ -10,7 +10,7 @@ from .errors import MmcliError
 
 
 def run_ask(config: Config, images: list[Path], question: str | None, output: Path | None, logprobs: bool,
-            stream: bool = True, task: str | None = None) -> int:
+            stream: bool = True, task: str | None = None, sampling: dict | None = None) -> int:
     """Load, answer (streamed to stdout as it is generated, or printed whole), and append the record; returns 0,
     or 1 when the item failed (its error is on stderr and in the record)."""
     from rich.console import Console
@@ -24,7 +24,7 @@ def run_ask(config: Config, images: list[Path], question: str | None, output: Pa
     try:
         with status_line(Console(stderr=True), f"loading {load_description(config)}"):
             captioner = Captioner.from_pretrained(config=config)
-        return _answer(captioner, images, question, out, logprobs, stream, task)
+        return _answer(captioner, images, question, out, logprobs, stream, task, sampling or {})
     finally:
         if out is not None:
             out.close()
@@ -36,13 +36,13 @@ def _print_piece(piece: str) -> None:
 
 
 def _answer(captioner, images: list[Path], question: str | None, out, logprobs: bool, stream: bool,
-            task: str | None) -> int:
+            task: str | None, sampling: dict) -> int:
     from .output import Result, make_record
 
     captioner.report_compile_cache()
     try:
         result = captioner.ask([str(p) for p in images], question, on_text=_print_piece if stream else None,
-                               task=task)
+                               task=task, **sampling)
         captioner.report_compile_use()
     except MmcliError as e:
         result = Result(str(images[0]), error={"type": type(e).__name__, "message": str(e)})
@@ -53,7 +53,7 @@ def _answer(captioner, images: list[Path], question: str | None, out, logprobs: 
         out.append(make_record(key=str(images[0]), task=task or "ask", prompt=question or result.prompt,
                                result=result,
                                model=captioner.model_name, model_revision=captioner.revision,
-                               sampling=captioner.config.generation.as_dict(), path=images[0], logprobs=logprobs,
+                               sampling=result.sampling, path=images[0], logprobs=logprobs,
                                extra={"precision": captioner.precision,
                                       **({"images": [str(p) for p in images]} if len(images) > 1 else {})}))
     return 0 if result.ok else 1

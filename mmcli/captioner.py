@@ -146,7 +146,7 @@ class Captioner:
         if stream is not None:
             on_text(stream.finish() + (chosen.suffix if task is not None else ""))
         result = self._finish(done, prepared.infos, started, chosen if task is not None else None)
-        result.prompt = asked
+        result.prompt, result.sampling = asked, chosen.sampling.as_dict()
         return result
 
     def caption(self, items: Iterable[tuple], prompt: str | None = None, tasks: list[str | Task] | None = None,

@@ -83,7 +83,7 @@ def ask(
                         compile={"backend": backend}, generation=generation)
         if question is None and task is None:
             raise ConfigError("give a QUESTION or --task NAME")
-        code = run_ask(cfg, image, question, output, logprobs, stream, task)
+        code = run_ask(cfg, image, question, output, logprobs, stream, task, generation)
     raise typer.Exit(code)
 
 
@@ -174,7 +174,8 @@ def caption(
                         task=tuple(task) or None, compile={"backend": backend},
                         generation={"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed})
         job = CaptionJob(paths, cfg, output, recursive, include, exclude, shard, limit, overwrite, retry_errors,
-                         sidecar, dry_run, quiet, logprobs, ray_options, check_changed)
+                         sidecar, dry_run, quiet, logprobs, ray_options, check_changed,
+                         sampling={"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed})
         code = run_caption_job(job)
     raise typer.Exit(code)
 

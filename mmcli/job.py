@@ -46,10 +46,11 @@ class CaptionJob:
     ray: RayOptions | None = None
     check_changed: bool = True  # redo an item whose image changed since its record
     settings: dict[str, str] = field(default_factory=dict)  # task name -> its label settings' hash; set at start
+    sampling: dict = field(default_factory=dict)  # sampling given on the command line: wins over tasks' own
 
     @property
     def tasks(self) -> list[Task]:
-        return resolve_tasks(self.config)
+        return resolve_tasks(self.config, overrides_given=self.sampling)
 
     def sidecar_ext(self, task: Task) -> str | None:
         """A task's own sidecar extension, or --sidecar for the first task."""

@@ -31,6 +31,7 @@ class Result:
     error: dict | None = None  # {"type", "message"} when the item failed
     task: str = ""  # the task's name, when the item ran tasks
     prompt: str = ""  # the question asked (a task's prompt with its placeholders filled)
+    sampling: dict = field(default_factory=dict)  # the sampling it was answered with
     fields: dict = field(default_factory=dict)  # the task's record fields: text as templated, json, boxes
 
     @property

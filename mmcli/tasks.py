@@ -59,8 +59,10 @@ def check_tasks(cfg: Config) -> None:
                               f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
 
 
-def resolve_tasks(cfg: Config, names: tuple[str, ...] | list[str] | None = None) -> list[Task]:
-    """The named tasks (default: the settings' `task` list) with their sampling filled from `generation`."""
+def resolve_tasks(cfg: Config, names: tuple[str, ...] | list[str] | None = None,
+                  overrides_given: dict | None = None) -> list[Task]:
+    """The named tasks (default: the settings' `task` list) with their sampling filled from `generation`;
+    `overrides_given` (sampling values given on the command line) win over a task's own."""
     tasks = []
     for name in names or cfg.task:
         if name not in cfg.tasks:
@@ -69,6 +71,7 @@ def resolve_tasks(cfg: Config, names: tuple[str, ...] | list[str] | None = None)
         overrides = {k: v for k, v in (("max_new_tokens", spec.max_new_tokens), ("temperature", spec.temperature))
                      if v is not None}
         prompt = spec.prompt or (cfg.prompt if name == "caption" else "")
+        overrides.update({k: v for k, v in (overrides_given or {}).items() if v is not None})
         tasks.append(Task(name, prompt, spec.output, spec.schema, replace(cfg.generation, **overrides),
                           spec.sidecar, spec.prefix, spec.suffix))
     return tasks

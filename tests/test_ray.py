@@ -79,3 +79,16 @@ def test_killing_a_replica_still_records_every_key_once(tiny_dir, tmp_path):
     assert proc.wait(600) == 0
     keys = [r["key"] for r in _records(out)]
     assert sorted(keys) == sorted(p.name for p in root.iterdir()) and len(keys) == len(set(keys)) == 20
+
+
+def test_ray_replicas_run_every_task_like_a_local_run(tiny_dir, tmp_path):
+    root = _images(tmp_path / "imgs", 6)
+    local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    tasks = ("--task", "caption", "--task", "tags")
+    assert subprocess.run(_cmd(root, local, tiny_dir, *tasks), timeout=300).returncode == 0
+    ray_cmd = _cmd(root, remote, tiny_dir, *tasks, "--ray", "--replicas", "2", "--replica-resources",
+                   '{"num_cpus": 1}')
+    assert subprocess.run(ray_cmd, timeout=600, env=_env()).returncode == 0
+    ours = {(r["key"], r["task"]): r["text"] for r in _records(remote)}
+    assert len(ours) == len(_records(remote)) == 12
+    assert ours == {(r["key"], r["task"]): r["text"] for r in _records(local)}
