@@ -41,7 +41,7 @@ def parse_resources(text: str | None) -> dict:
 class CaptionReplica:
     """One model and engine per replica, loaded once; captions each batch of (key, path) rows."""
 
-    def __init__(self, config, settings: dict[str, str], logprobs: bool, threads: int):
+    def __init__(self, config, tasks: list, settings: dict[str, str], logprobs: bool, threads: int):
         import torch
 
         from .captioner import Captioner
@@ -50,12 +50,12 @@ class CaptionReplica:
             torch.set_num_threads(threads)
         self.captioner = Captioner.from_pretrained(config=config)
         self.config, self.settings, self.logprobs = config, settings, logprobs
+        self.tasks = {t.name: t for t in tasks}  # as the driver resolved them (command-line sampling included)
 
     def __call__(self, batch: dict) -> dict:
         from .job import caption_record
-        from .tasks import resolve_tasks
 
-        tasks = {t.name: t for t in resolve_tasks(self.config)}
+        tasks = self.tasks
         items = [(key, path, json.loads(names)) for key, path, names in
                  zip(batch["key"].tolist(), batch["path"].tolist(), batch["tasks"].tolist())]
         paths = {key: path for key, path, _ in items}
@@ -64,8 +64,8 @@ class CaptionReplica:
                            for result in self.captioner.caption(items, tasks=list(tasks.values()))]}
 
 
-def caption_on_ray(items: list[tuple[str, Path, list]], config, settings: dict[str, str], write, options,
-                   logprobs: bool,
+def caption_on_ray(items: list[tuple[str, Path, list]], config, tasks: list, settings: dict[str, str], write,
+                   options, logprobs: bool,
                    batch_size: int = 4) -> None:
     """Run the captioning on a Ray cluster (a local instance without `options.address`); `write(record)` per
     record. `options` is a job.RayOptions."""
@@ -80,8 +80,8 @@ def caption_on_ray(items: list[tuple[str, Path, list]], config, settings: dict[s
     ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), replicas * 8)))
     threads = int(resources.get("num_cpus", 1) or 1)
     out = ds.map_batches(
-        CaptionReplica, fn_constructor_kwargs={"config": config, "settings": settings, "logprobs": logprobs,
-                                               "threads": threads},
+        CaptionReplica, fn_constructor_kwargs={"config": config, "tasks": tasks, "settings": settings,
+                                               "logprobs": logprobs, "threads": threads},
         batch_size=batch_size, concurrency=replicas, num_cpus=resources.get("num_cpus", 1),
         **{k: resources[k] for k in ("num_gpus", "resources", "memory") if resources.get(k)},
         max_restarts=-1, max_task_retries=-1)  # a dead replica is replaced and its batch redone

@@ -187,7 +187,7 @@ def _run(job: CaptionJob, items: list[tuple[str, Path, list]], out: JsonlOutput 
         if job.ray is not None:
             from .distributed import caption_on_ray
 
-            caption_on_ray(items, job.config, job.settings, write, job.ray, job.logprobs)
+            caption_on_ray(items, job.config, job.tasks, job.settings, write, job.ray, job.logprobs)
         else:
             _caption_here(captioner, job, items, write)
         progress.finish()
