@@ -6,7 +6,7 @@ shared prompt prefix prefilled once, and the three answers decode side by side. 
 separate runs would be about 3x). Then a JSON task under a schema (enum, integer range, strings, an array) on the
 same images: every answer checked against the schema, and the grammar's masks as a share of decode time.
 
-    python bench/tasks.py [--images 8] [--dtype float32] [--smoke]
+    python bench/tasks.py [--images 8] [--dtype float32] [--quantize int8] [--smoke]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=8)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantize", default="none", choices=["none", "int8"])
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     from mmcli.captioner import Captioner
@@ -42,7 +43,7 @@ def main() -> None:
     cache = Path("/tmp/mmcli-bench") if args.smoke else ROOT / ".bench_cache"
     cache.mkdir(parents=True, exist_ok=True)
     ckpt, images, _ = make_inputs(cache, args.smoke, args.images)
-    cfg = load_config(None, {"dtype": args.dtype, "device": "cpu", "tasks": TASKS,
+    cfg = load_config(None, {"dtype": args.dtype, "device": "cpu", "tasks": TASKS, "quantize": args.quantize,
                              "engine": {"max_seqs": 3 * args.images, "max_len": 1024}})
     cap = Captioner.from_pretrained(str(ckpt), config=cfg)
     decode = {"seconds": 0.0}
