@@ -165,6 +165,7 @@ class Captioner:
         by_name, grammars = {t.name: t for t in chosen}, self.grammars(chosen)
         started: dict[str, float] = {}
         infos: dict[str, list[dict]] = {}
+        left: dict[str, int] = {}  # tasks still running per key: its entries go once the last one finishes
         failed: list[Result] = []
 
         def prepare(item: tuple):
@@ -182,17 +183,23 @@ class Captioner:
                 item, outcome = ready
                 if isinstance(outcome, Exception):  # a bad file, or anything else a worker raised: its records
                     names = item[2] if len(item) > 2 else list(by_name)
+                    started.pop(item[0], None)
                     failed.extend(Result(item[0], error={"type": type(outcome).__name__, "message": str(outcome)},
                                          task=n if tasks is not None else "") for n in names)
                     continue
                 reqs, infos[item[0]] = outcome
+                left[item[0]] = len(reqs)
                 yield from reqs
 
         for done in self.engine.generate(requests()):
             while failed:
                 yield failed.pop(0)
             task = by_name[done.task] if tasks is not None else None
-            yield self._finish(done, infos[done.key], started[done.key], task)
+            result = self._finish(done, infos[done.key], started[done.key], task)
+            left[done.key] -= 1
+            if not left[done.key]:
+                del left[done.key], infos[done.key], started[done.key]
+            yield result
         yield from failed
 
     def report_compile_cache(self) -> None:

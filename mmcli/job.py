@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from .config import Config
@@ -48,7 +49,7 @@ class CaptionJob:
     settings: dict[str, str] = field(default_factory=dict)  # task name -> its label settings' hash; set at start
     sampling: dict = field(default_factory=dict)  # sampling given on the command line: wins over tasks' own
 
-    @property
+    @cached_property
     def tasks(self) -> list[Task]:
         return resolve_tasks(self.config, overrides_given=self.sampling)
 
@@ -132,11 +133,11 @@ def run_caption_job(job: CaptionJob) -> int:
     from .resume import planned_settings
 
     with status_line(Console(stderr=True, quiet=job.quiet), "finding the images and what is done"):
-        items = select_items(job)
+        everything = select_items(job)  # scanned once: the work, and the sidecar clashes among all images
         job.settle(planned_settings(job.config))
         out = JsonlOutput(Path(job.output)).open() if job.output != "-" else None
     try:
-        items = pending(items, out, job)
+        items = pending(everything, out, job)
         if out is not None and out.set_aside and not job.quiet:
             print(f"mmcli: {job.output}: a torn last line from an interrupted run was moved to {out.set_aside}",
                   file=sys.stderr)
@@ -146,7 +147,6 @@ def run_caption_job(job: CaptionJob) -> int:
                 print("".join(f"{key}\n" for key, *_ in items), end="")
                 print(f"mmcli: {len(items)} images to caption", file=sys.stderr)
             return 0
-        everything = select_items(job)
         clashes = {t.name: sidecar_clashes(everything, job.sidecar_ext(t)) for t in job.tasks if job.sidecar_ext(t)}
         return _run(job, items, out, clashes)
     finally:

@@ -52,7 +52,7 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         chunk = buffer[:min(UPCAST_ROWS, weight.shape[0] - start)]
         chunk.copy_(weight[start:start + UPCAST_ROWS])
         outs.append(chunk @ xt if transposed else x2 @ chunk.t())
-    y = torch.cat(outs, 0).t()[:rows] if transposed else torch.cat(outs, 1)
+    y = torch.cat(outs, 0).t() if transposed else torch.cat(outs, 1)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
