@@ -14,9 +14,9 @@ from .config import Config, SamplingParams
 from .cuda_graphs import DecodeGraphs
 from .encoder import ImageEncoder, ImageFeatures
 from .errors import ConfigError
-from .model import AttentionBatch, KVCache, Qwen3VL
+from .model import AttentionBatch, KVCache, Qwen3VL, cpu_kernel
 from .model.attention import choose_block_attention
-from .model.linear import can_quantize, pack_linears
+from .model.linear import KERNEL_ROWS, can_quantize, pack_linears
 from .model.quantize import quantize_model
 from .model_config import ModelConfig
 from .packing import choose_bucket
@@ -36,7 +36,11 @@ def prepare_weights(model: Qwen3VL, device: torch.device, quantize: str, compile
         return "plain (traced into the compiled graphs)"
     if device.type == "cpu" and pack_linears(model):
         return "packed float32 (oneDNN)"
-    return "upcast (weights below the compute dtype)" if device.type == "cpu" else "plain"
+    if device.type != "cpu":
+        return "plain"
+    library, reason = cpu_kernel.load()  # built now, at load, rather than inside the first decode step
+    few_rows = "compiled bf16 kernel" if library is not None else f"chunks ({reason})"
+    return f"upcast: bfloat16 weights, float32 compute; up to {KERNEL_ROWS} rows {few_rows}, more rows chunks"
 
 
 def pick_device(name: str) -> torch.device:

@@ -18,6 +18,7 @@ from mmcli.captioner import Captioner
 from mmcli.checkpoint import expected_shapes
 from mmcli.cli import app
 from mmcli.config import load_config
+from mmcli.model import cpu_kernel
 from mmcli.model.linear import Linear, can_quantize, quantize_linears
 from mmcli.runner import PrefillItem
 from mmcli.testing import make_tiny_checkpoint
@@ -66,11 +67,29 @@ def test_default_cpu_path_holds_the_stored_bfloat16_and_computes_in_float32(bf16
     default, full = _captioner(bf16_dir), _captioner(bf16_dir, dtype="float32")
     assert default.precision == {"weights": "bfloat16", "compute": "float32", "quantize": "none"}
     assert full.precision == {"weights": "float32", "compute": "float32", "quantize": "none"}
+    assert ("compiled bf16 kernel" in default.runner.kernels) == (cpu_kernel.why_unavailable() is None)
     assert default.weight_bytes / _parameters(default) <= 2.1 < full.weight_bytes / _parameters(full)
     torch.testing.assert_close(_logits(default), _logits(full), atol=1e-4, rtol=0)
     ask = {"max_new_tokens": 24}
     assert default.ask(IMAGE, "Describe this image.", **ask).token_ids == full.ask(IMAGE, "Describe this image.",
                                                                                    **ask).token_ids
+
+
+@pytest.mark.skipif(cpu_kernel.why_unavailable() is not None, reason="no AVX2 or no C compiler here")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+def test_the_few_rows_kernel_computes_bfloat16_weights_in_float32(rows):
+    """Shapes off the kernel's tiles (7 output channels, 21 columns: 4+3 and 8+8+5) and a strided input, against
+    float64; this machine's build must load (the runner's report names it)."""
+    assert cpu_kernel.load()[0] is not None, cpu_kernel.load()[1]
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(7, 21, generator=generator).bfloat16()
+    x = torch.randn(21, rows, generator=generator).t()
+    layer = Linear(21, 7, bias=True).requires_grad_(False)
+    layer.weight.data, layer.bias.data = weight, torch.randn(7, generator=generator)
+    expected = x.double() @ weight.double().t() + layer.bias.double()
+    torch.testing.assert_close(layer(x).double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu_kernel.bf16_linear(x.contiguous(), weight).double(), expected - layer.bias.double(),
+                               atol=1e-5, rtol=1e-5)
 
 
 def _relative_error(logits, reference) -> float:
