@@ -56,7 +56,8 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
     done = time.perf_counter()
     assert result.ok, result.error
     return {"imports": imported - started, "load": loaded - imported, "ask": done - loaded, "spent": spent,
-            "tokens": len(result.token_ids), "image_tokens": result.num_image_tokens, "input_tokens": result.num_input_tokens,
+            "tokens": len(result.token_ids), "image_tokens": result.num_image_tokens,
+            "input_tokens": result.num_input_tokens,
             "weight_bytes": cap.weight_bytes, "kv_bytes": cap.runner.cache.nbytes,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 

@@ -1,4 +1,4 @@
-"""`mmcli ask`: one answer about one or more images, printed, and its record appended when asked."""
+"""`mmcli ask`: one answer about one or more images or videos, printed, and its record appended when asked."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from .errors import MmcliError
 
 
 def run_ask(config: Config, images: list[Path], question: str | None, output: Path | None, logprobs: bool,
-            stream: bool = True, task: str | None = None, sampling: dict | None = None) -> int:
+            stream: bool = True, task: str | None = None, sampling: dict | None = None,
+            videos: list[Path] = ()) -> int:
     """Load, answer (streamed to stdout as it is generated, or printed whole), and append the record; returns 0,
     or 1 when the item failed (its error is on stderr and in the record)."""
     from rich.console import Console
@@ -24,7 +25,7 @@ def run_ask(config: Config, images: list[Path], question: str | None, output: Pa
     try:
         with status_line(Console(stderr=True), f"loading {load_description(config)}"):
             captioner = Captioner.from_pretrained(config=config)
-        return _answer(captioner, images, question, out, logprobs, stream, task, sampling or {})
+        return _answer(captioner, images, list(videos), question, out, logprobs, stream, task, sampling or {})
     finally:
         if out is not None:
             out.close()
@@ -35,25 +36,26 @@ def _print_piece(piece: str) -> None:
     sys.stdout.flush()
 
 
-def _answer(captioner, images: list[Path], question: str | None, out, logprobs: bool, stream: bool,
-            task: str | None, sampling: dict) -> int:
+def _answer(captioner, images: list[Path], videos: list[Path], question: str | None, out, logprobs: bool,
+            stream: bool, task: str | None, sampling: dict) -> int:
     from .output import Result, make_record
 
     captioner.report_compile_cache()
+    inputs = [*images, *videos]
     try:
         result = captioner.ask([str(p) for p in images], question, on_text=_print_piece if stream else None,
-                               task=task, **sampling)
+                               task=task, videos=[str(p) for p in videos], **sampling)
         captioner.report_compile_use()
     except MmcliError as e:
-        result = Result(str(images[0]), error={"type": type(e).__name__, "message": str(e)})
+        result = Result(str(inputs[0]), error={"type": type(e).__name__, "message": str(e)})
         print(f"mmcli: {e}", file=sys.stderr)
     if result.ok:
         print("" if stream else result.fields.get("text", result.text))
     if out is not None:
-        out.append(make_record(key=str(images[0]), task=task or "ask", prompt=question or result.prompt,
+        out.append(make_record(key=str(inputs[0]), task=task or "ask", prompt=question or result.prompt,
                                result=result,
                                model=captioner.model_name, model_revision=captioner.revision,
-                               sampling=result.sampling, path=images[0], logprobs=logprobs,
+                               sampling=result.sampling, path=inputs[0], logprobs=logprobs,
                                extra={"precision": captioner.precision,
-                                      **({"images": [str(p) for p in images]} if len(images) > 1 else {})}))
+                                      **({"images": [str(p) for p in inputs]} if len(inputs) > 1 else {})}))
     return 0 if result.ok else 1

@@ -34,6 +34,7 @@ from .requests import RequestBuilder
 from .resume import label_settings
 from .runner import ModelRunner, pick_device
 from .tasks import Task, finish, render_prompt, resolve_tasks
+from .video import VideoSampling
 
 
 def _stop_ids(path: Path, prompts: PromptBuilder) -> frozenset[int]:
@@ -60,8 +61,9 @@ class Captioner:
         self.label_settings = label_settings(config, path, precision)
         self.stop_ids = _stop_ids(path, prompts)
         self.engine = Engine(runner, config)
-        self.requests = RequestBuilder(prompts, image_cfg, config, model.cfg.image_token_id, self.stop_ids,
-                                       compiled=graphs is not None)
+        self.requests = RequestBuilder(prompts, image_cfg, config, (model.cfg.image_token_id,
+                                       model.cfg.video_token_id), self.stop_ids, compiled=graphs is not None,
+                                       video_sampling=VideoSampling.from_checkpoint(path, config.video))
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,
@@ -87,9 +89,10 @@ class Captioner:
         """The configured sampling with these values replaced (None keeps the configured one)."""
         return replace(self.config.generation, **{k: v for k, v in overrides.items() if v is not None})
 
-    def request(self, key: str, images: list, question: str, sampling: SamplingParams) -> tuple[Request, list[dict]]:
-        """Decode and preprocess the images and build the prompt; raises ImageError for a bad image."""
-        prepared = self.requests.images(images)
+    def request(self, key: str, images: list, question: str, sampling: SamplingParams,
+                videos: list = ()) -> tuple[Request, list[dict]]:
+        """Decode and preprocess the images and videos and build the prompt; raises ImageError for a bad input."""
+        prepared = self.requests.images(images, videos)
         return self.requests.build(key, prepared, question, sampling), prepared.infos
 
     def _finish(self, done, infos: list[dict], started: float, task: Task | None = None) -> Result:
@@ -127,13 +130,15 @@ class Captioner:
                 for t in tasks if t.output == "json"}
 
     def ask(self, images: list, question: str | None = None, on_text: Callable[[str], None] | None = None,
-            task: str | Task | None = None, **sampling) -> Result:
-        """One answer about one or more images (paths or PIL images), to `question` or as `task` asks. `on_text`
-        receives the answer's text piece by piece as it is generated (the pieces join to the result's text)."""
+            task: str | Task | None = None, videos: list = (), **sampling) -> Result:
+        """One answer about images (paths or PIL images) and videos (paths; a path in `images` with a video
+        extension counts as one), to `question` or as `task` asks. `on_text` receives the answer's text piece by
+        piece as it is generated (the pieces join to the result's text)."""
         started = time.perf_counter()
         (chosen,) = self.tasks([task] if task is not None else None, question, **sampling)
-        prepared = self.requests.images(list(images))
-        path = images[0] if images and not isinstance(images[0], Image.Image) else None
+        prepared = self.requests.images(list(images), list(videos))
+        inputs = [*images, *videos]
+        path = inputs[0] if inputs and not isinstance(inputs[0], Image.Image) else None
         grammar = self.grammars([chosen]).get(chosen.name)
         asked = question or render_prompt(chosen, path)
         req = self.requests.build("ask", prepared, asked, chosen.sampling, task=chosen.name,

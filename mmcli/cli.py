@@ -54,7 +54,8 @@ def _settings(config: Path | None, **overrides) -> dict:
 def ask(
     question: str | None = typer.Argument(None, metavar="[QUESTION]",
                                           help="The question about the image(s) (or --task's own prompt)."),
-    image: list[Path] = typer.Option(..., "--image", "-i", help="An image file; repeat for several."),
+    image: list[Path] = typer.Option(None, "--image", "-i", help="An image file; repeat for several."),
+    video: list[Path] = typer.Option(None, "--video", help="A video file; repeat for several (after the images)."),
     model: ModelOption = None, config: ConfigOption = None, dtype: DtypeOption = None, device: DeviceOption = None,
     backend: BackendOption = None, quantize: QuantizeOption = None, max_new_tokens: MaxNewTokensOption = None,
     temperature: TemperatureOption = None,
@@ -66,13 +67,14 @@ def ask(
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Print the answer as it is generated."),
     task: str | None = typer.Option(None, "--task", help="A task of the settings (e.g. detect) instead of a question."),
 ) -> None:
-    """Answer one question about one or more images; the answer streams to stdout.
+    """Answer one question about one or more images or videos; the answer streams to stdout.
 
     \b
     Examples:
       mmcli ask --image samples/coffee.jpg "What is in the cup?"
       mmcli ask -i samples/coffee.jpg -i samples/rocket.jpg "What differs?"
       mmcli ask --image samples/astronaut.jpg --task detect
+      mmcli ask --video clip.mp4 "What happens?"
     """
     from .ask import run_ask
 
@@ -83,7 +85,9 @@ def ask(
                         compile={"backend": backend}, generation=generation)
         if question is None and task is None:
             raise ConfigError("give a QUESTION or --task NAME")
-        code = run_ask(cfg, image, question, output, logprobs, stream, task, generation)
+        if not image and not video:
+            raise ConfigError("give at least one --image FILE or --video FILE")
+        code = run_ask(cfg, image or [], question, output, logprobs, stream, task, generation, video or [])
     raise typer.Exit(code)
 
 

@@ -75,6 +75,17 @@ class ImageConfig:
 
 
 @dataclass(frozen=True)
+class VideoConfig:
+    fps: float | None = None  # frames sampled a second; None: the checkpoint's video_preprocessor_config.json (2)
+    num_frames: int | None = None  # exactly this many frames instead (excludes fps, as in the reference)
+    min_frames: int | None = None  # None: the checkpoint's (4)
+    max_frames: int | None = None  # None: the checkpoint's (768)
+    min_pixels: int | None = None  # over all frames of one video; None: the checkpoint's
+    max_pixels: int = 3_145_728  # cap on the checkpoint's budget over all frames (3072 visual tokens a video)
+    max_decode_pixels: int = 67_108_864  # refuse larger frames before decoding
+
+
+@dataclass(frozen=True)
 class VisionBlocksConfig:
     block_size: int = 5120  # patches per vision block (one batch row of the vision tower)
     num_blocks_buckets: tuple[int, ...] = (1, 2, 4, 8)  # block counts a vision call is padded to
@@ -84,6 +95,7 @@ class VisionBlocksConfig:
 @dataclass(frozen=True)
 class ScanConfig:
     extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+    video_extensions: tuple[str, ...] = (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v")
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,7 @@ class Config:
     tasks: dict[str, TaskConfig] = field(default_factory=lambda: dict(PRESET_TASKS))
     generation: SamplingParams = field(default_factory=SamplingParams)
     image: ImageConfig = field(default_factory=ImageConfig)
+    video: VideoConfig = field(default_factory=VideoConfig)
     vision: VisionBlocksConfig = field(default_factory=VisionBlocksConfig)
     scan: ScanConfig = field(default_factory=ScanConfig)
     inputs: InputsConfig = field(default_factory=InputsConfig)
@@ -137,6 +150,13 @@ class Config:
             ("engine.max_seqs", self.engine.max_seqs >= 1, "at least 1"),
             ("engine.max_len", self.engine.max_len >= 16, "at least 16"),
             ("image.max_decode_pixels", self.image.max_decode_pixels > 0, "above 0"),
+            ("video.fps", self.video.fps is None or self.video.fps > 0, "above 0"),
+            ("video.num_frames", self.video.num_frames is None or (self.video.num_frames >= 1 and
+                                                                   self.video.fps is None),
+             "at least 1, and not set together with video.fps (the two are exclusive)"),
+            ("video.max_frames", (self.video.max_frames or 1) >= (self.video.min_frames or 1) >= 1,
+             "at least video.min_frames (both at least 1)"),
+            ("video.max_pixels", self.video.max_pixels > 0, "above 0"),
             ("vision.num_blocks_buckets", _counts(self.vision.num_blocks_buckets), "a non-empty list of counts >= 1"),
             ("vision.lookahead", self.vision.lookahead >= 1, "at least 1"),
             ("compile.backend", self.compile.backend in ("auto", "eager", "inductor", "neuron"),

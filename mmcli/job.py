@@ -95,8 +95,8 @@ def sidecar_clashes(items: list[tuple[str, Path]], ext: str | None) -> dict[str,
 
 def select_items(job: CaptionJob) -> list[tuple[str, Path]]:
     """The scanned (key, path) items of this shard."""
-    items = scan(job.paths, job.config.scan.extensions, recursive=job.recursive, include=job.include,
-                 exclude=job.exclude)
+    items = scan(job.paths, job.config.scan.extensions + job.config.scan.video_extensions, recursive=job.recursive,
+                 include=job.include, exclude=job.exclude)
     if job.shard:
         index, count = parse_shard(job.shard)
         items = [(k, p) for k, p in items if shard_of(k, count) == index]

@@ -79,6 +79,9 @@ def make_record(*, key: str, task: str, prompt: str, result, model: str, model_r
         "sampling": sampling, "seed": sampling.get("seed"),
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
     }
+    videos = [i["video"] for i in result.images if "video" in i]
+    if videos:  # duration, source fps, the sampled frames' times and their count (the first video's)
+        record["video"] = videos[0]
     notes = [i["note"] for i in result.images if i.get("note")]
     if notes:
         record["note"] = "; ".join(notes)

@@ -1,4 +1,4 @@
-"""Prompts: the checkpoint's chat template in jinja2's sandbox, `tokenizers` BPE, image-pad expansion."""
+"""Prompts: the checkpoint's chat template in jinja2's sandbox, `tokenizers` BPE, image and video pad expansion."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from tokenizers import Tokenizer
 from .errors import CheckpointError, ItemError
 
 IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD, VISION_START, VISION_END = "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
+VIDEO_SPAN = VISION_START + VIDEO_PAD + VISION_END
 
 
 def _raise_exception(message: str) -> None:
@@ -69,22 +71,34 @@ class PromptBuilder:
                                   f"config.json says image_token_id {image_token_id}")
         return cls(tokenizer, template, image_token_id, special)
 
-    def render(self, question: str, num_images: int) -> str:
-        content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": question}]
+    def render(self, question: str, kinds: list[str]) -> str:
+        """The chat template over one user turn: the inputs ("image" or "video", in order), then the question."""
+        content = [{"type": kind} for kind in kinds] + [{"type": "text", "text": question}]
         messages = [{"role": "user", "content": content}]
         return self.template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
 
-    def encode(self, question: str, image_token_counts: list[int]) -> list[int]:
-        """Token ids with the i-th `<|image_pad|>` expanded to image_token_counts[i] copies."""
-        ids = self.tokenizer.encode(self.render(question, len(image_token_counts))).ids
-        found = sum(1 for i in ids if i == self.image_token_id)
-        if found != len(image_token_counts):
-            raise ItemError(f"the prompt holds {found} image placeholders for {len(image_token_counts)} images (does "
-                            f"the question contain {IMAGE_PAD}?)")
-        counts = iter(image_token_counts)
+    def encode(self, question: str, layout: list) -> list[int]:
+        """Token ids of the prompt about these inputs. `layout` has per input an image's token count, or a video's
+        [(seconds, tokens)] per temporal patch. An image's `<|image_pad|>` is repeated to its count; a video's
+        `<|vision_start|><|video_pad|><|vision_end|>` becomes, per temporal patch, "<t seconds>" and its own
+        vision start, pads and end (as Qwen3-VL's processor expands it; the time formatted with one decimal)."""
+        text = self.render(question, ["video" if isinstance(entry, list) else "image" for entry in layout])
+        for groups in (entry for entry in layout if isinstance(entry, list)):
+            expanded = "".join(f"<{seconds:.1f} seconds>{VISION_START}{VIDEO_PAD}{VISION_END}" for seconds, _ in groups)
+            text = text.replace(VIDEO_SPAN, expanded.replace(VIDEO_PAD, "\0"), 1)  # \0 marks it as done
+        ids = self.tokenizer.encode(text.replace("\0", VIDEO_PAD)).ids
+        images = iter(entry for entry in layout if not isinstance(entry, list))
+        groups = iter(tokens for entry in layout if isinstance(entry, list) for _, tokens in entry)
+        image_id, video_id = self.tokenizer.token_to_id(IMAGE_PAD), self.tokenizer.token_to_id(VIDEO_PAD)
+        found = sum(1 for i in ids if i == image_id), sum(1 for i in ids if i == video_id)
+        expected = sum(1 for e in layout if not isinstance(e, list)), sum(len(e) for e in layout if isinstance(e, list))
+        if found != expected:
+            raise ItemError(f"the prompt holds {found[0]} image and {found[1]} video placeholders for {expected[0]} "
+                            f"images and {expected[1]} video frame groups (does the question contain {IMAGE_PAD} "
+                            f"or {VIDEO_PAD}?)")
         out: list[int] = []
         for i in ids:
-            out.extend([i] * next(counts) if i == self.image_token_id else (i,))
+            out.extend([i] * next(images) if i == image_id else [i] * next(groups) if i == video_id else (i,))
         return out
 
     def decode(self, ids: list[int]) -> str:

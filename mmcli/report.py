@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -14,16 +15,28 @@ from .errors import ImageError
 from .images import decode_image, image_processor_config, num_patches
 from .packing import ffd_pack, flat_efficiency, packed_efficiency, padded_efficiency, recommend_block_size
 from .scan import scan
+from .video import VideoSampling, probe_video, video_smart_resize
 
 
 def image_patches(paths: list[Path], cfg: Config) -> tuple[list[str], list[int]]:
     """Patch counts of the images under `paths`, decoded and sized exactly as a run does (a local checkpoint's
-    preprocessor_config.json, else Qwen3-VL's, with the configured pixel budget)."""
+    preprocessor_config.json, else Qwen3-VL's, with the configured pixel budget); a video counts one segment per
+    temporal patch (`key#k`), sized from its headers as a run sizes it."""
     local = Path(cfg.model).expanduser()
-    image_cfg = image_processor_config(local if local.is_dir() else None, cfg.image.min_pixels, cfg.image.max_pixels)
+    checkpoint = local if local.is_dir() else None
+    image_cfg = image_processor_config(checkpoint, cfg.image.min_pixels, cfg.image.max_pixels)
+    videos = VideoSampling.from_checkpoint(checkpoint, cfg.video)
     names, patches = [], []
-    for key, path in scan(paths, cfg.scan.extensions):
+    for key, path in scan(paths, cfg.scan.extensions + cfg.scan.video_extensions):
         try:
+            if key.lower().endswith(tuple(e.lower() for e in cfg.scan.video_extensions)):
+                frames, height, width = probe_video(path, videos)
+                budget = replace(videos, max_pixels=min(videos.max_pixels, image_cfg.max_pixels * frames))
+                height, width = video_smart_resize(frames, height, width, budget)
+                groups = -(-frames // image_cfg.temporal_patch_size)
+                names += [f"{key}#{k}" for k in range(groups)]
+                patches += [height * width // image_cfg.patch_size**2] * groups
+                continue
             patches.append(num_patches(decode_image(path, cfg.image.max_decode_pixels).image, image_cfg))
         except ImageError as e:
             print(f"mmcli: {path}: skipped ({e})", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Files and questions into engine requests: images decoded and patchified once, one prompt per task.
+"""Files and questions into engine requests: images and videos decoded and patchified once, one prompt per task.
 
 An image's tasks become one group of requests: their prompts agree up to the first token that differs (the
 chat template's opening, the image, the vision end), and the runner prefills that shared prefix once.
@@ -7,7 +7,7 @@ chat template's opening, the image, the vision end), and the runner prefills tha
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from PIL import Image
@@ -17,58 +17,100 @@ from .engine import Request
 from .errors import ImageError, ItemError
 from .images import ImageProcessorConfig
 from .positions import rope_index
-from .preprocess import decode_image, preprocess
+from .preprocess import decode_image, preprocess, preprocess_video
 from .prompt import PromptBuilder
 from .tasks import Task, render_prompt
+from .video import VideoSampling, decode_video, video_smart_resize
 
 
 @dataclass
 class PreparedImages:
+    """Decoded and patchified inputs: vision segments (an image, or one temporal patch of a video) in prompt order,
+    and per input its record facts and its prompt layout."""
+
     pixels: list
     grids: list[tuple[int, int, int]]
-    infos: list[dict]  # width, height (as the user sees the image), note
+    infos: list[dict]  # width, height (as the user sees it), note; a video's facts under "video"
     hashes: list[str]
+    layout: list = field(default_factory=list)  # per input: an image's token count, or a video's [(seconds, tokens)]
 
-    def token_counts(self, merge_size: int) -> list[int]:
-        return [t * h * w // merge_size**2 for t, h, w in self.grids]
+    def add(self, pixels, grid: tuple[int, int, int]) -> None:
+        self.pixels.append(pixels)
+        self.grids.append(grid)
+        self.hashes.append(hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16).hexdigest())
 
 
 class RequestBuilder:
-    def __init__(self, prompts: PromptBuilder, image_cfg: ImageProcessorConfig, config: Config, image_token_id: int,
-                 stop_ids: frozenset[int], compiled: bool):
+    def __init__(self, prompts: PromptBuilder, image_cfg: ImageProcessorConfig, config: Config,
+                 visual_token_ids: tuple[int, int], stop_ids: frozenset[int], compiled: bool,
+                 video_sampling: VideoSampling | None = None):
         self.prompts, self.image_cfg, self.config = prompts, image_cfg, config
-        self.image_token_id, self.stop_ids, self.compiled = image_token_id, stop_ids, compiled
+        self.visual_token_ids, self.stop_ids, self.compiled = visual_token_ids, stop_ids, compiled
+        self.video_sampling = video_sampling or VideoSampling()
+        self.video_extensions = tuple(e.lower() for e in config.scan.video_extensions)
 
-    def images(self, images: list) -> PreparedImages:
-        """Decode and preprocess; raises ImageError naming the file for a bad image."""
+    def is_video(self, path) -> bool:
+        return isinstance(path, (str, Path)) and str(path).lower().endswith(self.video_extensions)
+
+    def images(self, images: list, videos: list = ()) -> PreparedImages:
+        """Decode and preprocess (files with a video extension as videos, after the images); raises ImageError
+        naming the file for a bad input."""
         out = PreparedImages([], [], [], [])
-        for image in images:
-            if isinstance(image, Image.Image):
-                rgb, note = image.convert("RGB"), None
-            else:
-                try:
-                    decoded = decode_image(image, self.config.image.max_decode_pixels)
-                except ImageError as e:
-                    raise ImageError(f"{image}: {e}") from None
-                rgb, note = decoded.image, decoded.note
+        videos = [i for i in images if self.is_video(i)] + list(videos)
+        for image in [i for i in images if not self.is_video(i)]:
+            rgb, note = self._decode_image(image)
             try:
                 pv, grid = preprocess(rgb, self.image_cfg)
             except ImageError as e:
                 raise ImageError(f"{image if not isinstance(image, Image.Image) else 'image'}: {e}") from None
-            if pv.shape[0] > self.config.vision.block_size:  # only extreme aspect ratios under tiny budgets
-                raise ImageError(f"{image}: {pv.shape[0]} patches do not fit vision.block_size "
-                                 f"{self.config.vision.block_size}")
-            out.pixels.append(pv)
-            out.grids.append(grid)
-            out.hashes.append(hashlib.blake2b(pv.numpy().tobytes(), digest_size=16).hexdigest())
+            self._check_block(image, pv.shape[0])
+            out.add(pv, grid)
             out.infos.append({"width": rgb.width, "height": rgb.height, "note": note})
+            out.layout.append(grid[0] * grid[1] * grid[2] // self.image_cfg.merge_size**2)
+        for video in videos:
+            self._add_video(out, video)
         return out
+
+    def _decode_image(self, image):
+        if isinstance(image, Image.Image):
+            return image.convert("RGB"), None
+        try:
+            decoded = decode_image(image, self.config.image.max_decode_pixels)
+        except ImageError as e:
+            raise ImageError(f"{image}: {e}") from None
+        return decoded.image, decoded.note
+
+    def _check_block(self, source, patches: int) -> None:
+        if patches > self.config.vision.block_size:  # only extreme aspect ratios under tiny budgets
+            raise ImageError(f"{source}: {patches} patches do not fit vision.block_size "
+                             f"{self.config.vision.block_size}")
+
+    def _add_video(self, out: PreparedImages, path) -> None:
+        try:
+            video = decode_video(path, self.video_sampling)
+            first = video.frames[0]
+            # Each frame is also held to an image's budget, so that a temporal patch fits one vision block.
+            sampling = replace(self.video_sampling, max_pixels=min(
+                self.video_sampling.max_pixels, self.image_cfg.max_pixels * len(video.frames)))
+            size = video_smart_resize(len(video.frames), first.height, first.width, sampling)
+            patches = preprocess_video(video.frames, size, self.image_cfg)
+        except ImageError as e:
+            raise ImageError(f"{path}: {e}") from None
+        groups = []
+        for (pv, grid), seconds in zip(patches, video.group_times(self.image_cfg.temporal_patch_size)):
+            self._check_block(path, pv.shape[0])
+            out.add(pv, grid)
+            groups.append((seconds, grid[1] * grid[2] // self.image_cfg.merge_size**2))
+        out.layout.append(groups)
+        out.infos.append({"width": first.width, "height": first.height, "note": "; ".join(video.notes) or None,
+                          "video": {"duration": round(video.duration, 3), "source_fps": round(video.source_fps, 3),
+                                    "frame_times": [round(t, 3) for t in video.times],
+                                    "num_frames": len(video.frames)}})
 
     def build(self, key: str, prepared: PreparedImages, question: str, sampling: SamplingParams,
               **extra) -> Request:
         """One request for `question` about the prepared images; raises ItemError when the prompt cannot run."""
-        counts = prepared.token_counts(self.image_cfg.merge_size)
-        ids = self.prompts.encode(question, counts)
+        ids = self.prompts.encode(question, prepared.layout)
         max_len = self.config.engine.max_len
         if len(ids) >= max_len:
             raise ItemError(f"{key}: prompt of {len(ids)} tokens does not fit engine.max_len {max_len}")
@@ -76,9 +118,10 @@ class RequestBuilder:
         if self.compiled and len(ids) > largest:
             raise ItemError(f"{key}: prompt of {len(ids)} tokens is over the largest compile.prefill_buckets entry "
                             f"{largest}")
-        rotary, delta = rope_index(ids, prepared.grids, self.image_token_id, self.image_cfg.merge_size)
+        rotary, delta = rope_index(ids, prepared.grids, self.visual_token_ids, self.image_cfg.merge_size)
+        visual_tokens = sum(t * h * w for t, h, w in prepared.grids) // self.image_cfg.merge_size**2
         return Request(key, ids, rotary, delta, prepared.pixels, prepared.grids, sampling, self.stop_ids,
-                       sum(counts), prepared.hashes, **extra)
+                       visual_tokens, prepared.hashes, **extra)
 
     def for_tasks(self, key: str, path: str | Path, tasks: list[Task], grammars: dict) -> tuple[list[Request], list]:
         """One request per task about the image at `path`, grouped to share their prompt prefix."""

@@ -8,6 +8,7 @@ weights' and the computation's precision, the pixel budget, the prompt and the s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -62,7 +63,8 @@ def label_settings(cfg: Config, path: Path | None, precision: dict) -> dict:
     image = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
     return {"schema": SCHEMA, "prompt": cfg.prompt, "model": model_identity(cfg.model, path),
             "weights_dtype": precision["weights"], "compute_dtype": precision["compute"], "quantize": cfg.quantize,
-            "pixels": [image.min_pixels, image.max_pixels], "sampling": cfg.generation.as_dict()}
+            "pixels": [image.min_pixels, image.max_pixels], "video": dataclasses.asdict(cfg.video),
+            "sampling": cfg.generation.as_dict()}
 
 
 def settings_hash(settings: dict) -> str:

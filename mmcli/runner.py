@@ -133,7 +133,7 @@ class ModelRunner:
     def _embed_prompts(self, items: list[PrefillItem], image_features: list | None):
         ids = torch.tensor([i for item in items for i in item.input_ids], device=self.device)
         hidden = self.model.language_model.embed(ids)
-        visual_mask = ids == self.cfg.image_token_id
+        visual_mask = (ids == self.cfg.image_token_id) | (ids == self.cfg.video_token_id)  # segments in prompt order
         if not bool(visual_mask.any()):
             return hidden, None, None
         if image_features is None:

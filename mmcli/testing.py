@@ -7,6 +7,7 @@ result unchanged. Never used on a real model.
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -211,4 +212,36 @@ def make_tiny_checkpoint(path: str | Path, variant: str = "base", *, seed: int =
     gen = {"bos_token_id": special_ids["<|endoftext|>"], "pad_token_id": special_ids["<|endoftext|>"],
            "eos_token_id": [special_ids["<|im_end|>"], special_ids["<|endoftext|>"]], "do_sample": False}
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return path
+
+
+def make_test_video(path: str | Path, seconds: float = 2.0, fps: int = 10, width: int = 96, height: int = 64,
+                    codec: str = "mpeg4", rotation: int = 0, frame_times: list[float] | None = None,
+                    keyframe_every: int = 12) -> Path:
+    """A small video written with PyAV: frame k is grey level (k * 7) % 256 with a white top-left corner (so a
+    test can tell frames and orientation apart), `width` x `height` as displayed. `frame_times` gives each frame's
+    own time (variable frame rate); with `rotation` (the display matrix's counterclockwise degrees, a multiple of
+    90) the frames are stored turned the other way, so that a player that honours the matrix shows them upright."""
+    import av
+    import numpy as np
+
+    path = Path(path)
+    times = frame_times if frame_times is not None else [k / fps for k in range(round(seconds * fps))]
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        turns = rotation // 90 % 4
+        stream.width, stream.height = (height, width) if turns % 2 else (width, height)
+        stream.pix_fmt = "yuv420p"
+        stream.codec_context.time_base = Fraction(1, fps if frame_times is None else 1000)
+        stream.codec_context.gop_size = keyframe_every
+        if rotation:
+            stream.set_display_rotation(rotation)
+        for k, t in enumerate(times):
+            rgb = np.full((height, width, 3), (k * 7) % 256, np.uint8)
+            rgb[: height // 4, : width // 4] = 255
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(np.rot90(rgb, -turns)), format="rgb24")
+            frame.time_base = stream.codec_context.time_base
+            frame.pts = round(t / frame.time_base)
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
     return path

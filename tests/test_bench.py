@@ -24,3 +24,19 @@ def test_vision_packing_bench_runs(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "speed-up of packed blocks" in out.stdout
+
+
+@pytest.mark.slow
+def test_cpu_bench_smoke(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu.py"), "--smoke", "--skip-hf", "--cache-dir",
+                          str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "(a) images/s" in out.stdout and "(b) mmcli ask" in out.stdout and "outlier channels x30" in out.stdout
+
+
+@pytest.mark.slow
+def test_video_bench_smoke(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "video.py"), "--smoke", "--cache-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "s per video-minute" in out.stdout.splitlines()[-1]

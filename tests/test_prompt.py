@@ -15,7 +15,7 @@ def test_ids_match_transformers_processor(variant_dirs, names):
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
         text = proc.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                         add_generation_prompt=True)
-        assert prompts.render(question, len(images)) == text
+        assert prompts.render(question, ["image"] * len(images)) == text
         ref = proc(text=[text], images=images or None, return_tensors="pt")
         counts = [int(g.prod()) // 4 for g in ref["image_grid_thw"]] if images else []
         assert prompts.encode(question, counts) == ref["input_ids"][0].tolist()
@@ -32,7 +32,7 @@ def test_template_runs_in_a_sandbox(tmp_path, tiny_dir):
     from jinja2.exceptions import SecurityError
 
     with pytest.raises(SecurityError):
-        prompts.render("hi", 0)
+        prompts.render("hi", [])
 
 
 def _image_id(path):
