@@ -117,6 +117,18 @@ def outlier_checkpoint(source: Path, target: Path) -> Path:
     return target
 
 
+def start_times() -> None:
+    """`mmcli --help`, `config show` and `plan` (no torch): best of 5 wall times each, as a user's shell runs them."""
+    mmcli = shutil.which("mmcli") or "mmcli"
+    for command in (["--help"], ["config", "show"], ["plan", "--tokens", "512,256"]):
+        best = math.inf
+        for _ in range(5):
+            start = time.perf_counter()
+            subprocess.run([mmcli, *command], check=True, capture_output=True)
+            best = min(best, time.perf_counter() - start)
+        print(f"mmcli {' '.join(command)}: {best:.3f} s")
+
+
 def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
     """(b) and (c) for `mmcli ask`: the instrumented run, then the real command for its wall time and peak RSS."""
     from mmcli.checkpoint import expected_shapes
@@ -200,6 +212,8 @@ def main() -> None:
         versus = f"{r['images_per_s'] / best['images_per_s']:.2f}x (batch {best['batch_size']})" if best else "-"
         print(f"{name}: {r['images_per_s']:.4f} | {r['images_per_s'] / rates['float32']['images_per_s']:.2f}x | "
               f"{versus}")
+    print("\nstart-up, no model:")
+    start_times()
     ask_part(args, ckpt, images[ASK_IMAGE % len(images)], limits)
     print("\n(d) int8 against the unquantized run, teacher-forced on its greedy tokens")
     print("| checkpoint | positions | top-1 agreement | mean abs log-prob difference |")

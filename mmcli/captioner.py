@@ -61,9 +61,9 @@ class Captioner:
         self.label_settings = label_settings(config, path, precision)
         self.stop_ids = _stop_ids(path, prompts)
         self.engine = Engine(runner, config)
-        self.requests = RequestBuilder(prompts, image_cfg, config, (model.cfg.image_token_id,
-                                       model.cfg.video_token_id), self.stop_ids, compiled=graphs is not None,
-                                       video_sampling=VideoSampling.from_checkpoint(path, config.video))
+        videos = VideoSampling.from_checkpoint(path, config.video, image_cfg.max_pixels)
+        self.requests = RequestBuilder(prompts, image_cfg, config, (model.cfg.image_token_id, model.cfg.video_token_id),
+                                       self.stop_ids, compiled=graphs is not None, video_sampling=videos)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -25,14 +24,13 @@ def image_patches(paths: list[Path], cfg: Config) -> tuple[list[str], list[int]]
     local = Path(cfg.model).expanduser()
     checkpoint = local if local.is_dir() else None
     image_cfg = image_processor_config(checkpoint, cfg.image.min_pixels, cfg.image.max_pixels)
-    videos = VideoSampling.from_checkpoint(checkpoint, cfg.video)
+    videos = VideoSampling.from_checkpoint(checkpoint, cfg.video, image_cfg.max_pixels)
     names, patches = [], []
     for key, path in scan(paths, cfg.scan.extensions + cfg.scan.video_extensions):
         try:
             if key.lower().endswith(tuple(e.lower() for e in cfg.scan.video_extensions)):
                 frames, height, width = probe_video(path, videos)
-                budget = replace(videos, max_pixels=min(videos.max_pixels, image_cfg.max_pixels * frames))
-                height, width = video_smart_resize(frames, height, width, budget)
+                height, width = video_smart_resize(frames, height, width, videos)
                 groups = -(-frames // image_cfg.temporal_patch_size)
                 names += [f"{key}#{k}" for k in range(groups)]
                 patches += [height * width // image_cfg.patch_size**2] * groups

@@ -7,7 +7,7 @@ chat template's opening, the image, the vision end), and the runner prefills tha
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image
@@ -20,7 +20,7 @@ from .positions import rope_index
 from .preprocess import decode_image, preprocess, preprocess_video
 from .prompt import PromptBuilder
 from .tasks import Task, render_prompt
-from .video import VideoSampling, decode_video, video_smart_resize
+from .video import VideoSampling, decode_video
 
 
 @dataclass
@@ -87,13 +87,9 @@ class RequestBuilder:
 
     def _add_video(self, out: PreparedImages, path) -> None:
         try:
-            video = decode_video(path, self.video_sampling)
+            video = decode_video(path, self.video_sampling, self.image_cfg.resample)  # frames resized as decoded
             first = video.frames[0]
-            # Each frame is also held to an image's budget, so that a temporal patch fits one vision block.
-            sampling = replace(self.video_sampling, max_pixels=min(
-                self.video_sampling.max_pixels, self.image_cfg.max_pixels * len(video.frames)))
-            size = video_smart_resize(len(video.frames), first.height, first.width, sampling)
-            patches = preprocess_video(video.frames, size, self.image_cfg)
+            patches = preprocess_video(video.frames, (first.height, first.width), self.image_cfg)
         except ImageError as e:
             raise ImageError(f"{path}: {e}") from None
         groups = []
@@ -102,7 +98,7 @@ class RequestBuilder:
             out.add(pv, grid)
             groups.append((seconds, grid[1] * grid[2] // self.image_cfg.merge_size**2))
         out.layout.append(groups)
-        out.infos.append({"width": first.width, "height": first.height, "note": "; ".join(video.notes) or None,
+        out.infos.append({"width": video.size[0], "height": video.size[1], "note": "; ".join(video.notes) or None,
                           "video": {"duration": round(video.duration, 3), "source_fps": round(video.source_fps, 3),
                                     "frame_times": [round(t, 3) for t in video.times],
                                     "num_frames": len(video.frames)}})

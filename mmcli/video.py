@@ -39,11 +39,12 @@ class VideoSampling:
     min_pixels: int = 4096  # over all frames of one video
     max_pixels: int = 25_165_824
     max_decode_pixels: int = 67_108_864  # a frame larger than this is refused before decoding
+    max_frame_pixels: int | None = None  # each frame also held to an image's budget (a frame pair fits a block)
     factor: int = QWEN_PATCH_SIZE * QWEN_MERGE_SIZE
     temporal_patch_size: int = QWEN_TEMPORAL_PATCH_SIZE
 
     @classmethod
-    def from_checkpoint(cls, path: Path | None, settings) -> VideoSampling:
+    def from_checkpoint(cls, path: Path | None, settings, max_frame_pixels: int | None = None) -> VideoSampling:
         """`settings` is the `video` config section; its set values win over the checkpoint's, and max_pixels
         caps the checkpoint's budget (as image.max_pixels does)."""
         file = path / "video_preprocessor_config.json" if path is not None else None
@@ -61,7 +62,7 @@ class VideoSampling:
                    max_frames=settings.max_frames or base.max_frames,
                    min_pixels=settings.min_pixels or base.min_pixels,
                    max_pixels=min(base.max_pixels, settings.max_pixels), max_decode_pixels=settings.max_decode_pixels,
-                   factor=base.factor, temporal_patch_size=base.temporal_patch_size)
+                   max_frame_pixels=max_frame_pixels, factor=base.factor, temporal_patch_size=base.temporal_patch_size)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class DecodedVideo:
     duration: float
     source_fps: float  # average frame rate
     total_frames: int
+    size: tuple[int, int]  # (width, height) of a frame as shown (upright), before any resize
     notes: list[str] = field(default_factory=list)
     frames_decoded: int = 0  # frames the decoder produced to reach the sampled ones (seeking keeps this low)
 
@@ -99,6 +101,7 @@ def group_timestamps(times: list[float], temporal_patch_size: int = QWEN_TEMPORA
 def video_smart_resize(num_frames: int, height: int, width: int, sampling: VideoSampling) -> tuple[int, int]:
     """(height, width) for every frame: multiples of the factor, the budget counted over all frames."""
     factor, tf = sampling.factor, sampling.temporal_patch_size
+    max_pixels = min(sampling.max_pixels, (sampling.max_frame_pixels or sampling.max_pixels) * num_frames)
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
@@ -106,8 +109,8 @@ def video_smart_resize(num_frames: int, height: int, width: int, sampling: Video
         raise ImageError(f"aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1")
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     t_bar = round(num_frames / tf) * tf
-    if t_bar * h_bar * w_bar > sampling.max_pixels:
-        beta = math.sqrt(num_frames * height * width / sampling.max_pixels)
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
     elif t_bar * h_bar * w_bar < sampling.min_pixels:
@@ -122,8 +125,10 @@ def _upright(frame) -> Image.Image:
     return image.rotate(rotation, expand=True) if rotation % 360 else image
 
 
-def decode_video(path: str | Path, sampling: VideoSampling) -> DecodedVideo:
-    """Sample and decode one video file, or raise ImageError naming what is wrong with it."""
+def decode_video(path: str | Path, sampling: VideoSampling, resample: int | None = None) -> DecodedVideo:
+    """Sample and decode one video file, or raise ImageError naming what is wrong with it. With `resample` (a
+    Pillow filter) each frame is resized to the run's size as it is decoded, so a long high-resolution video never
+    holds its full-size frames."""
     import av  # PyAV: imported here so that `plan` and image-only runs never load FFmpeg
 
     path = Path(path)
@@ -135,7 +140,7 @@ def decode_video(path: str | Path, sampling: VideoSampling) -> DecodedVideo:
                 kinds = sorted({s.type for s in container.streams})
                 raise ImageError(f"no video stream ({', '.join(kinds)} streams only)" if kinds else
                                  "no video stream: the file holds no streams (zero frames)")
-            return _decode(container, container.streams.video[0], sampling)
+            return _decode(container, container.streams.video[0], sampling, resample)
     except ImageError:
         raise
     except av.error.InvalidDataError as e:
@@ -176,7 +181,7 @@ def _stream_facts(container, stream) -> tuple[float, float, int]:
     return duration, fps, total
 
 
-def _decode(container, stream, sampling: VideoSampling) -> DecodedVideo:
+def _decode(container, stream, sampling: VideoSampling, resample: int | None) -> DecodedVideo:
     codec = stream.codec_context
     if codec is None or not codec.name:
         raise ImageError("video stream with an unknown codec (FFmpeg has no decoder for it)")
@@ -190,7 +195,9 @@ def _decode(container, stream, sampling: VideoSampling) -> DecodedVideo:
     indices = sample_indices(total, fps, sampling)
     start = stream.start_time or 0
     base = stream.time_base
-    frames, times, decoded = _frames_at(container, stream, [i / fps for i in indices], start, base, 0.5 / fps)
+    sized = None if resample is None else (lambda h, w: video_smart_resize(len(indices), h, w, sampling), resample)
+    frames, times, decoded, shown = _frames_at(container, stream, [i / fps for i in indices], start, base,
+                                               0.5 / fps, sized)
     if not frames:
         raise ImageError("no frames could be decoded (truncated or corrupt stream)")
     if len(frames) < len(indices):
@@ -199,12 +206,14 @@ def _decode(container, stream, sampling: VideoSampling) -> DecodedVideo:
     notes = []
     if stream.average_rate and stream.guessed_rate and stream.average_rate != stream.guessed_rate:
         notes.append("variable frame rate: frames sampled by time, stamped with their own times")
-    return DecodedVideo(frames, times, indices, duration, fps, total, notes, decoded)
+    return DecodedVideo(frames, times, indices, duration, fps, total, shown, notes, decoded)
 
 
-def _frames_at(container, stream, targets: list[float], start: int, base, tolerance: float):
-    """The first frame shown at or after each target time (seconds from `start`), seeking only when far ahead."""
+def _frames_at(container, stream, targets: list[float], start: int, base, tolerance: float, sized):
+    """The first frame shown at or after each target time (seconds from `start`), seeking only when far ahead;
+    with `sized` = (size of (height, width), Pillow filter), resized as decoded."""
     frames: list[Image.Image] = []
+    shown, target_size = (0, 0), None
     times: list[float] = []
     decoder, last_time, decoded = None, -math.inf, 0
     pending = None  # a decoded frame not yet used (it lies beyond the previous target)
@@ -218,13 +227,19 @@ def _frames_at(container, stream, targets: list[float], start: int, base, tolera
             decoded += pending is None
             pending = None
             if frame is None:
-                return frames, times, decoded
+                return frames, times, decoded, shown
             if frame.pts is None:
                 continue
             last_time = float((frame.pts - start) * base)
             if last_time >= target - tolerance:
                 found = frame
-        frames.append(_upright(found))
+        image = _upright(found)
+        shown = image.size
+        if sized is not None:
+            target_size = target_size or sized[0](image.height, image.width)[::-1]
+            if image.size != target_size:
+                image = image.resize(target_size, resample=sized[1])
+        frames.append(image)
         times.append(last_time)
         pending = found  # the next target may fall on this same frame
-    return frames, times, decoded
+    return frames, times, decoded, shown

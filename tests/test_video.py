@@ -68,6 +68,9 @@ def test_a_rotated_file_comes_out_upright_and_seeking_skips_what_is_not_sampled(
         frame = np.asarray(video.frames[0])[..., 0]
         assert video.frames[0].size == (96, 64)  # as displayed
         assert frame[:16, :24].mean() > 240 and frame[-16:, -24:].mean() < 40  # the white corner top left
+    # resized as decoded (a long 4K file never holds its full-size frames): 4 frames of 64x96 in 8192 pixels a video
+    small = decode_video(tmp_path / "r90.mp4", VideoSampling(min_pixels=1024, max_pixels=8192), resample=3)
+    assert [f.size for f in small.frames] == [(32, 32)] * 4 and small.size == (96, 64)
     long = make_test_video(tmp_path / "long.mp4", seconds=120, fps=10, keyframe_every=10)
     video = decode_video(long, VideoSampling(max_frames=8))
     assert len(video.frames) == 8 and video.total_frames == 1200 and video.frames_decoded <= 8 * 10
