@@ -137,10 +137,13 @@ def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
     timed, wall = run(args, "--worker", "ask", "--ckpt", str(ckpt), "--image", str(image), "--settings", "{}")
     command = [shutil.which("mmcli") or "mmcli", "ask", "--model", str(ckpt), "--device", "cpu", "--image",
                str(image), "--max-new-tokens", "16", compare_hf.PROMPT]
-    start = time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True)
-    cli_wall = time.perf_counter() - start
-    cli_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child so far
+    # A fresh interpreter runs the command and reports its peak RSS (RUSAGE_CHILDREN here would be the largest of
+    # every child this bench has waited for, the float32 worker included).
+    probe = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
+             "subprocess.run(sys.argv[1:], check=True, capture_output=True); "
+             "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", probe, *command], check=True, capture_output=True, text=True)
+    cli_wall, cli_rss = (float(v) for v in out.stdout.split())
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
     shapes = expected_shapes(cfg)
     vision = sum(math.prod(s) for n, s in shapes.items() if ".visual." in n or n.startswith("model.visual"))
@@ -195,13 +198,22 @@ def main() -> None:
           f"{len(images)} images, {sum(lengths)} output tokens", flush=True)
     rate_args = argparse.Namespace(cache_dir=args.cache_dir, dtype="float32", device="cpu", images=len(images),
                                    max_seqs=16, max_len=512, smoke=args.smoke)
+    from mmcli.checkpoint import expected_shapes
+    from mmcli.model_config import parse_config
+
+    cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
+    parameters = sum(math.prod(s) for n, s in expected_shapes(cfg).items()
+                     if not (n == "lm_head.weight" and cfg.tie_word_embeddings))
     rates = {}
     for name, settings in PATHS.items():
         rates[name] = compare_hf.run_worker(argparse.Namespace(**vars(rate_args), settings=json.dumps(settings)),
                                             "mmcli")
         r = rates[name]
-        print(f"{name}: {r['images_per_s']:.4f} images/s ({r['seconds']:.1f} s; {r['precision']}); weights "
-              f"{r['weight_bytes'] / 2**30:.2f} GiB + KV {r['kv_bytes'] / 2**30:.2f} GiB, peak RSS "
+        spent = r["spent"]
+        print(f"{name}: {r['images_per_s']:.4f} images/s ({r['seconds']:.1f} s: vision {spent['vision']:.1f}, text "
+              f"prefill {spent['prefill'] - spent['vision']:.1f}, decode {spent['decode']:.1f}; {r['precision']}); "
+              f"weights {r['weight_bytes'] / 2**30:.2f} GiB ({r['weight_bytes'] / parameters:.2f} bytes a parameter)"
+              f" + KV {r['kv_bytes'] / 2**30:.2f} GiB, peak RSS "
               f"{r['peak_rss'] / 2**30:.2f} GiB ({r['peak_rss'] / (r['weight_bytes'] + r['kv_bytes']):.2f}x)",
               flush=True)
     hf = [] if args.skip_hf else [compare_hf.run_worker(argparse.Namespace(**vars(rate_args), settings="{}"), "hf",

@@ -6,7 +6,7 @@ shared prompt prefix prefilled once, and the three answers decode side by side. 
 separate runs would be about 3x). Then a JSON task under a schema (enum, integer range, strings, an array) on the
 same images: every answer checked against the schema, and the grammar's masks as a share of decode time.
 
-    python bench/tasks.py [--images 8] [--dtype float32] [--quantize int8] [--smoke]
+    python bench/tasks.py [--images 8] [--dtype auto] [--quantize int8] [--smoke]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ TASKS = {"caption": {"max_new_tokens": 48}, "tags": {"max_new_tokens": 48}, "det
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=8)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantize", default="none", choices=["none", "int8"])
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()

@@ -144,9 +144,19 @@ def decode_video(path: str | Path, sampling: VideoSampling, resample: int | None
     except ImageError:
         raise
     except av.error.InvalidDataError as e:
+        if _looks_like_mp4(path):  # an MP4/MOV whose index (the moov box, written last) is missing
+            raise ImageError("truncated or corrupt MP4/MOV: FFmpeg finds no readable index (moov box) in it") from None
         raise ImageError(f"not a video FFmpeg can read (corrupt or unknown format): {e}") from None
     except (av.error.FFmpegError, OSError, ValueError) as e:
         raise ImageError(f"cannot decode video (corrupt or truncated): {e}") from None
+
+
+def _looks_like_mp4(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(12)[4:8] == b"ftyp"
+    except OSError:
+        return False
 
 
 def probe_video(path: str | Path, sampling: VideoSampling) -> tuple[int, int, int]:

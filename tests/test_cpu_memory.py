@@ -103,6 +103,8 @@ def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
     reference = _logits(_captioner(outlier_dir, dtype="float32"))
     ours = _captioner(outlier_dir, quantize="int8")
     assert ours.precision["weights"] == "int8" and ours.weight_bytes < 0.8 * _captioner(outlier_dir).weight_bytes
+    embedding, head = ours.model.language_model.embed_tokens.weight, ours.model.lm_head  # tied: one bfloat16 copy
+    assert head.kernel != "int8" and head.weight.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
     assert _relative_error(_logits(ours), reference) < 0.12
     naive = _captioner(outlier_dir, weights_dtype="bfloat16")  # the same int8 weights, no folding, one scale a call
     quantize_linears(naive.model, keep=(naive.model.lm_head,))

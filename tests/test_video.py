@@ -112,7 +112,8 @@ def test_caption_labels_videos_next_to_images_and_each_bad_video_is_an_error_rec
                                       str(tiny_dir), "--max-new-tokens", "4", "--quiet"])
     assert result.exit_code == 1, result.output
     records = {r["key"]: r for r in map(json.loads, out.read_text().splitlines())}
-    causes = {"corrupt.mp4": "not a video FFmpeg can read", "truncated.mp4": "not a video FFmpeg can read",
+    causes = {"corrupt.mp4": "not a video FFmpeg can read",
+              "truncated.mp4": "truncated or corrupt MP4/MOV: FFmpeg finds no readable index",
               "cut.mkv": "truncated: the stream ends at", "unknown_codec.mkv": "unknown codec",
               "no_frames.mp4": "zero frames", "audio_only.mp4": "no video stream (audio streams only)",
               "huge.mp4": "256x192 pixels a frame is over the decode limit of 40000 (video.max_decode_pixels)"}
@@ -209,3 +210,12 @@ def test_plan_sizes_a_video_from_its_headers_as_a_run_does(tiny_dir, tmp_path):
     # 6 frames of 96x160 under the tiny checkpoint's 16384 pixels a video: beta = sqrt(6*96*160/16384) = 2.37,
     # 32x64 a frame, 2x4 patches
     assert patches == [t * h * w for t, h, w in prepared.grids] == [8, 8, 8]
+
+
+def test_tasks_apply_to_videos_with_one_decoding_and_encoding(tiny_dir, tmp_path):
+    cap = Captioner.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
+    clip = make_test_video(tmp_path / "clip.mp4")
+    results = list(cap.caption([("clip.mp4", clip)], tasks=["caption", "tags"], max_new_tokens=3))
+    assert sorted(r.task for r in results) == ["caption", "tags"] and all(r.ok for r in results)
+    assert all(r.images[0]["video"]["num_frames"] == 4 for r in results)
+    assert cap.runner.images_encoded == 2 and cap.runner.prefixes_prefilled == 1  # two frame pairs, once

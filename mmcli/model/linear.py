@@ -3,9 +3,9 @@
 - packed: float32 weights reordered once into oneDNN's blocked layout (`torch.ops.mkldnn`, the ops Inductor emits
   for CPU linears). Measured on a 2-core AVX2 server (a stack of 2B text weights, 2.9 GB): 73 GFLOP/s at 256 rows
   against MKL's 58, 52 against 35 at 16 rows; `dtype: float32` runs this, as before.
-- upcast: weights resident in the checkpoint's bfloat16 (2 bytes a parameter) and computed in float32. Up to 16
-  rows (decode), a compiled kernel that widens the weights in registers (cpu_kernel.py: 8 rows of a 6144x2048
-  weight in 3.6 ms against 6.2 for packed float32). More rows (prefill, vision), or no kernel: each chunk
+- upcast: weights resident in the checkpoint's bfloat16 (2 bytes a parameter) and computed in float32. Up to
+  KERNEL_ROWS rows (decode), a compiled kernel that widens the weights in registers (cpu_kernel.py: 8 rows of a
+  6144x2048 weight in 3.6 ms against 6.2 for packed float32). More rows (prefill, vision), or no kernel: each chunk
   of output rows is converted to float32 in a reused buffer that stays in cache, then multiplied (MKL). A bfloat16
   value converts to float32 exactly, so the numbers are those of the float32 path. Measured on 6144x2048 weights,
   250 MB of them (ms per weight, this kernel against packed float32): 1 row 3.0 vs 3.9, 4 rows 6.8 vs 4.2,
@@ -26,7 +26,7 @@ from torch import nn
 
 from . import cpu_kernel
 
-KERNEL_ROWS = 16  # measured crossover with the chunked path: the kernel wins up to 16 rows, loses from 32
+KERNEL_ROWS = 24  # measured crossover with the chunked path: the kernel wins up to 24 rows, ties at 32, loses at 48
 UPCAST_ROWS = 512  # output rows converted per chunk: 4 MB of float32 for a 2048-wide layer, cache resident
 _scratch: dict[tuple, torch.Tensor] = {}
 

@@ -44,6 +44,7 @@ def quantize_model(model: nn.Module) -> int:
         fold_norm(block.norm1, [block.attn.qkv])
         fold_norm(block.norm2, [block.mlp.linear_fc1])
         quantize_linears(block)
-    tied = model.lm_head.weight is text.embed_tokens.weight
+    # load_state_dict(assign=True) makes two Parameters over one storage: tied means the same memory
+    tied = model.lm_head.weight.untyped_storage().data_ptr() == text.embed_tokens.weight.untyped_storage().data_ptr()
     quantize_linears(model, keep=(model.lm_head,) if tied else ())
     return sum(isinstance(m, Linear) and m.kernel == "int8" for m in model.modules())
