@@ -85,17 +85,9 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: dict) -> dict:
-    from dataclasses import replace
-
-    from mmcli.captioner import Captioner
-    from mmcli.checkpoint import expected_shapes
-    from mmcli.config import load_config
-    from mmcli.inputs import NOT_READY, default_workers, prefetch
-
-    cfg = load_config(None, settings)
-    cap = Captioner.from_pretrained(str(ckpt), config=cfg)
-    spent = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}  # where the time goes (prefill includes vision)
+def phase_timers(cap) -> dict[str, float]:
+    """Seconds spent in the vision tower, in prefill (vision included) and in decode, summed as `cap` runs."""
+    spent = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -109,6 +101,20 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
     for name in spent:
         owner, attr = (cap.runner.encoder, "encode") if name == "vision" else (cap.runner, name)
         setattr(owner, attr, timed(name, getattr(owner, attr)))
+    return spent
+
+
+def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: dict) -> dict:
+    from dataclasses import replace
+
+    from mmcli.captioner import Captioner
+    from mmcli.checkpoint import expected_shapes
+    from mmcli.config import load_config
+    from mmcli.inputs import NOT_READY, default_workers, prefetch
+
+    cfg = load_config(None, settings)
+    cap = Captioner.from_pretrained(str(ckpt), config=cfg)
+    spent = phase_timers(cap)
     start = time.perf_counter()
 
     def prepare(item):

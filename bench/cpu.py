@@ -28,6 +28,8 @@ from pathlib import Path
 import compare_hf
 import torch
 
+from mmcli.testing import make_outlier_checkpoint
+
 ASK_IMAGE = 14  # compare_hf's 448x448 image
 PATHS = {"float32": {"dtype": "float32"}, "default": {"dtype": "auto"}, "int8": {"dtype": "auto", "quantize": "int8"}}
 
@@ -40,18 +42,7 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
     imported = time.perf_counter()
     cap = Captioner.from_pretrained(str(ckpt), config=load_config(None, {"device": "cpu", **settings}))
     loaded = time.perf_counter()
-    spent = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}
-    for name in spent:
-        owner, attr = (cap.runner.encoder, "encode") if name == "vision" else (cap.runner, name)
-        original = getattr(owner, attr)
-
-        def wrapper(*a, _name=name, _original=original, **k):
-            t = time.perf_counter()
-            try:
-                return _original(*a, **k)
-            finally:
-                spent[_name] += time.perf_counter() - t
-        setattr(owner, attr, wrapper)
+    spent = compare_hf.phase_timers(cap)
     result = cap.ask([image], compare_hf.PROMPT, max_new_tokens=16)
     done = time.perf_counter()
     assert result.ok, result.error
@@ -101,20 +92,6 @@ def agreement(args, ckpt: Path, image: Path, label: str) -> str:
     same = sum(a == b for a, b in zip(reference["top1"], quantized["top1"])) / count
     diff = sum(abs(a - b) for a, b in zip(reference["reference_logprob"], quantized["reference_logprob"])) / count
     return f"| {label} | {count} | {100 * same:.1f}% | {diff:.4f} |"
-
-
-def outlier_checkpoint(source: Path, target: Path) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    if not (target / "config.json").is_file():
-        shutil.copytree(source, target, dirs_exist_ok=True)
-        tensors = load_file(str(target / "model.safetensors"))
-        generator = torch.Generator().manual_seed(0)
-        for name, tensor in tensors.items():
-            if "language_model" in name and name.endswith("layernorm.weight"):
-                tensor[torch.randperm(tensor.numel(), generator=generator)[:3]] *= 30
-        save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    return target
 
 
 def start_times() -> None:
@@ -232,7 +209,7 @@ def main() -> None:
     print("|---|---|---|---|")
     print(agreement(args, ckpt, images[0], "2B-shaped random" if not args.smoke else "tiny"))
     tiny, _, _ = compare_hf.make_inputs(args.cache_dir / "tiny", smoke=True)
-    print(agreement(args, outlier_checkpoint(tiny, args.cache_dir / "tiny-outliers"), images[0],
+    print(agreement(args, make_outlier_checkpoint(tiny, args.cache_dir / "tiny-outliers"), images[0],
                     "tiny, RMSNorm outlier channels x30"))
 
 

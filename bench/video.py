@@ -56,18 +56,7 @@ def main() -> None:
     start = time.perf_counter()
     video = decode_video(clip, cap.requests.video_sampling)
     decode = time.perf_counter() - start
-    spent = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}
-    for name in spent:
-        owner, attr = (cap.runner.encoder, "encode") if name == "vision" else (cap.runner, name)
-        original = getattr(owner, attr)
-
-        def timed(*a, _name=name, _original=original, **k):
-            t = time.perf_counter()
-            try:
-                return _original(*a, **k)
-            finally:
-                spent[_name] += time.perf_counter() - t
-        setattr(owner, attr, timed)
+    spent = compare_hf.phase_timers(cap)
     start = time.perf_counter()
     result = cap.ask([], "Describe this video.", videos=[clip], max_new_tokens=args.max_new_tokens)
     total = time.perf_counter() - start

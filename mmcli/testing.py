@@ -215,6 +215,25 @@ def make_tiny_checkpoint(path: str | Path, variant: str = "base", *, seed: int =
     return path
 
 
+def make_outlier_checkpoint(source: str | Path, target: str | Path) -> Path:
+    """A copy of a tiny checkpoint whose decoder RMSNorm weights carry three channels scaled by 30: large outlier
+    channels in the activations the linear layers read, as real language models show (written once)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    target = Path(target)
+    if not (target / "config.json").is_file():
+        shutil.copytree(source, target, dirs_exist_ok=True)
+        tensors = load_file(str(target / "model.safetensors"))
+        generator = torch.Generator().manual_seed(0)
+        for name, tensor in tensors.items():
+            if "language_model" in name and name.endswith("layernorm.weight"):
+                tensor[torch.randperm(tensor.numel(), generator=generator)[:3]] *= 30
+        save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
 def make_test_video(path: str | Path, seconds: float = 2.0, fps: int = 10, width: int = 96, height: int = 64,
                     codec: str = "mpeg4", rotation: int = 0, frame_times: list[float] | None = None,
                     keyframe_every: int = 12) -> Path:

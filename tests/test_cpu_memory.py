@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SAMPLES
-from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from mmcli.captioner import Captioner
@@ -21,7 +20,7 @@ from mmcli.config import load_config
 from mmcli.model import cpu_kernel
 from mmcli.model.linear import Linear, can_quantize, quantize_linears
 from mmcli.runner import PrefillItem
-from mmcli.testing import make_tiny_checkpoint
+from mmcli.testing import make_outlier_checkpoint, make_tiny_checkpoint
 
 IMAGE = [SAMPLES / "chelsea.jpg"]
 needs_fbgemm = pytest.mark.skipif(not can_quantize(), reason="no fbgemm in this torch")
@@ -34,16 +33,7 @@ def bf16_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def outlier_dir(bf16_dir, tmp_path_factory) -> Path:
-    """The same model with three channels of every decoder RMSNorm weight scaled by 30: large outlier channels in
-    the activations the linear layers read, as real language models show."""
-    path = Path(shutil.copytree(bf16_dir, tmp_path_factory.mktemp("outlier") / "m"))
-    tensors = load_file(str(path / "model.safetensors"))
-    generator = torch.Generator().manual_seed(0)
-    for name, tensor in tensors.items():
-        if "language_model" in name and name.endswith("layernorm.weight"):
-            tensor[torch.randperm(tensor.numel(), generator=generator)[:3]] *= 30
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
+    return make_outlier_checkpoint(bf16_dir, tmp_path_factory.mktemp("outlier") / "m")
 
 
 def _captioner(path, **settings):
