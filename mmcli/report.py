@@ -11,16 +11,17 @@ from rich.table import Table
 
 from .config import Config
 from .errors import ImageError
-from .images import decode_image, image_processor_config, num_patches
 from .packing import ffd_pack, flat_efficiency, packed_efficiency, padded_efficiency, recommend_block_size
-from .scan import scan
-from .video import VideoSampling, probe_video, video_smart_resize
 
 
 def image_patches(paths: list[Path], cfg: Config) -> tuple[list[str], list[int]]:
     """Patch counts of the images under `paths`, decoded and sized exactly as a run does (a local checkpoint's
     preprocessor_config.json, else Qwen3-VL's, with the configured pixel budget); a video counts one segment per
     temporal patch (`key#k`), sized from its headers as a run sizes it."""
+    from .images import decode_image, image_processor_config, num_patches  # numpy and Pillow: only with files
+    from .scan import scan
+    from .video import VideoSampling, probe_video, video_smart_resize
+
     local = Path(cfg.model).expanduser()
     checkpoint = local if local.is_dir() else None
     image_cfg = image_processor_config(checkpoint, cfg.image.min_pixels, cfg.image.max_pixels)
