@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -132,6 +133,8 @@ def decode_video(path: str | Path, sampling: VideoSampling, resample: int | None
     import av  # PyAV: imported here so that `plan` and image-only runs never load FFmpeg
 
     path = Path(path)
+    if not os.access(path, os.R_OK):
+        raise ImageError(f"unreadable file ({'permission denied' if path.exists() else 'no such file or broken link'})")
     if path.is_file() and path.stat().st_size == 0:
         raise ImageError("empty file (0 bytes)")
     try:

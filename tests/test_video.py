@@ -99,6 +99,7 @@ def _bad_videos(root):
     make_test_video(root / "huge.mp4", width=256, height=192)
     make_test_video(root / "vfr.mp4", frame_times=[0, 0.1, 0.15, 0.4, 0.5, 0.9, 1.0, 1.05, 1.5, 2.0])
     photo("coffee.jpg", (64, 48)).save(root / "photo.jpg")
+    (root / "gone.mp4").symlink_to(root / "missing-target.mp4")
 
 
 def test_caption_labels_videos_next_to_images_and_each_bad_video_is_an_error_record(tiny_dir, tmp_path):
@@ -116,6 +117,7 @@ def test_caption_labels_videos_next_to_images_and_each_bad_video_is_an_error_rec
               "truncated.mp4": "truncated or corrupt MP4/MOV: FFmpeg finds no readable index",
               "cut.mkv": "truncated: the stream ends at", "unknown_codec.mkv": "unknown codec",
               "no_frames.mp4": "zero frames", "audio_only.mp4": "no video stream (audio streams only)",
+              "gone.mp4": "unreadable file (no such file or broken link)",
               "huge.mp4": "256x192 pixels a frame is over the decode limit of 40000 (video.max_decode_pixels)"}
     for key, cause in causes.items():
         assert records[key]["status"] == "error" and cause in records[key]["error"]["message"], records[key]
@@ -125,7 +127,7 @@ def test_caption_labels_videos_next_to_images_and_each_bad_video_is_an_error_rec
     assert good["status"] == "ok" and good["video"]["num_frames"] == 4 and good["video"]["duration"] == 2.0
     assert vfr["status"] == "ok" and "variable frame rate" in vfr["note"]
     assert vfr["video"]["frame_times"] == [0.0, 0.9, 1.5, 2.0]  # the frames' own times, sampled by time
-    assert len(records) == 10
+    assert len(records) == 11
 
 
 def test_ask_video_cli(tiny_dir, tmp_path):
