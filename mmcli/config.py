@@ -97,6 +97,9 @@ class ScanConfig:
     extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
     video_extensions: tuple[str, ...] = (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v")
 
+    def is_video(self, name: str | Path) -> bool:
+        return str(name).lower().endswith(tuple(e.lower() for e in self.video_extensions))
+
 
 @dataclass(frozen=True)
 class InputsConfig:
@@ -154,8 +157,9 @@ class Config:
             ("video.num_frames", self.video.num_frames is None or (self.video.num_frames >= 1 and
                                                                    self.video.fps is None),
              "at least 1, and not set together with video.fps (the two are exclusive)"),
-            ("video.max_frames", (self.video.max_frames or 1) >= (self.video.min_frames or 1) >= 1,
-             "at least video.min_frames (both at least 1)"),
+            ("video.min_frames", self.video.min_frames is None or self.video.min_frames >= 1, "at least 1"),
+            ("video.max_frames", self.video.max_frames is None or self.video.max_frames >= (self.video.min_frames or 1),
+             "at least video.min_frames (and at least 1)"),
             ("video.max_pixels", self.video.max_pixels > 0, "above 0"),
             ("vision.num_blocks_buckets", _counts(self.vision.num_blocks_buckets), "a non-empty list of counts >= 1"),
             ("vision.lookahead", self.vision.lookahead >= 1, "at least 1"),

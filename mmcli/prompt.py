@@ -82,23 +82,27 @@ class PromptBuilder:
         [(seconds, tokens)] per temporal patch. An image's `<|image_pad|>` is repeated to its count; a video's
         `<|vision_start|><|video_pad|><|vision_end|>` becomes, per temporal patch, "<t seconds>" and its own
         vision start, pads and end (as Qwen3-VL's processor expands it; the time formatted with one decimal)."""
-        text = self.render(question, ["video" if isinstance(entry, list) else "image" for entry in layout])
-        for groups in (entry for entry in layout if isinstance(entry, list)):
-            expanded = "".join(f"<{seconds:.1f} seconds>{VISION_START}{VIDEO_PAD}{VISION_END}" for seconds, _ in groups)
-            text = text.replace(VIDEO_SPAN, expanded.replace(VIDEO_PAD, "\0"), 1)  # \0 marks it as done
-        ids = self.tokenizer.encode(text.replace("\0", VIDEO_PAD)).ids
-        images = iter(entry for entry in layout if not isinstance(entry, list))
-        groups = iter(tokens for entry in layout if isinstance(entry, list) for _, tokens in entry)
-        image_id, video_id = self.tokenizer.token_to_id(IMAGE_PAD), self.tokenizer.token_to_id(VIDEO_PAD)
-        found = sum(1 for i in ids if i == image_id), sum(1 for i in ids if i == video_id)
-        expected = sum(1 for e in layout if not isinstance(e, list)), sum(len(e) for e in layout if isinstance(e, list))
+        videos = [entry for entry in layout if isinstance(entry, list)]
+        images = [entry for entry in layout if not isinstance(entry, list)]
+        parts = self.render(question, ["video" if isinstance(e, list) else "image" for e in layout]).split(VIDEO_SPAN)
+        text = parts[0]
+        for groups, part in zip(videos, parts[1:]):
+            text += "".join(f"<{seconds:.1f} seconds>{VIDEO_SPAN}" for seconds, _ in groups) + part
+        text += "".join(VIDEO_SPAN + part for part in parts[len(videos) + 1:])  # spans in the question: the check
+        ids = self.tokenizer.encode(text).ids
+        video_id = self.tokenizer.token_to_id(VIDEO_PAD)
+        found = sum(1 for i in ids if i == self.image_token_id), sum(1 for i in ids if i == video_id)
+        expected = len(images), sum(len(groups) for groups in videos)
         if found != expected:
             raise ItemError(f"the prompt holds {found[0]} image and {found[1]} video placeholders for {expected[0]} "
                             f"images and {expected[1]} video frame groups (does the question contain {IMAGE_PAD} "
                             f"or {VIDEO_PAD}?)")
+        image_counts = iter(images)
+        group_counts = iter(tokens for groups in videos for _, tokens in groups)
         out: list[int] = []
         for i in ids:
-            out.extend([i] * next(images) if i == image_id else [i] * next(groups) if i == video_id else (i,))
+            out.extend([i] * next(image_counts) if i == self.image_token_id else
+                       [i] * next(group_counts) if i == video_id else (i,))
         return out
 
     def decode(self, ids: list[int]) -> str:

@@ -29,7 +29,7 @@ def image_patches(paths: list[Path], cfg: Config) -> tuple[list[str], list[int]]
     names, patches = [], []
     for key, path in scan(paths, cfg.scan.extensions + cfg.scan.video_extensions):
         try:
-            if key.lower().endswith(tuple(e.lower() for e in cfg.scan.video_extensions)):
+            if cfg.scan.is_video(key):
                 frames, height, width = probe_video(path, videos)
                 height, width = video_smart_resize(frames, height, width, videos)
                 groups = -(-frames // image_cfg.temporal_patch_size)

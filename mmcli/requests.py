@@ -47,10 +47,9 @@ class RequestBuilder:
         self.prompts, self.image_cfg, self.config = prompts, image_cfg, config
         self.visual_token_ids, self.stop_ids, self.compiled = visual_token_ids, stop_ids, compiled
         self.video_sampling = video_sampling or VideoSampling()
-        self.video_extensions = tuple(e.lower() for e in config.scan.video_extensions)
 
     def is_video(self, path) -> bool:
-        return isinstance(path, (str, Path)) and str(path).lower().endswith(self.video_extensions)
+        return isinstance(path, (str, Path)) and self.config.scan.is_video(path)
 
     def images(self, images: list, videos: list = ()) -> PreparedImages:
         """Decode and preprocess (files with a video extension as videos, after the images); raises ImageError

@@ -57,7 +57,8 @@ class VideoSampling:
                    max_pixels=size.get("longest_edge", cls.max_pixels),
                    factor=raw.get("patch_size", QWEN_PATCH_SIZE) * raw.get("merge_size", QWEN_MERGE_SIZE),
                    temporal_patch_size=raw.get("temporal_patch_size", QWEN_TEMPORAL_PATCH_SIZE))
-        num_frames = settings.num_frames if settings.num_frames is not None else base.num_frames
+        given = settings.num_frames is not None or settings.fps is not None  # the settings' choice wins, either way
+        num_frames = settings.num_frames if given else base.num_frames
         fps = None if num_frames is not None else (settings.fps or base.fps or 2.0)
         return cls(fps=fps, num_frames=num_frames, min_frames=settings.min_frames or base.min_frames,
                    max_frames=settings.max_frames or base.max_frames,

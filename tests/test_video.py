@@ -62,6 +62,21 @@ def test_sampling_sizing_and_stamps_follow_the_reference_formulas():
             frames, height, width, 2, 32, 4096, 25_165_824)
 
 
+def test_video_settings_are_checked_and_win_over_the_checkpoint(tmp_path):
+    from mmcli.config import load_config
+    from mmcli.errors import ConfigError
+
+    for bad, key in [({"fps": 2, "num_frames": 8}, "video.num_frames"), ({"min_frames": 8, "max_frames": 4},
+                                                                         "video.max_frames")]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, {"video": bad})
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"num_frames": 16, "min_frames": 2}))
+    assert VideoSampling.from_checkpoint(tmp_path, load_config(None, {"video": {"min_frames": 6}}).video) \
+        .num_frames == 16  # the checkpoint's count, min_frames from the settings
+    chosen = VideoSampling.from_checkpoint(tmp_path, load_config(None, {"video": {"fps": 1.0}}).video)
+    assert (chosen.fps, chosen.num_frames, chosen.min_frames) == (1.0, None, 2)
+
+
 def test_a_rotated_file_comes_out_upright_and_seeking_skips_what_is_not_sampled(tmp_path):
     for rotation in (90, -90, 180):
         video = decode_video(make_test_video(tmp_path / f"r{rotation}.mp4", rotation=rotation), VideoSampling())
@@ -221,3 +236,13 @@ def test_tasks_apply_to_videos_with_one_decoding_and_encoding(tiny_dir, tmp_path
     assert sorted(r.task for r in results) == ["caption", "tags"] and all(r.ok for r in results)
     assert all(r.images[0]["video"]["num_frames"] == 4 for r in results)
     assert cap.runner.images_encoded == 2 and cap.runner.prefixes_prefilled == 1  # two frame pairs, once
+
+
+def test_a_question_holding_a_video_placeholder_is_refused(pair):
+    from mmcli.errors import ItemError
+
+    prompts = pair[0].prompts
+    layout = [[(0.3, 2), (1.3, 2)]]
+    assert prompts.encode(QUESTION, layout).count(pair[1].config.video_token_id) == 4
+    with pytest.raises(ItemError, match="1 video frame groups|3 video placeholders"):
+        prompts.encode("<|vision_start|><|video_pad|><|vision_end|> and this?", [[(0.3, 2)]])
