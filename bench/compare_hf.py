@@ -107,13 +107,13 @@ def phase_timers(cap) -> dict[str, float]:
 def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: dict) -> dict:
     from dataclasses import replace
 
-    from mmcli.captioner import Captioner
-    from mmcli.checkpoint import expected_shapes
+    from mmcli.api.labeler import Labeler
+    from mmcli.model.checkpoint import expected_shapes
     from mmcli.config import load_config
-    from mmcli.inputs import NOT_READY, default_workers, prefetch
+    from mmcli.inputs.prefetch import NOT_READY, default_workers, prefetch
 
     cfg = load_config(None, settings)
-    cap = Captioner.from_pretrained(str(ckpt), config=cfg)
+    cap = Labeler.from_pretrained(str(ckpt), config=cfg)
     spent = phase_timers(cap)
     start = time.perf_counter()
 
@@ -134,7 +134,7 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
     split = dict(spent)
     assert [done[f"img{n}"] for n in range(len(images))] == lengths, done
     # Decode step at batch 1: one sequence alone, timed step by step after its prefill.
-    from mmcli.runner import DecodeItem, PrefillItem
+    from mmcli.engine.runner import DecodeItem, PrefillItem
 
     req, _ = cap.request("solo", [images[0]], PROMPT, cap.sampling())
     runner = cap.runner

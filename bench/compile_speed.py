@@ -32,12 +32,12 @@ SETTINGS = {"device": "cpu", "dtype": "float32", "engine": {"max_seqs": 8, "max_
 
 
 def captioner(ckpt: Path, backend: str, compile_dir: Path):
-    from mmcli.captioner import Captioner
+    from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
 
     cfg = load_config(None, {**SETTINGS, "compile": {**SETTINGS["compile"], "backend": backend,
                                                      "cache_dir": str(compile_dir)}})
-    return Captioner.from_pretrained(str(ckpt), config=cfg)
+    return Labeler.from_pretrained(str(ckpt), config=cfg)
 
 
 def worker_compile(ckpt: Path, compile_dir: Path) -> dict:

@@ -36,11 +36,11 @@ PATHS = {"float32": {"dtype": "float32"}, "default": {"dtype": "auto"}, "int8": 
 
 def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
     """What `mmcli ask` does, through the same API, timed by phase (the parent adds the interpreter's start)."""
-    from mmcli.captioner import Captioner
+    from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
 
     imported = time.perf_counter()
-    cap = Captioner.from_pretrained(str(ckpt), config=load_config(None, {"device": "cpu", **settings}))
+    cap = Labeler.from_pretrained(str(ckpt), config=load_config(None, {"device": "cpu", **settings}))
     loaded = time.perf_counter()
     spent = compare_hf.phase_timers(cap)
     result = cap.ask([image], compare_hf.PROMPT, max_new_tokens=16)
@@ -55,12 +55,12 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
 
 def teacher_forced(ckpt: Path, image: Path, settings: dict, tokens: list[int] | None, count: int) -> dict:
     """Log-probs of every generated position given the reference tokens (generated here when `tokens` is None)."""
-    from mmcli.captioner import Captioner
+    from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
-    from mmcli.positions import rope_index
-    from mmcli.runner import PrefillItem
+    from mmcli.engine.positions import rope_index
+    from mmcli.engine.runner import PrefillItem
 
-    cap = Captioner.from_pretrained(str(ckpt), config=load_config(None, {"device": "cpu", **settings}))
+    cap = Labeler.from_pretrained(str(ckpt), config=load_config(None, {"device": "cpu", **settings}))
     if tokens is None:
         tokens = cap.ask([image], compare_hf.PROMPT, max_new_tokens=count).token_ids  # eos may end it sooner
     req, _ = cap.request("k", [image], compare_hf.PROMPT, cap.sampling())
@@ -108,8 +108,8 @@ def start_times() -> None:
 
 def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
     """(b) and (c) for `mmcli ask`: the instrumented run, then the real command for its wall time and peak RSS."""
-    from mmcli.checkpoint import expected_shapes
-    from mmcli.model_config import parse_config
+    from mmcli.model.checkpoint import expected_shapes
+    from mmcli.model.config import parse_config
 
     timed, wall = run(args, "--worker", "ask", "--ckpt", str(ckpt), "--image", str(image), "--settings", "{}")
     command = [shutil.which("mmcli") or "mmcli", "ask", "--model", str(ckpt), "--device", "cpu", "--image",
@@ -175,8 +175,8 @@ def main() -> None:
           f"{len(images)} images, {sum(lengths)} output tokens", flush=True)
     rate_args = argparse.Namespace(cache_dir=args.cache_dir, dtype="float32", device="cpu", images=len(images),
                                    max_seqs=16, max_len=512, smoke=args.smoke)
-    from mmcli.checkpoint import expected_shapes
-    from mmcli.model_config import parse_config
+    from mmcli.model.checkpoint import expected_shapes
+    from mmcli.model.config import parse_config
 
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
     parameters = sum(math.prod(s) for n, s in expected_shapes(cfg).items()

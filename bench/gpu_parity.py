@@ -21,9 +21,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import VARIANTS, hf_processor, photo  # noqa: E402
 
-from mmcli.captioner import Captioner  # noqa: E402
-from mmcli.positions import rope_index  # noqa: E402
-from mmcli.runner import PrefillItem  # noqa: E402
+from mmcli.api.labeler import Labeler  # noqa: E402
+from mmcli.engine.positions import rope_index  # noqa: E402
+from mmcli.engine.runner import PrefillItem  # noqa: E402
 from mmcli.testing import make_tiny_checkpoint  # noqa: E402
 
 CASES = {"text_only": [], "one_image": ["chelsea.jpg"], "two_images": ["astronaut.jpg", "coffee.jpg"]}
@@ -53,14 +53,14 @@ def reference(path: Path, dtype: torch.dtype, images: list) -> tuple[list[int], 
     return tokens, torch.stack([step[0].float() for step in out.logits])
 
 
-def ours_greedy(cap: Captioner, images: list) -> list[int]:
+def ours_greedy(cap: Labeler, images: list) -> list[int]:
     from dataclasses import replace
 
     req, _ = cap.request("k", images, QUESTION, cap.sampling(max_new_tokens=TOKENS))
     return next(iter(cap.engine.generate([replace(req, stop_ids=frozenset())]))).token_ids
 
 
-def ours_teacher_forced(cap: Captioner, images: list, tokens: list[int]) -> list[int]:
+def ours_teacher_forced(cap: Labeler, images: list, tokens: list[int]) -> list[int]:
     """mmcli's argmax at each position, given transformers' tokens before it."""
     req, _ = cap.request("k", images, QUESTION, cap.sampling())
     ids = req.input_ids + tokens[:-1]
@@ -77,7 +77,7 @@ def main() -> int:
         for i, variant in enumerate(VARIANTS):
             path = make_tiny_checkpoint(Path(tmp) / variant, variant, seed=i + 1)
             for dtype in ("float32", "bfloat16"):
-                cap = Captioner.from_pretrained(str(path), dtype=dtype, device=DEVICE)
+                cap = Labeler.from_pretrained(str(path), dtype=dtype, device=DEVICE)
                 for case, names in CASES.items():
                     images = [photo(n) for n in names]
                     ref_tokens, _ = reference(path, getattr(torch, dtype), images)

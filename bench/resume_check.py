@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from mmcli.config import Config
-from mmcli.job import CaptionJob, pending
-from mmcli.output import JsonlOutput, file_facts
+from mmcli.jobs.caption import CaptionJob, pending
+from mmcli.jobs.records import JsonlOutput, file_facts
 
 
 def main() -> None:

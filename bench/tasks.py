@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--quantize", default="none", choices=["none", "int8"])
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
-    from mmcli.captioner import Captioner
+    from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
 
     cache = Path("/tmp/mmcli-bench") if args.smoke else ROOT / ".bench_cache"
@@ -45,7 +45,7 @@ def main() -> None:
     ckpt, images, _ = make_inputs(cache, args.smoke, args.images)
     cfg = load_config(None, {"dtype": args.dtype, "device": "cpu", "tasks": TASKS, "quantize": args.quantize,
                              "engine": {"max_seqs": 3 * args.images, "max_len": 1024}})
-    cap = Captioner.from_pretrained(str(ckpt), config=cfg)
+    cap = Labeler.from_pretrained(str(ckpt), config=cfg)
     decode = {"seconds": 0.0}
     runner_decode = cap.runner.decode
 
@@ -67,7 +67,7 @@ def main() -> None:
         decode["seconds"], cap.runner.mask_seconds = 0.0, 0.0
         cap.requests.stop_ids = stop_ids if tasks == ["fields"] else frozenset()  # text answers: all 48 tokens
         started = time.perf_counter()
-        results = list(cap.caption(items, tasks=tasks))
+        results = list(cap.label(items, tasks=tasks))
         times[name] = time.perf_counter() - started
         print(f"{name}: {times[name]:.1f} s for {len(images)} images, {len(results)} labels, decode "
               f"{decode['seconds']:.1f} s, grammar masks {cap.runner.mask_seconds:.2f} s "

@@ -48,11 +48,11 @@ def main() -> None:
     ckpt, _, _ = compare_hf.make_inputs(args.cache_dir / ("smoke" if args.smoke else ""), args.smoke)
     clip = make_clip(args.cache_dir / f"clip_{seconds:g}s_720p.mp4", seconds)
 
-    from mmcli.captioner import Captioner
+    from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
-    from mmcli.video import decode_video
+    from mmcli.inputs.video import decode_video
 
-    cap = Captioner.from_pretrained(str(ckpt), config=load_config(None, {"device": "cpu"}))
+    cap = Labeler.from_pretrained(str(ckpt), config=load_config(None, {"device": "cpu"}))
     start = time.perf_counter()
     video = decode_video(clip, cap.requests.video_sampling)
     decode = time.perf_counter() - start

@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from mmcli.encoder import ImageEncoder
+from mmcli.engine.vision_encoder import ImageEncoder
 from mmcli.model.attention import bounded_attention
 from mmcli.model.vision import VisionTower
-from mmcli.model_config import VisionConfig
-from mmcli.packing import ffd_pack, flat_efficiency, packed_efficiency, padded_efficiency
+from mmcli.model.config import VisionConfig
+from mmcli.engine.packing import ffd_pack, flat_efficiency, packed_efficiency, padded_efficiency
 
 # Patch grids (t, h, w) of a mixed set: 640x480, 512x512, 448x336, 320x320, 256x256 x2, 224x448, 256x512
 GRIDS = [(1, 30, 40), (1, 32, 32), (1, 28, 20), (1, 20, 20), (1, 16, 16), (1, 16, 16), (1, 14, 28), (1, 16, 32)]

@@ -1,3 +1,3 @@
-from .cli import app
+from mmcli.cli.app import app
 
 app()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from .errors import ConfigError
-from .model_config import DEFAULT_MODEL, QWEN_MERGE_SIZE, QWEN_PATCH_SIZE
+from mmcli.errors import ConfigError
+from mmcli.model.config import DEFAULT_MODEL, QWEN_MERGE_SIZE, QWEN_PATCH_SIZE
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ class Config:
              "a non-empty list of counts >= 1"),
         ]
         _refuse(self, "", checks)
-        from .tasks import check_tasks
+        from mmcli.tasks import check_tasks
 
         check_tasks(self)
         if self.compile.backend in ("inductor", "neuron"):  # the buckets must hold what the engine may ask for

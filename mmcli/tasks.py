@@ -15,8 +15,8 @@ import string
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .config import Config, SamplingParams, TaskConfig
-from .errors import ConfigError
+from mmcli.config import Config, SamplingParams, TaskConfig
+from mmcli.errors import ConfigError
 
 PLACEHOLDERS = ("filename", "stem", "folder", "sidecar")
 OUTPUTS = ("text", "json", "boxes")

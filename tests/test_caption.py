@@ -13,9 +13,9 @@ from conftest import SAMPLES, encoded, photo
 from PIL import Image
 from typer.testing import CliRunner
 
-from mmcli.cli import app
-from mmcli.output import JsonlOutput
-from mmcli.scan import scan, shard_of
+from mmcli.cli.app import app
+from mmcli.jobs.records import JsonlOutput
+from mmcli.jobs.scan import scan, shard_of
 
 
 def _caption(*args, model):

@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from mmcli.captioner import Captioner
-from mmcli.checkpoint import load_weights, parse_config, read_model_config
-from mmcli.cli import app
+from mmcli.api.labeler import Labeler
+from mmcli.model.checkpoint import load_weights, parse_config, read_model_config
+from mmcli.cli.app import app
 from mmcli.errors import CheckpointError
 from mmcli.testing import make_tiny_checkpoint, tiny_config
 
@@ -22,7 +22,7 @@ def test_both_rope_config_forms_parse_the_same():
 @pytest.mark.parametrize("saved,loaded", [("bfloat16", "float32"), ("float32", "bfloat16"), ("float16", "float16")])
 def test_dtypes(tmp_path, saved, loaded):
     path = make_tiny_checkpoint(tmp_path / "m", dtype=saved)
-    cap = Captioner.from_pretrained(str(path), dtype=loaded, device="cpu")
+    cap = Labeler.from_pretrained(str(path), dtype=loaded, device="cpu")
     embed = cap.model.language_model.embed_tokens.weight
     assert cap.runner.dtype == embed.dtype == getattr(torch, loaded)
     x = torch.randn(3, embed.shape[1], dtype=embed.dtype)

@@ -3,7 +3,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from mmcli.cli import app
+from mmcli.cli.app import app
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
@@ -29,9 +29,9 @@ def test_ask_writes_record_with_logprobs(tiny_dir, tmp_path):
 
 
 def test_ask_same_answer_as_python_api(tiny_dir):
-    from mmcli import Captioner
+    from mmcli import Labeler
 
-    cap = Captioner.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
+    cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
     api = cap.ask([SAMPLES / "chelsea.jpg"], "Describe this image.", max_new_tokens=5)
     cli = CliRunner().invoke(app, ["ask", "--model", str(tiny_dir), "--dtype", "float32", "--image",
                                    str(SAMPLES / "chelsea.jpg"), "--max-new-tokens", "5", "Describe this image."])

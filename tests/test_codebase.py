@@ -20,7 +20,7 @@ def test_modules_and_functions_are_short(module):
     assert not long, f"{module.name}: functions over 60 lines: {', '.join(long)}"
 
 
-@pytest.mark.parametrize("statement", ["import mmcli", "import mmcli.cli", "from mmcli import config, job, report"])
+@pytest.mark.parametrize("statement", ["import mmcli", "import mmcli.cli.app", "from mmcli.jobs import caption, resume; from mmcli.cli import report"])
 def test_import_does_not_load_torch(statement):
     check = f"{statement}; import sys; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout
@@ -30,7 +30,7 @@ def test_import_does_not_load_torch(statement):
 def test_public_names_load_on_first_use():
     import mmcli
 
-    assert mmcli.Captioner.__name__ == "Captioner" and mmcli.load_config().engine.max_seqs >= 1
+    assert mmcli.Labeler.__name__ == "Labeler" and mmcli.load_config().engine.max_seqs >= 1
     with pytest.raises(AttributeError):
         mmcli.nothing_here  # noqa: B018
 

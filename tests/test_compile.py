@@ -12,9 +12,9 @@ import torch
 from conftest import photo
 from typer.testing import CliRunner
 
-from mmcli.captioner import Captioner
-from mmcli.cli import app
-from mmcli.compiled import Bucket, CompiledGraphs, configured_buckets, parse_buckets
+from mmcli.api.labeler import Labeler
+from mmcli.cli.app import app
+from mmcli.compiled.graphs import Bucket, CompiledGraphs, configured_buckets, parse_buckets
 from mmcli.config import load_config
 from mmcli.errors import ConfigError
 
@@ -76,7 +76,7 @@ def test_cache_dir_is_user_only_and_stale_keys_are_never_loaded(tmp_path, monkey
         assert bucket in other.attach()
         monkeypatch.setattr(other, "_artifacts", graphs._artifacts)
         assert other.compile_bucket(bucket, warm)[0] == f"rebuilt ({field} changed)"
-    monkeypatch.setattr("mmcli.compiled.source_digest", lambda: "edited")
+    monkeypatch.setattr("mmcli.compiled.graphs.source_digest", lambda: "edited")
     edited = _graphs(tmp_path, kv_cache=[5, 256], dtype="bfloat16")
     assert bucket in edited.attach()
     monkeypatch.setattr(edited, "_artifacts", graphs._artifacts)
@@ -96,20 +96,20 @@ def test_padded_buckets_give_the_eager_tokens(tiny_dir, tmp_path, monkeypatch):
     items = [(p.name, p) for p in sorted(root.iterdir())]
     base = {**SMALL, "dtype": "float32", "device": "cpu", "engine": {"max_seqs": 3, "max_len": 256},
             "generation": {"max_new_tokens": 10}}
-    eager = Captioner.from_pretrained(str(tiny_dir), config=load_config(None, base))
-    expected = {r.key: r.token_ids for r in eager.caption(items)}
+    eager = Labeler.from_pretrained(str(tiny_dir), config=load_config(None, base))
+    expected = {r.key: r.token_ids for r in eager.label(items)}
     padded_cfg = {**base, "compile": {"backend": "inductor", "cache_dir": str(tmp_path / "cache"),
                                       "prefill_buckets": [64, 128, 256], "decode_batch_buckets": [1, 4],
                                       "decode_context_buckets": [64, 256]}}
-    padded = Captioner.from_pretrained(str(tiny_dir), config=load_config(None, padded_cfg))
+    padded = Labeler.from_pretrained(str(tiny_dir), config=load_config(None, padded_cfg))
     assert padded.graphs.attach() == padded.graphs.buckets  # nothing compiled: all run eagerly
-    assert {r.key: r.token_ids for r in padded.caption(items)} == expected
+    assert {r.key: r.token_ids for r in padded.label(items)} == expected
     used = {b.label for b in padded.graphs.missing_used}
     assert {"decode 4x64", "prefill 64", "vision 1x256"} <= used and not padded.graphs.loaded
     # a prompt longer than the largest prefill bucket is refused for its item, the rest goes on
-    small = Captioner.from_pretrained(str(tiny_dir), config=load_config(None, {
+    small = Labeler.from_pretrained(str(tiny_dir), config=load_config(None, {
         **padded_cfg, "compile": {**padded_cfg["compile"], "prefill_buckets": [64]}}))
-    results = {r.key: r for r in small.caption(items[:2], prompt="Describe " + "this image in detail, " * 6)}
+    results = {r.key: r for r in small.label(items[:2], prompt="Describe " + "this image in detail, " * 6)}
     assert all("over the largest compile.prefill_buckets entry 64" in r.error["message"] for r in results.values())
 
 
@@ -125,7 +125,7 @@ def test_neuron_without_the_sdk_is_one_line_exit_2(tiny_dir, tmp_path, monkeypat
     assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
     # PyPI's placeholder `nki` (an empty package) is named as such
     monkeypatch.setitem(sys.modules, "nki", type(sys)("nki"))
-    from mmcli.compiled import require_neuron
+    from mmcli.compiled.graphs import require_neuron
 
     with pytest.raises(ConfigError, match=r"nki \(the installed one is PyPI's empty placeholder\)"):
         require_neuron()

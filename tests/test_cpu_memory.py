@@ -13,13 +13,13 @@ import torch
 from conftest import SAMPLES
 from typer.testing import CliRunner
 
-from mmcli.captioner import Captioner
-from mmcli.checkpoint import expected_shapes
-from mmcli.cli import app
+from mmcli.api.labeler import Labeler
+from mmcli.model.checkpoint import expected_shapes
+from mmcli.cli.app import app
 from mmcli.config import load_config
 from mmcli.model import cpu_kernel
 from mmcli.model.linear import Linear, can_quantize, quantize_linears
-from mmcli.runner import PrefillItem
+from mmcli.engine.runner import PrefillItem
 from mmcli.testing import make_outlier_checkpoint, make_tiny_checkpoint
 
 IMAGE = [SAMPLES / "chelsea.jpg"]
@@ -37,7 +37,7 @@ def outlier_dir(bf16_dir, tmp_path_factory) -> Path:
 
 
 def _captioner(path, **settings):
-    return Captioner.from_pretrained(str(path), config=load_config(None, {"device": "cpu", **settings}))
+    return Labeler.from_pretrained(str(path), config=load_config(None, {"device": "cpu", **settings}))
 
 
 def _logits(cap):
@@ -125,7 +125,7 @@ def test_the_kv_cache_holds_what_the_job_uses(tiny_dir, tmp_path):
     assert (cap.runner.cache.rows, cap.runner.cache.columns) == (1, 256) and result.num_input_tokens + 4 <= 256
     items = [(f"k{i}", SAMPLES / name) for i, name in enumerate(["coffee.jpg", "rocket.jpg", "chelsea.jpg"])]
     alone = {key: cap.ask([path], "Describe this image.", max_new_tokens=300).token_ids for key, path in items}
-    batched = {r.key: r.token_ids for r in cap.caption(items, max_new_tokens=300)}
+    batched = {r.key: r.token_ids for r in cap.label(items, max_new_tokens=300)}
     assert batched == alone and cap.runner.cache.rows == 3 and cap.runner.cache.columns == 512  # grown, in order
 
 

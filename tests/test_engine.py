@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import SAMPLES, photo
 
-from mmcli.captioner import Captioner
+from mmcli.api.labeler import Labeler
 from mmcli.config import load_config
-from mmcli.encoder import ImageEncoder
+from mmcli.engine.vision_encoder import ImageEncoder
 
 SIZES = [(224, 224), (97, 211), (640, 480), (128, 128), (300, 77), (512, 384), (64, 500), (451, 300)]
 NAMES = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"]
@@ -25,7 +25,7 @@ def _items(tmp_path):
 
 def _captioner(path, **config):
     overrides = {"dtype": "float32", "device": "cpu", **config}
-    return Captioner.from_pretrained(str(path), config=load_config(None, overrides))
+    return Labeler.from_pretrained(str(path), config=load_config(None, overrides))
 
 
 def test_packed_vision_equals_per_image_path(tiny_dir):
@@ -60,16 +60,16 @@ def test_caption_tokens_do_not_depend_on_block_size_or_bucket(tiny_dir, tmp_path
                                                                            "num_blocks_buckets": [4]}):
         cap = _captioner(tiny_dir, vision=vision, generation={"max_new_tokens": 8}, image={"max_pixels": 128 * 128})
         cap.runner.encoder.fixed_shapes = True
-        runs.append({r.key: r.token_ids for r in cap.caption(items)})
+        runs.append({r.key: r.token_ids for r in cap.label(items)})
     assert runs[0] == runs[1] and len(runs[0]) == 5
 
 
 def test_greedy_tokens_same_alone_or_among_eight_with_three_in_flight(tiny_dir, tmp_path):
     items = _items(tmp_path)
     alone_cap = _captioner(tiny_dir, engine={"max_seqs": 1}, generation={"max_new_tokens": 12})
-    alone = {key: next(iter(alone_cap.caption([(key, path)]))).token_ids for key, path in items}
+    alone = {key: next(iter(alone_cap.label([(key, path)]))).token_ids for key, path in items}
     batched_cap = _captioner(tiny_dir, engine={"max_seqs": 3}, generation={"max_new_tokens": 12})
-    batched = {r.key: r.token_ids for r in batched_cap.caption(items)}
+    batched = {r.key: r.token_ids for r in batched_cap.label(items)}
     assert batched == alone and len(alone) == 8
 
 
@@ -77,10 +77,10 @@ def test_sampled_output_does_not_depend_on_order(tiny_dir, tmp_path):
     items = _items(tmp_path)
     cap = _captioner(tiny_dir, engine={"max_seqs": 3})
     kw = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "max_new_tokens": 10, "seed": 7}
-    first = {r.key: r.token_ids for r in cap.caption(items, **kw)}
-    second = {r.key: r.token_ids for r in cap.caption(list(reversed(items)), **kw)}
+    first = {r.key: r.token_ids for r in cap.label(items, **kw)}
+    second = {r.key: r.token_ids for r in cap.label(list(reversed(items)), **kw)}
     assert first == second
-    other_seed = {r.key: r.token_ids for r in cap.caption(items, **{**kw, "seed": 8})}
+    other_seed = {r.key: r.token_ids for r in cap.label(items, **{**kw, "seed": 8})}
     assert other_seed != first
 
 
@@ -89,7 +89,7 @@ def test_results_come_as_they_finish_and_bad_files_are_error_results(tiny_dir, t
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(b"not an image")
     cap = _captioner(tiny_dir, engine={"max_seqs": 2})
-    results = list(cap.caption(items[:1] + [("bad", bad)] + items[1:], max_new_tokens=4))
+    results = list(cap.label(items[:1] + [("bad", bad)] + items[1:], max_new_tokens=4))
     assert sorted(r.key for r in results) == ["bad", "img0", "img1", "img2"]
     bad_result = next(r for r in results if r.key == "bad")
     assert not bad_result.ok and "not an image" in bad_result.error["message"]
@@ -100,7 +100,7 @@ def test_an_image_seen_twice_in_a_run_is_encoded_once(tiny_dir, tmp_path):
     items = _items(tmp_path)[:3]
     twice = items + [("again", items[1][1]), ("third", items[0][1])]
     cap = _captioner(tiny_dir, engine={"max_seqs": 2})
-    results = {r.key: r.token_ids for r in cap.caption(twice, max_new_tokens=5)}
+    results = {r.key: r.token_ids for r in cap.label(twice, max_new_tokens=5)}
     assert cap.runner.images_encoded == 3
     assert results["again"] == results["img1"] and results["third"] == results["img0"]
 

@@ -6,15 +6,15 @@ import time
 import pytest
 from conftest import SAMPLES
 
-from mmcli.captioner import Captioner
+from mmcli.api.labeler import Labeler
 from mmcli.config import load_config
-from mmcli.inputs import NOT_READY, prefetch
+from mmcli.inputs.prefetch import NOT_READY, prefetch
 
 NAMES = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"]
 
 
 def _captioner(path, workers, **settings):
-    return Captioner.from_pretrained(str(path), config=load_config(
+    return Labeler.from_pretrained(str(path), config=load_config(
         None, {"dtype": "float32", "device": "cpu", "inputs": {"workers": workers}, **settings}))
 
 
@@ -23,7 +23,7 @@ def _items(n=6):
 
 
 def test_results_are_the_same_with_any_number_of_workers(tiny_dir):
-    runs = [{r.key: (r.token_ids, r.images) for r in _captioner(tiny_dir, workers).caption(_items(), max_new_tokens=5)}
+    runs = [{r.key: (r.token_ids, r.images) for r in _captioner(tiny_dir, workers).label(_items(), max_new_tokens=5)}
             for workers in (1, 3)]
     assert runs[0] == runs[1] and sorted(runs[0]) == [f"k{i}" for i in range(6)]
 
@@ -40,7 +40,7 @@ def test_a_slow_file_does_not_hold_back_the_others(tiny_dir, monkeypatch):
 
     monkeypatch.setattr(cap.requests, "for_tasks", slow_first)
     order = []
-    for result in cap.caption(_items(4), max_new_tokens=3):
+    for result in cap.label(_items(4), max_new_tokens=3):
         order.append(result.key)
         if len(order) == 3:
             released.set()  # the others finished while k0 was still being read
@@ -57,7 +57,7 @@ def test_an_exception_in_a_worker_is_that_items_error(tiny_dir, monkeypatch):
         return prepare(key, *args)
 
     monkeypatch.setattr(cap.requests, "for_tasks", failing)
-    results = {r.key: r for r in cap.caption(_items(4), max_new_tokens=3)}
+    results = {r.key: r for r in cap.label(_items(4), max_new_tokens=3)}
     assert results["k2"].error == {"type": "RuntimeError", "message": "decoder crashed"}
     assert all(results[k].ok for k in ("k0", "k1", "k3"))
 
@@ -66,7 +66,7 @@ def test_the_engine_counts_the_time_it_waits_for_inputs(tiny_dir, monkeypatch):
     cap = _captioner(tiny_dir, 1)
     prepare = cap.requests.for_tasks
     monkeypatch.setattr(cap.requests, "for_tasks", lambda *a: (time.sleep(0.3), prepare(*a))[1])
-    list(cap.caption(_items(2), max_new_tokens=2))
+    list(cap.label(_items(2), max_new_tokens=2))
     assert cap.engine.input_wait >= 0.25  # nothing to run until the first input was ready
 
 
@@ -92,6 +92,6 @@ def test_closing_early_cancels_what_has_not_started():
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_workers_setting(workers):
-    from mmcli.inputs import default_workers
+    from mmcli.inputs.prefetch import default_workers
 
     assert default_workers(workers) >= 1 and (workers == 0 or default_workers(workers) == workers)

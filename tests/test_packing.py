@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from mmcli.config import load_config
 from mmcli.errors import ConfigError
-from mmcli.packing import (
+from mmcli.engine.packing import (
     block_bounds,
     choose_bucket,
     choose_wave,
@@ -130,7 +130,7 @@ def test_config_whose_pixel_budget_does_not_fit_its_block_is_refused(tmp_path):
 def _plan(*args):
     from typer.testing import CliRunner
 
-    from mmcli.cli import app
+    from mmcli.cli.app import app
 
     result = CliRunner().invoke(app, ["plan", *args], terminal_width=200)
     assert result.exit_code == 0, result.output
@@ -144,7 +144,7 @@ def test_plan_shows_the_seed_004_example():
 
 
 def test_plan_thumbnails_and_recommendation():
-    from mmcli.packing import recommend_block_size, vision_work
+    from mmcli.engine.packing import recommend_block_size, vision_work
 
     thumbs = ",".join(["128"] * 24)
     assert "mask: 4.2%" in _plan("--tokens", thumbs, "--block-size", "1024")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import VARIANTS, hf_model, hf_processor, photo
 
-from mmcli.captioner import Captioner
-from mmcli.runner import PrefillItem
+from mmcli.api.labeler import Labeler
+from mmcli.engine.runner import PrefillItem
 
 CASES = {
     "text_only": [],
@@ -20,7 +20,7 @@ QUESTION = "Describe this image."
 @pytest.fixture(scope="module", params=VARIANTS)
 def pair(request, variant_dirs):
     path = variant_dirs[request.param]
-    return Captioner.from_pretrained(str(path), dtype="float32", device="cpu"), hf_model(path), hf_processor(path)
+    return Labeler.from_pretrained(str(path), dtype="float32", device="cpu"), hf_model(path), hf_processor(path)
 
 
 def _reference_inputs(processor, images):

@@ -2,7 +2,7 @@ import pytest
 import torch
 from conftest import hf_model
 
-from mmcli.positions import (
+from mmcli.engine.positions import (
     decode_rotary_position_ids,
     mrope_angles,
     mrope_cos_sin,

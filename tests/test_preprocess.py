@@ -7,7 +7,7 @@ from conftest import encoded, hf_processor, photo, varied_images
 from PIL import Image
 
 from mmcli.errors import ImageError
-from mmcli.preprocess import ImageProcessorConfig, decode_image, preprocess, smart_resize
+from mmcli.inputs.preprocess import ImageProcessorConfig, decode_image, preprocess, smart_resize
 
 QWEN3 = ImageProcessorConfig()  # the released Qwen3-VL preprocessor values
 

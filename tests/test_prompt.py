@@ -2,7 +2,7 @@ import pytest
 from conftest import hf_processor, photo
 
 from mmcli.errors import CheckpointError
-from mmcli.prompt import PromptBuilder
+from mmcli.inputs.prompt import PromptBuilder
 
 
 @pytest.mark.parametrize("names", [[], ["chelsea.jpg"], ["astronaut.jpg", "rocket.jpg", "coffee.jpg"]])

@@ -11,10 +11,10 @@ import pytest
 from conftest import SAMPLES, photo
 from typer.testing import CliRunner
 
-from mmcli.cli import app
+from mmcli.cli.app import app
 from mmcli.errors import ConfigError, OutputError
-from mmcli.output import JsonlOutput, append_record
-from mmcli.scan import scan
+from mmcli.jobs.records import JsonlOutput, append_record
+from mmcli.jobs.scan import scan
 
 
 def _caption(*args, model):
@@ -128,7 +128,7 @@ def test_full_disk_exits_3_keeps_whole_records_and_a_rerun_finishes(tiny_dir, tm
                     raise OSError(errno.ENOSPC, "No space left on device")
                 return os_write(fd, data)
 
-            monkeypatch.setattr("mmcli.output.os.write", write)
+            monkeypatch.setattr("mmcli.jobs.records.os.write", write)
         out = disk / "out.jsonl"
         full = _caption(root, "-o", out, model=tiny_dir)
         assert full.exit_code == 3, full.output
@@ -204,10 +204,10 @@ def test_several_roots_prefix_their_keys_and_a_clash_is_refused(tmp_path):
 
 
 def test_the_compile_digest_covers_every_module_a_graph_runs(tmp_path, monkeypatch):
-    import mmcli.compiled as compiled
-    from mmcli.compiled import Bucket, CompiledGraphs
+    import mmcli.compiled.graphs as compiled
+    from mmcli.compiled.graphs import Bucket, CompiledGraphs
 
-    assert {"steps.py", "model/linear.py", "model/text.py", "model/vision.py",
+    assert {"compiled/steps.py", "model/linear.py", "model/text.py", "model/vision.py",
             "model/attention.py"} <= set(compiled.compiled_sources(compiled.PACKAGE_ROOT))
     copy = Path(shutil.copytree(compiled.PACKAGE_ROOT, tmp_path / "pkg"))
     graphs = CompiledGraphs("inductor", tmp_path / "cache", {"model_config": "m", "device": "cpu"},
@@ -225,12 +225,12 @@ def test_the_compile_digest_covers_every_module_a_graph_runs(tmp_path, monkeypat
 
 
 def test_duplicate_keys_are_refused_before_any_work(tiny_dir):
-    from mmcli import Captioner
+    from mmcli import Labeler
 
-    cap = Captioner.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
+    cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
     image = SAMPLES / "coffee.jpg"
     with pytest.raises(ValueError, match="key 'a' is given twice"):
-        next(iter(cap.caption([("a", image), ("b", image), ("a", image)])))
+        next(iter(cap.label([("a", image), ("b", image), ("a", image)])))
     assert cap.runner.images_encoded == 0
 
 

@@ -10,12 +10,12 @@ from conftest import SAMPLES, photo
 from PIL import Image
 from typer.testing import CliRunner
 
-from mmcli.captioner import Captioner
-from mmcli.cli import app
+from mmcli.api.labeler import Labeler
+from mmcli.cli.app import app
 from mmcli.config import load_config
 from mmcli.errors import ConfigError
-from mmcli.images import decode_image
-from mmcli.runner import Choice
+from mmcli.inputs.images import decode_image
+from mmcli.engine.runner import Choice
 from mmcli.tasks import boxes_in_pixels, resolve_tasks
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["kind", "count", "title", "tags"],
@@ -63,9 +63,9 @@ def test_three_tasks_in_one_pass_equal_three_runs_and_share_the_work(tiny_dir, s
         _caption(root, out, tiny_dir, settings, task)
         alone.update({(r["key"], r["task"]): (r["status"], r["text"]) for r in _records(out)})
     assert texts == alone
-    cap = Captioner.from_pretrained(str(tiny_dir), config=load_config(settings, {"dtype": "float32", "device": "cpu"}))
+    cap = Labeler.from_pretrained(str(tiny_dir), config=load_config(settings, {"dtype": "float32", "device": "cpu"}))
     items = [(p.name, p) for p in sorted(root.iterdir())]
-    results = list(cap.caption(items, tasks=["short", "fields", "wrapped"]))
+    results = list(cap.label(items, tasks=["short", "fields", "wrapped"]))
     assert len(results) == 24 and {(r.key, r.task): (r.text if r.ok else None) for r in results if r.ok}
     assert cap.runner.images_encoded == 8 and cap.runner.prefixes_prefilled == 8  # once per image, not per task
 
@@ -145,7 +145,7 @@ def test_boxes_in_pixels_of_the_image_as_seen(tmp_path):
 
 
 def test_ask_detect_gives_boxes_in_the_record(tiny_dir, tmp_path, monkeypatch):
-    cap = Captioner.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
+    cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
     answer = iter(cap.prompts.tokenizer.encode('[{"bbox_2d": [100, 250, 500, 1000], "label": "x"}]').ids)
     monkeypatch.setattr(cap.runner, "choose", lambda logits, params, *rest: [
         Choice(next(answer, min(cap.stop_ids)), 0.0) for _ in params])
@@ -161,6 +161,6 @@ def test_presets_are_documented_and_resolve():
 
 
 def test_the_python_api_takes_tasks(tiny_dir):
-    cap = Captioner.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
-    results = list(cap.caption([("a", SAMPLES / "coffee.jpg")], tasks=["caption", "tags"], max_new_tokens=3))
+    cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
+    results = list(cap.label([("a", SAMPLES / "coffee.jpg")], tasks=["caption", "tags"], max_new_tokens=3))
     assert sorted(r.task for r in results) == ["caption", "tags"] and all(r.ok for r in results)

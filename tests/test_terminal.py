@@ -10,8 +10,8 @@ from conftest import SAMPLES, photo
 from rich.console import Console
 from typer.testing import CliRunner
 
-from mmcli.cli import app
-from mmcli.progress import Progress
+from mmcli.cli.app import app
+from mmcli.cli.progress import Progress
 
 ROOT = SAMPLES.parent
 
@@ -61,7 +61,7 @@ def test_caption_off_a_terminal_prints_a_line_per_phase_and_names_failures(tiny_
 
 
 def test_text_stream_emits_a_split_character_once_whole(tiny_dir):
-    from mmcli.prompt import PromptBuilder, TextStream
+    from mmcli.inputs.prompt import PromptBuilder, TextStream
 
     prompts = PromptBuilder.from_checkpoint(tiny_dir, _image_token_id(tiny_dir))
     text = "A café in 日本 🙂 done"
@@ -78,10 +78,10 @@ def _image_token_id(path: Path) -> int:
 
 
 def test_ask_streams_what_the_record_holds_even_across_split_characters(tiny_dir, monkeypatch):
-    from mmcli import Captioner
-    from mmcli.runner import Choice
+    from mmcli import Labeler
+    from mmcli.engine.runner import Choice
 
-    cap = Captioner.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
+    cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
     forced = iter(cap.prompts.tokenizer.encode("Voilà: 日本 🙂").ids)  # the model is made to say this
 
     def choose(logits, params, histories, seeds, constraints=None):
@@ -119,8 +119,8 @@ def test_help_fits_80_columns_and_its_examples_parse(command, monkeypatch):
     if command == "caption":
         assert "pip install 'mmcli[ray]'" in " ".join(result.output.split())  # the markup kept, wrapped or not
     calls = []
-    for target in ("mmcli.ask.run_ask", "mmcli.job.run_caption_job", "mmcli.report.compile_buckets",
-                   "mmcli.report.print_plan"):
+    for target in ("mmcli.cli.ask.run_ask", "mmcli.jobs.caption.run_caption_job", "mmcli.cli.report.compile_buckets",
+                   "mmcli.cli.report.print_plan"):
         monkeypatch.setattr(target, lambda *a, **k: calls.append(a) or 0)
     monkeypatch.chdir(ROOT)
     examples = _examples(result.output)

@@ -15,11 +15,11 @@ import torch
 from conftest import hf_model, hf_processor, photo
 from typer.testing import CliRunner
 
-from mmcli.captioner import Captioner
-from mmcli.cli import app
-from mmcli.runner import PrefillItem
+from mmcli.api.labeler import Labeler
+from mmcli.cli.app import app
+from mmcli.engine.runner import PrefillItem
 from mmcli.testing import make_test_video
-from mmcli.video import VideoSampling, decode_video, group_timestamps, sample_indices, video_smart_resize
+from mmcli.inputs.video import VideoSampling, decode_video, group_timestamps, sample_indices, video_smart_resize
 
 av = pytest.importorskip("av")
 QUESTION = "What happens in this video?"
@@ -33,7 +33,7 @@ def test_a_ten_second_30_fps_video_at_2_fps_samples_and_stamps_as_computed_by_ha
     assert video.times == [i / 30 for i in video.indices] and (video.duration, video.source_fps) == (10.0, 30.0)
     greys = [int(np.asarray(f)[40, 60, 0]) for f in video.frames]  # frame k is grey (7k) % 256, lossy
     assert all(abs(g - (7 * i) % 256) <= 8 for g, i in zip(greys, video.indices)), greys
-    cap = Captioner.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
+    cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
     req, infos = cap.request("k", [], QUESTION, cap.sampling(), videos=[tmp_path / "v.mp4"])
     text = cap.prompts.tokenizer.decode(req.input_ids, skip_special_tokens=False)
     # pairs of frames, the mean of their times: (0 + 16/30)/2 = 0.27 -> 0.3, (31 + 47)/60 = 1.3, ...
@@ -159,7 +159,7 @@ def test_ask_video_cli(tiny_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def pair(tiny_dir):
-    return Captioner.from_pretrained(str(tiny_dir), dtype="float32", device="cpu"), hf_model(tiny_dir)
+    return Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu"), hf_model(tiny_dir)
 
 
 def _reference_ids(tiny_dir, kinds, layout):
@@ -217,11 +217,11 @@ def test_video_positions_logits_and_greedy_tokens_match_transformers(pair, tiny_
 
 def test_plan_sizes_a_video_from_its_headers_as_a_run_does(tiny_dir, tmp_path):
     from mmcli.config import load_config
-    from mmcli.report import image_patches
+    from mmcli.cli.report import image_patches
 
     clip = make_test_video(tmp_path / "a.mp4", seconds=3, fps=8, width=160, height=96)
     names, patches = image_patches([tmp_path], load_config(None, {"model": str(tiny_dir)}))
-    cap = Captioner.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
+    cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
     prepared = cap.requests.images([], [clip])
     assert names == ["a.mp4#0", "a.mp4#1", "a.mp4#2"]
     # 6 frames of 96x160 under the tiny checkpoint's 16384 pixels a video: beta = sqrt(6*96*160/16384) = 2.37,
@@ -230,9 +230,9 @@ def test_plan_sizes_a_video_from_its_headers_as_a_run_does(tiny_dir, tmp_path):
 
 
 def test_tasks_apply_to_videos_with_one_decoding_and_encoding(tiny_dir, tmp_path):
-    cap = Captioner.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
+    cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
     clip = make_test_video(tmp_path / "clip.mp4")
-    results = list(cap.caption([("clip.mp4", clip)], tasks=["caption", "tags"], max_new_tokens=3))
+    results = list(cap.label([("clip.mp4", clip)], tasks=["caption", "tags"], max_new_tokens=3))
     assert sorted(r.task for r in results) == ["caption", "tags"] and all(r.ok for r in results)
     assert all(r.images[0]["video"]["num_frames"] == 4 for r in results)
     assert cap.runner.images_encoded == 2 and cap.runner.prefixes_prefilled == 1  # two frame pairs, once

@@ -24,7 +24,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import cpu_kernel
+from mmcli.model import cpu_kernel
 
 KERNEL_ROWS = 24  # measured crossover with the chunked path: the kernel wins up to 24 rows, ties at 32, loses at 48
 UPCAST_ROWS = 512  # output rows converted per chunk: 4 MB of float32 for a 2048-wide layer, cache resident

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear import Linear, quantize_linears
+from mmcli.model.linear import Linear, quantize_linears
 
 
 @torch.no_grad()

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model_config import TextConfig
-from .linear import Linear
-from .rope import apply_rotary
+from mmcli.model.config import TextConfig
+from mmcli.model.linear import Linear
+from mmcli.model.rope import apply_rotary
 
 
 class RMSNorm(nn.Module):

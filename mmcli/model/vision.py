@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model_config import VisionConfig
-from .attention import BlockAttention, segment_attention
-from .linear import Linear
-from .rope import apply_rotary
+from mmcli.model.config import VisionConfig
+from mmcli.model.attention import BlockAttention, segment_attention
+from mmcli.model.linear import Linear
+from mmcli.model.rope import apply_rotary
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q, k, v [..., N, heads, d] -> out
 

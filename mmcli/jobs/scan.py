@@ -7,8 +7,8 @@ import hashlib
 import os
 from pathlib import Path
 
-from .config import ScanConfig
-from .errors import ConfigError
+from mmcli.config import ScanConfig
+from mmcli.errors import ConfigError
 
 IMAGE_EXTENSIONS = ScanConfig().extensions
 

@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import Config, SamplingParams
-from .errors import ItemError
-from .packing import choose_wave
-from .runner import DecodeItem, ModelRunner, PrefillItem
-from .sampling import step_seed
+from mmcli.config import Config, SamplingParams
+from mmcli.errors import ItemError
+from mmcli.engine.packing import choose_wave
+from mmcli.engine.runner import DecodeItem, ModelRunner, PrefillItem
+from mmcli.engine.sampling import step_seed
 
 _END = object()
 

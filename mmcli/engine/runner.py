@@ -9,20 +9,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .compiled import Bucket, CompiledGraphs
-from .config import Config, SamplingParams
-from .cuda_graphs import DecodeGraphs
-from .encoder import ImageEncoder, ImageFeatures
-from .errors import ConfigError
-from .model import AttentionBatch, KVCache, Qwen3VL, cpu_kernel
-from .model.attention import choose_block_attention
-from .model.linear import KERNEL_ROWS, can_quantize, pack_linears
-from .model.quantize import quantize_model
-from .model_config import ModelConfig
-from .packing import choose_bucket
-from .positions import decode_rotary_position_ids, mrope_cos_sin, mrope_slot_axes, text_inv_freq
-from .sampling import choose_tokens
-from .steps import decode_step, prefill_step
+from mmcli.compiled.graphs import Bucket, CompiledGraphs
+from mmcli.config import Config, SamplingParams
+from mmcli.compiled.cuda_graphs import DecodeGraphs
+from mmcli.engine.vision_encoder import ImageEncoder, ImageFeatures
+from mmcli.errors import ConfigError
+from mmcli.model import cpu_kernel
+from mmcli.model.qwen3_vl import Qwen3VL
+from mmcli.model.text import AttentionBatch, KVCache
+from mmcli.model.attention import choose_block_attention
+from mmcli.model.linear import KERNEL_ROWS, can_quantize, pack_linears
+from mmcli.model.quantize import quantize_model
+from mmcli.model.config import ModelConfig
+from mmcli.engine.packing import choose_bucket
+from mmcli.engine.positions import decode_rotary_position_ids, mrope_cos_sin, mrope_slot_axes, text_inv_freq
+from mmcli.engine.sampling import choose_tokens
+from mmcli.compiled.steps import decode_step, prefill_step
 
 
 def prepare_weights(model: Qwen3VL, device: torch.device, quantize: str, compiled: bool) -> str:

@@ -6,7 +6,7 @@ import hashlib
 
 import torch
 
-from .config import SamplingParams
+from mmcli.config import SamplingParams
 
 
 def step_seed(seed: int, key: str, step: int) -> int:

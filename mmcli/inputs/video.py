@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .errors import ImageError
-from .model_config import QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, QWEN_TEMPORAL_PATCH_SIZE
+from mmcli.errors import ImageError
+from mmcli.model.config import QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, QWEN_TEMPORAL_PATCH_SIZE
 
 SEEK_AHEAD = 2.0  # seconds: a target further ahead than this is reached by seeking, nearer ones by decoding on
 

@@ -9,18 +9,18 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .config import Config
-from .errors import ImageError
-from .packing import ffd_pack, flat_efficiency, packed_efficiency, padded_efficiency, recommend_block_size
+from mmcli.config import Config
+from mmcli.errors import ImageError
+from mmcli.engine.packing import ffd_pack, flat_efficiency, packed_efficiency, padded_efficiency, recommend_block_size
 
 
 def image_patches(paths: list[Path], cfg: Config) -> tuple[list[str], list[int]]:
     """Patch counts of the images under `paths`, decoded and sized exactly as a run does (a local checkpoint's
     preprocessor_config.json, else Qwen3-VL's, with the configured pixel budget); a video counts one segment per
     temporal patch (`key#k`), sized from its headers as a run sizes it."""
-    from .images import decode_image, image_processor_config, num_patches  # numpy and Pillow: only with files
-    from .scan import scan
-    from .video import VideoSampling, probe_video, video_smart_resize
+    from mmcli.inputs.images import decode_image, image_processor_config, num_patches  # numpy and Pillow: only with files
+    from mmcli.jobs.scan import scan
+    from mmcli.inputs.video import VideoSampling, probe_video, video_smart_resize
 
     local = Path(cfg.model).expanduser()
     checkpoint = local if local.is_dir() else None
@@ -67,11 +67,11 @@ def print_plan(names: list[str], patches: list[int], size: int) -> None:
 
 def compile_buckets(cfg: Config, bucket_list: str | None) -> None:
     """Load the model, compile each configured bucket (or those listed) unless cached, and print the table."""
-    from .captioner import Captioner
-    from .compiled import parse_buckets
+    from mmcli.api.labeler import Labeler
+    from mmcli.compiled.graphs import parse_buckets
 
     started = time.perf_counter()
-    captioner = Captioner.from_pretrained(config=cfg)
+    captioner = Labeler.from_pretrained(config=cfg)
     graphs = captioner.graphs
     todo = parse_buckets(bucket_list, graphs.buckets) if bucket_list else graphs.buckets
     console = Console(width=100, stderr=False)

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from .config import Config
-from .errors import ConfigError, MmcliError
-from .output import JsonlOutput, Result, append_record, make_record, sidecar_path, write_sidecar
-from .resume import file_changed, load_description, settings_hash
-from .scan import parse_shard, scan, shard_of
-from .tasks import Task, render_prompt, resolve_tasks
+from mmcli.config import Config
+from mmcli.errors import ConfigError, MmcliError
+from mmcli.api.result import Result
+from mmcli.jobs.records import JsonlOutput, append_record, make_record, sidecar_path, write_sidecar
+from mmcli.jobs.resume import file_changed, load_description, settings_hash
+from mmcli.jobs.scan import parse_shard, scan, shard_of
+from mmcli.tasks import Task, render_prompt, resolve_tasks
 
 
 @dataclass
@@ -129,8 +130,8 @@ def run_caption_job(job: CaptionJob) -> int:
     what stops it before or during the work."""
     from rich.console import Console
 
-    from .progress import status_line
-    from .resume import planned_settings
+    from mmcli.cli.progress import status_line
+    from mmcli.jobs.resume import planned_settings
 
     with status_line(Console(stderr=True, quiet=job.quiet), "finding the images and what is done"):
         everything = select_items(job)  # scanned once: the work, and the sidecar clashes among all images
@@ -156,14 +157,14 @@ def run_caption_job(job: CaptionJob) -> int:
 
 def _run(job: CaptionJob, items: list[tuple[str, Path, list]], out: JsonlOutput | None,
          clashes: dict[str, dict[str, str]]) -> int:
-    from .captioner import Captioner
-    from .progress import Progress
+    from mmcli.api.labeler import Labeler
+    from mmcli.cli.progress import Progress
 
     captioner = None
     progress = Progress(sum(len(names) for *_, names in items), quiet=job.quiet)
     if job.ray is None:
         with progress.loading(load_description(job.config)):
-            captioner = Captioner.from_pretrained(config=job.config)
+            captioner = Labeler.from_pretrained(config=job.config)
         captioner.report_compile_cache()
         job.settle(captioner.label_settings)  # the same, unless the model was fetched just now
     else:
@@ -185,7 +186,7 @@ def _run(job: CaptionJob, items: list[tuple[str, Path, list]], out: JsonlOutput 
     try:
         items = _refuse_clashes(job, items, clashes, write)
         if job.ray is not None:
-            from .distributed import caption_on_ray
+            from mmcli.jobs.distributed import caption_on_ray
 
             caption_on_ray(items, job.config, job.tasks, job.settings, write, job.ray, job.logprobs)
         else:
@@ -224,7 +225,7 @@ def _caption_here(captioner, job: CaptionJob, items: list[tuple[str, Path, list]
     paths = {key: path for key, path, _ in items}
     tasks = {t.name: t for t in job.tasks}
     try:
-        for result in captioner.caption(items, tasks=list(tasks.values())):
+        for result in captioner.label(items, tasks=list(tasks.values())):
             write(caption_record(result, captioner, tasks[result.task], job.settings[result.task],
                                  paths[result.key], job.logprobs))
     finally:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .packing import choose_bucket
-from .steps import decode_step
+from mmcli.engine.packing import choose_bucket
+from mmcli.compiled.steps import decode_step
 
 
 def buckets_up_to(limit: int, first: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The Python API: `Captioner.from_pretrained(...)`, `.ask(images, question)`, `.caption(items)`."""
+"""The Python API: `Labeler.from_pretrained(...)`, `.ask(images, question)`, `.label(items)`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from .checkpoint import (
+from mmcli.model.checkpoint import (
     checkpoint_revision,
     load_weights,
     read_model_config,
@@ -20,21 +20,21 @@ from .checkpoint import (
     run_precision,
     torch_dtype,
 )
-from .compiled import CompiledGraphs, resolve_backend
-from .config import Config, SamplingParams, check_vision_budget, load_config
-from .engine import Engine, Request
-from .grammar import JsonGrammar
-from .images import ImageProcessorConfig, image_processor_config
-from .inputs import NOT_READY, default_workers, prefetch
-from .model import Qwen3VL
-from .model.linear import held_bytes
-from .output import Result
-from .prompt import PromptBuilder, TextStream
-from .requests import RequestBuilder
-from .resume import label_settings
-from .runner import ModelRunner, pick_device
-from .tasks import Task, finish, render_prompt, resolve_tasks
-from .video import VideoSampling
+from mmcli.compiled.graphs import CompiledGraphs, resolve_backend
+from mmcli.config import Config, SamplingParams, check_vision_budget, load_config
+from mmcli.engine.loop import Engine, Request
+from mmcli.engine.grammar import JsonGrammar
+from mmcli.inputs.images import ImageProcessorConfig, image_processor_config
+from mmcli.inputs.prefetch import NOT_READY, default_workers, prefetch
+from mmcli.model.qwen3_vl import Qwen3VL
+from mmcli.model.linear import held_bytes
+from mmcli.api.result import Result
+from mmcli.inputs.prompt import PromptBuilder, TextStream
+from mmcli.inputs.requests import RequestBuilder
+from mmcli.jobs.resume import label_settings
+from mmcli.engine.runner import ModelRunner, pick_device
+from mmcli.tasks import Task, finish, render_prompt, resolve_tasks
+from mmcli.inputs.video import VideoSampling
 
 
 def _stop_ids(path: Path, prompts: PromptBuilder) -> frozenset[int]:
@@ -49,7 +49,7 @@ def _stop_ids(path: Path, prompts: PromptBuilder) -> frozenset[int]:
     return frozenset(int(i) for i in ids if i is not None)
 
 
-class Captioner:
+class Labeler:
     def __init__(self, path: Path, model: Qwen3VL, runner: ModelRunner, prompts: PromptBuilder,
                  image_cfg: ImageProcessorConfig, config: Config, precision: dict,
                  graphs: CompiledGraphs | None = None):
@@ -67,7 +67,7 @@ class Captioner:
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, dtype: str | None = None, device: str | None = None,
-                        config: Config | str | Path | None = None) -> Captioner:
+                        config: Config | str | Path | None = None) -> Labeler:
         """Load a checkpoint (local directory or hub id). `config` is a Config or a YAML path."""
         cfg = config if isinstance(config, Config) else load_config(config)
         cfg = replace(cfg, model=model or cfg.model, dtype=dtype or cfg.dtype, device=device or cfg.device)
@@ -154,7 +154,7 @@ class Captioner:
         result.prompt, result.sampling = asked, chosen.sampling.as_dict()
         return result
 
-    def caption(self, items: Iterable[tuple], prompt: str | None = None, tasks: list[str | Task] | None = None,
+    def label(self, items: Iterable[tuple], prompt: str | None = None, tasks: list[str | Task] | None = None,
                 **sampling) -> Iterator[Result]:
         """Label (key, image path) items, or (key, path, task names) to run only some tasks for an item; yields
         each Result (one per item and task, `.task` naming it) as soon as it is finished, errors included. Without

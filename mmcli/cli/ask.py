@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .config import Config
-from .errors import MmcliError
+from mmcli.config import Config
+from mmcli.errors import MmcliError
 
 
 def run_ask(config: Config, images: list[Path], question: str | None, output: Path | None, logprobs: bool,
@@ -16,15 +16,15 @@ def run_ask(config: Config, images: list[Path], question: str | None, output: Pa
     or 1 when the item failed (its error is on stderr and in the record)."""
     from rich.console import Console
 
-    from .captioner import Captioner
-    from .output import JsonlOutput
-    from .progress import status_line
-    from .resume import load_description
+    from mmcli.api.labeler import Labeler
+    from mmcli.jobs.records import JsonlOutput
+    from mmcli.cli.progress import status_line
+    from mmcli.jobs.resume import load_description
 
     out = JsonlOutput(output).open() if output is not None else None  # locked before the work, like caption
     try:
         with status_line(Console(stderr=True), f"loading {load_description(config)}"):
-            captioner = Captioner.from_pretrained(config=config)
+            captioner = Labeler.from_pretrained(config=config)
         return _answer(captioner, images, list(videos), question, out, logprobs, stream, task, sampling or {})
     finally:
         if out is not None:
@@ -38,7 +38,8 @@ def _print_piece(piece: str) -> None:
 
 def _answer(captioner, images: list[Path], videos: list[Path], question: str | None, out, logprobs: bool,
             stream: bool, task: str | None, sampling: dict) -> int:
-    from .output import Result, make_record
+    from mmcli.api.result import Result
+    from mmcli.jobs.records import make_record
 
     captioner.report_compile_cache()
     inputs = [*images, *videos]

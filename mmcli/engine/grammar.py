@@ -8,7 +8,7 @@ a model cannot spend its tokens on blanks.
 
 from __future__ import annotations
 
-from .errors import ConfigError
+from mmcli.errors import ConfigError
 
 INSTALL_HINT = "output json needs llguidance: pip install llguidance"
 

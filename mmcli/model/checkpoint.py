@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .errors import CheckpointError, ConfigError
-from .model_config import DEFAULT_MODEL, ModelConfig, parse_config
+from mmcli.errors import CheckpointError, ConfigError
+from mmcli.model.config import DEFAULT_MODEL, ModelConfig, parse_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,7 +81,7 @@ def read_model_config(path: Path) -> ModelConfig:
 
 
 def _meta_model(cfg: ModelConfig):
-    from .model import Qwen3VL
+    from mmcli.model.qwen3_vl import Qwen3VL
 
     with torch.device("meta"):
         return Qwen3VL(cfg)
@@ -96,7 +96,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def matrix_weight_names(cfg: ModelConfig) -> set[str]:
     """The matrices (every linear layer's weight, the token and vision position embeddings, the patch embedding):
     what `weights_dtype` applies to. Norms and biases are held in the compute dtype."""
-    from .model.linear import Linear
+    from mmcli.model.linear import Linear
 
     model = _meta_model(cfg)
     names = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear)}

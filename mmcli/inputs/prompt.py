@@ -11,7 +11,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from .errors import CheckpointError, ItemError
+from mmcli.errors import CheckpointError, ItemError
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD, VISION_START, VISION_END = "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"

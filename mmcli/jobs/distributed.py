@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import ConfigError
+from mmcli.errors import ConfigError
 
 INSTALL_HINT = "--ray needs Ray Data: pip install 'mmcli[ray]' (or pip install 'ray[data]')"
 
@@ -44,16 +44,16 @@ class CaptionReplica:
     def __init__(self, config, tasks: list, settings: dict[str, str], logprobs: bool, threads: int):
         import torch
 
-        from .captioner import Captioner
+        from mmcli.api.labeler import Labeler
 
         if threads:
             torch.set_num_threads(threads)
-        self.captioner = Captioner.from_pretrained(config=config)
+        self.captioner = Labeler.from_pretrained(config=config)
         self.config, self.settings, self.logprobs = config, settings, logprobs
         self.tasks = {t.name: t for t in tasks}  # as the driver resolved them (command-line sampling included)
 
     def __call__(self, batch: dict) -> dict:
-        from .job import caption_record
+        from mmcli.jobs.caption import caption_record
 
         tasks = self.tasks
         items = [(key, path, json.loads(names)) for key, path, names in
@@ -61,7 +61,7 @@ class CaptionReplica:
         paths = {key: path for key, path, _ in items}
         return {"record": [json.dumps(caption_record(result, self.captioner, tasks[result.task],
                                                      self.settings[result.task], paths[result.key], self.logprobs))
-                           for result in self.captioner.caption(items, tasks=list(tasks.values()))]}
+                           for result in self.captioner.label(items, tasks=list(tasks.values()))]}
 
 
 def caption_on_ray(items: list[tuple[str, Path, list]], config, tasks: list, settings: dict[str, str], write,

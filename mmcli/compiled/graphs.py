@@ -27,16 +27,16 @@ from pathlib import Path
 
 import torch
 
-from .config import Config
-from .errors import ConfigError
-from .manifest import Manifest, open_cache_dir, stale_fields
-from .model_config import ModelConfig
+from mmcli.config import Config
+from mmcli.errors import ConfigError
+from mmcli.compiled.manifest import Manifest, open_cache_dir, stale_fields
+from mmcli.model.config import ModelConfig
 
 # What the neuron backend imports, the distributions that provide it, and where they come from.
 NEURON_MODULES = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "nki": "nki", "nkilib": "nki-library"}
 NEURON_SOURCE = "AWS's Neuron pip repository (https://pip.repos.neuron.amazonaws.com), on a Trainium2 instance"
-PACKAGE_ROOT = Path(__file__).parent
-GRAPH_ENTRY = "steps.py"  # the bodies of the prefill and decode graphs; the vision graph is the model's forward_packed
+PACKAGE_ROOT = Path(__file__).parent.parent
+GRAPH_ENTRY = "compiled/steps.py"  # the bodies of the prefill and decode graphs; the vision graph is the model's forward_packed
 
 
 @dataclass(frozen=True, order=True)
@@ -107,8 +107,9 @@ def backend_version(backend: str) -> str:
 
 
 def compiled_sources(root: Path, entry: str = GRAPH_ENTRY) -> list[str]:
-    """Every module of the package whose code can run inside a compiled graph: the graph bodies and, transitively,
-    every package module they import (read from the source, so a new module is covered without a list to keep)."""
+    """Every module of the package whose code can run inside a compiled graph: the graph bodies and,
+    transitively, every package module they import (read from the source, so a new module is covered
+    without a list to keep). Paths are relative to the package root."""
     found: set[str] = set()
     todo = [entry]
     while todo:
@@ -116,17 +117,11 @@ def compiled_sources(root: Path, entry: str = GRAPH_ENTRY) -> list[str]:
         if rel in found or not (root / rel).is_file():
             continue
         found.add(rel)
-        here = Path(rel).parent
         for node in ast.walk(ast.parse((root / rel).read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level:
-                base = here
-                for _ in range(node.level - 1):
-                    base = base.parent
-                parts = (node.module or "").split(".") if node.module else []
-                targets = [base.joinpath(*parts)] if parts else [base / alias.name for alias in node.names]
-                for target in targets:
-                    todo += [f"{target.as_posix()}.py".removeprefix("./"),
-                             f"{(target / '__init__.py').as_posix()}".removeprefix("./")]
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mmcli."):
+                base = Path(*node.module.split(".")[1:])
+                for target in [base] + [base / alias.name for alias in node.names]:
+                    todo += [f"{target.as_posix()}.py", f"{target.as_posix()}/__init__.py"]
     return sorted(found)
 
 

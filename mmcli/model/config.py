@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import CheckpointError
+from mmcli.errors import CheckpointError
 
 DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 # Qwen3-VL's vision geometry (preprocessor_config.json and vision_config of the released checkpoints): 16-pixel

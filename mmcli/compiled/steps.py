@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .model import AttentionBatch, KVCache, Qwen3VL
+from mmcli.model.qwen3_vl import Qwen3VL
+from mmcli.model.text import AttentionBatch, KVCache
 
 
 def prefill_step(model: Qwen3VL, cache: KVCache, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -12,15 +12,15 @@ from pathlib import Path
 
 from PIL import Image
 
-from .config import Config, SamplingParams
-from .engine import Request
-from .errors import ImageError, ItemError
-from .images import ImageProcessorConfig
-from .positions import rope_index
-from .preprocess import decode_image, preprocess, preprocess_video
-from .prompt import PromptBuilder
-from .tasks import Task, render_prompt
-from .video import VideoSampling, decode_video
+from mmcli.config import Config, SamplingParams
+from mmcli.engine.loop import Request
+from mmcli.errors import ImageError, ItemError
+from mmcli.inputs.images import ImageProcessorConfig
+from mmcli.engine.positions import rope_index
+from mmcli.inputs.preprocess import decode_image, preprocess, preprocess_video
+from mmcli.inputs.prompt import PromptBuilder
+from mmcli.tasks import Task, render_prompt
+from mmcli.inputs.video import VideoSampling, decode_video
 
 
 @dataclass

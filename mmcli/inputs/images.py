@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from .errors import ImageError
-from .model_config import QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, QWEN_TEMPORAL_PATCH_SIZE
+from mmcli.errors import ImageError
+from mmcli.model.config import QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, QWEN_TEMPORAL_PATCH_SIZE
 
 _RESAMPLE = {0: Image.NEAREST, 1: Image.LANCZOS, 2: Image.BILINEAR, 3: Image.BICUBIC, 4: Image.BOX, 5: Image.HAMMING}
 

@@ -15,9 +15,9 @@ import os
 import struct
 from pathlib import Path
 
-from .config import Config
-from .images import image_processor_config
-from .output import SCHEMA, file_sha256
+from mmcli.config import Config
+from mmcli.inputs.images import image_processor_config
+from mmcli.jobs.records import SCHEMA, file_sha256
 
 
 def local_checkpoint(model: str) -> Path | None:
@@ -84,9 +84,9 @@ def file_changed(path: Path, record: dict) -> bool:
 
 def planned_run(cfg: Config) -> tuple[Path | None, str, dict]:
     """(checkpoint directory if present, device type, precision) of a run of `cfg`, known before loading."""
-    from .checkpoint import read_model_config, run_precision
-    from .compiled import resolve_backend
-    from .runner import pick_device
+    from mmcli.model.checkpoint import read_model_config, run_precision
+    from mmcli.compiled.graphs import resolve_backend
+    from mmcli.engine.runner import pick_device
 
     resolve_backend(cfg.compile.backend)  # a backend that cannot run is refused before anything else
     path = local_checkpoint(cfg.model)

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .errors import ImageError
-from .images import _RESAMPLE, DecodedImage, ImageProcessorConfig, decode_image, resized_size, smart_resize
+from mmcli.errors import ImageError
+from mmcli.inputs.images import _RESAMPLE, DecodedImage, ImageProcessorConfig, decode_image, resized_size, smart_resize
 
 __all__ = ["DecodedImage", "ImageProcessorConfig", "decode_image", "preprocess", "preprocess_video", "smart_resize"]
 

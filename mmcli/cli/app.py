@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from .errors import ConfigError, MmcliError
+from mmcli.errors import ConfigError, MmcliError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Caption and question image datasets with Qwen3-VL; results as JSONL.")
@@ -45,7 +45,7 @@ def exit_codes() -> Iterator[None]:
 
 
 def _settings(config: Path | None, **overrides) -> dict:
-    from .config import load_config
+    from mmcli.config import load_config
 
     return load_config(config, overrides)
 
@@ -76,7 +76,7 @@ def ask(
       mmcli ask --image samples/astronaut.jpg --task detect
       mmcli ask --video clip.mp4 "What happens?"
     """
-    from .ask import run_ask
+    from mmcli.cli.ask import run_ask
 
     generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                   "repetition_penalty": repetition_penalty, "seed": seed}
@@ -105,7 +105,7 @@ def plan(
       mmcli plan samples
       mmcli plan --tokens 1024,512,256,128,128 --block-size 1024
     """
-    from .report import image_patches, print_plan
+    from mmcli.cli.report import image_patches, print_plan
 
     with exit_codes():
         cfg = _settings(config)
@@ -165,12 +165,12 @@ def caption(
       mmcli caption samples --shard 0/2 -o shard0.jsonl --quiet
       mmcli caption samples --task caption --task tags -o labels.jsonl
     """
-    from .job import CaptionJob, RayOptions, run_caption_job
+    from mmcli.jobs.caption import CaptionJob, RayOptions, run_caption_job
 
     with exit_codes():
         ray_options = None
         if ray:
-            from .distributed import parse_resources, require_ray
+            from mmcli.jobs.distributed import parse_resources, require_ray
 
             require_ray()
             ray_options = RayOptions(ray_address, replicas, parse_resources(replica_resources))
@@ -200,7 +200,7 @@ def compile_cmd(
       mmcli compile --buckets --backend inductor
       mmcli compile --buckets 'decode 8x1024, prefill 512' --backend inductor
     """
-    from .report import compile_buckets
+    from mmcli.cli.report import compile_buckets
 
     with exit_codes():
         if not buckets:
@@ -219,7 +219,7 @@ def config_cmd(
     config: ConfigOption = None,
 ) -> None:
     """Print the effective configuration (defaults updated by --config)."""
-    from .config import config_as_yaml
+    from mmcli.config import config_as_yaml
 
     with exit_codes():
         if action != "show":

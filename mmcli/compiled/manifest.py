@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import ConfigError
+from mmcli.errors import ConfigError
 
 
 def open_cache_dir(path: str | Path) -> Path:

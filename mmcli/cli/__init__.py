@@ -1,0 +1,1 @@
+"""The command line: Typer commands, shared options, exit codes and terminal output."""

@@ -1,0 +1,1 @@
+"""Compiled graphs: fixed-shape buckets compiled ahead and cached, and CUDA graphs."""

@@ -1,0 +1,1 @@
+"""Inputs: image and video files decoded, sized and patchified; prompts; engine requests."""

@@ -1,0 +1,1 @@
+"""Jobs: the caption job over a dataset (scan, resume, records, Ray)."""

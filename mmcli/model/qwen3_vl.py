@@ -1,0 +1,37 @@
+"""Qwen3-VL, shaped like the released checkpoint: model.visual, model.language_model, lm_head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmcli.model.config import ModelConfig
+from mmcli.model.linear import Linear
+from mmcli.model.text import TextDecoder
+from mmcli.model.vision import VisionTower
+
+
+class Qwen3VL(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.visual = VisionTower(cfg.vision)
+        self.model.language_model = TextDecoder(cfg.text)
+        self.lm_head = Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Qwen3VL:
+        """Build without allocating, then adopt the loaded tensors (tied lm_head shares embed_tokens)."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.load_state_dict(tensors, strict=True, assign=True)
+        return model.eval().requires_grad_(False)
+
+    @property
+    def visual(self) -> VisionTower:
+        return self.model.visual
+
+    @property
+    def language_model(self) -> TextDecoder:
+        return self.model.language_model
