@@ -138,7 +138,7 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
 
     req, _ = cap.request("solo", [images[0]], PROMPT, cap.sampling())
     runner = cap.runner
-    runner.prefill([PrefillItem(0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.image_grids)])
+    runner.prefill([PrefillItem(0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids)])
     steps = []
     for k in range(12):
         pos = len(req.input_ids) + k

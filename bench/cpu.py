@@ -65,9 +65,9 @@ def teacher_forced(ckpt: Path, image: Path, settings: dict, tokens: list[int] | 
         tokens = cap.ask([image], compare_hf.PROMPT, max_new_tokens=count).token_ids  # eos may end it sooner
     req, _ = cap.request("k", [image], compare_hf.PROMPT, cap.sampling())
     ids = list(req.input_ids) + tokens[:-1]
-    rotary, _ = rope_index(ids, req.image_grids, cap.model.cfg.image_token_id, cap.model.cfg.vision.spatial_merge_size)
+    rotary, _ = rope_index(ids, req.vision_grids, cap.model.cfg.image_token_id, cap.model.cfg.vision.spatial_merge_size)
     with torch.inference_mode():
-        hidden = cap.runner.forward_prompts([PrefillItem(0, ids, rotary, req.pixel_values, req.image_grids)])
+        hidden = cap.runner.forward_prompts([PrefillItem(0, ids, rotary, req.pixel_values, req.vision_grids)])
         logprobs = torch.log_softmax(cap.model.lm_head(hidden[len(req.input_ids) - 1:]).float(), -1)
     return {"tokens": tokens, "top1": logprobs.argmax(-1).tolist(),
             "reference_logprob": logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()}

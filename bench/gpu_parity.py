@@ -64,8 +64,8 @@ def ours_teacher_forced(cap: Labeler, images: list, tokens: list[int]) -> list[i
     """mmcli's argmax at each position, given transformers' tokens before it."""
     req, _ = cap.request("k", images, QUESTION, cap.sampling())
     ids = req.input_ids + tokens[:-1]
-    rotary, _ = rope_index(ids, req.image_grids, cap.model.cfg.image_token_id, cap.image_cfg.merge_size)
-    item = PrefillItem(0, ids, rotary, req.pixel_values, req.image_grids, max_tokens=len(ids) + 1)
+    rotary, _ = rope_index(ids, req.vision_grids, cap.model.cfg.image_token_id, cap.image_cfg.merge_size)
+    item = PrefillItem(0, ids, rotary, req.pixel_values, req.vision_grids, max_tokens=len(ids) + 1)
     with torch.inference_mode():
         hidden = cap.runner.forward_prompts([item])[len(req.input_ids) - 1:]
         return cap.model.lm_head(hidden).float().argmax(-1).tolist()

@@ -6,6 +6,7 @@ configs/default.yaml documents every key with the same values; a test keeps the 
 from __future__ import annotations
 
 import dataclasses
+import string
 import types
 import typing
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ class SamplingParams:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+PLACEHOLDERS = ("filename", "stem", "folder", "sidecar")  # filled per input in a task prompt
+OUTPUTS = ("text", "json", "boxes")
 
 
 @dataclass(frozen=True)
@@ -172,9 +177,7 @@ class Config:
              "a non-empty list of counts >= 1"),
         ]
         _refuse(self, "", checks)
-        from mmcli.tasks import check_tasks
-
-        check_tasks(self)
+        _check_tasks(self)
         if self.compile.backend in ("inductor", "neuron"):  # the buckets must hold what the engine may ask for
             _refuse(self, "", [
                 ("compile.prefill_buckets", max(self.compile.prefill_buckets) <= self.engine.max_len,
@@ -185,6 +188,26 @@ class Config:
                  f"lengths whose largest holds engine.max_len {self.engine.max_len}"),
             ])
         check_vision_budget(self.vision.block_size, self.image.max_pixels)
+
+
+def _check_tasks(cfg: Config) -> None:
+    """Refuse unknown task names, outputs and placeholders, and json tasks without a schema (exit 2)."""
+    for name in cfg.task:
+        if name not in cfg.tasks:
+            raise ConfigError(f"config task: {name!r} is not a task (known: {', '.join(cfg.tasks)})")
+    for name, task in cfg.tasks.items():
+        if task.output not in OUTPUTS:
+            raise ConfigError(f"config tasks.{name}.output: value {task.output!r} must be text, json or boxes")
+        if task.output == "json" and not task.schema:
+            raise ConfigError(f"config tasks.{name}: output json needs a schema")
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(task.prompt) if f is not None]
+        except ValueError as e:
+            raise ConfigError(f"config tasks.{name}.prompt: {e}") from None
+        unknown = [f for f in fields if f not in PLACEHOLDERS]
+        if unknown:
+            raise ConfigError(f"config tasks.{name}.prompt: unknown placeholder {{{unknown[0]}}} (known: "
+                              f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
 
 
 

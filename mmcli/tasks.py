@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import json
 import re
-import string
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from mmcli.config import Config, SamplingParams, TaskConfig
 from mmcli.errors import ConfigError
 
-PLACEHOLDERS = ("filename", "stem", "folder", "sidecar")
-OUTPUTS = ("text", "json", "boxes")
 
 
 @dataclass(frozen=True)
@@ -37,26 +34,6 @@ class Task:
     def definition(self) -> dict:
         """What the task's labels depend on (its part of the resume key)."""
         return {k: v for k, v in asdict(self).items() if k != "sidecar"}
-
-
-def check_tasks(cfg: Config) -> None:
-    """Refuse unknown task names, outputs and placeholders, and json tasks without a schema (exit 2)."""
-    for name in cfg.task:
-        if name not in cfg.tasks:
-            raise ConfigError(f"config task: {name!r} is not a task (known: {', '.join(cfg.tasks)})")
-    for name, task in cfg.tasks.items():
-        if task.output not in OUTPUTS:
-            raise ConfigError(f"config tasks.{name}.output: value {task.output!r} must be text, json or boxes")
-        if task.output == "json" and not task.schema:
-            raise ConfigError(f"config tasks.{name}: output json needs a schema")
-        try:
-            fields = [f for _, f, _, _ in string.Formatter().parse(task.prompt) if f is not None]
-        except ValueError as e:
-            raise ConfigError(f"config tasks.{name}.prompt: {e}") from None
-        unknown = [f for f in fields if f not in PLACEHOLDERS]
-        if unknown:
-            raise ConfigError(f"config tasks.{name}.prompt: unknown placeholder {{{unknown[0]}}} (known: "
-                              f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
 
 
 def resolve_tasks(cfg: Config, names: tuple[str, ...] | list[str] | None = None,

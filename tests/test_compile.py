@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from mmcli.api.labeler import Labeler
 from mmcli.cli.app import app
-from mmcli.compiled.graphs import Bucket, CompiledGraphs, configured_buckets, parse_buckets
+from mmcli.compiled.buckets import Bucket, configured_buckets, parse_buckets
+from mmcli.compiled.graphs import CompiledGraphs
 from mmcli.config import load_config
 from mmcli.errors import ConfigError
 

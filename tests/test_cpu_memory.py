@@ -42,7 +42,7 @@ def _captioner(path, **settings):
 
 def _logits(cap):
     req, _ = cap.request("k", IMAGE, "Describe this image.", cap.sampling())
-    item = PrefillItem(0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.image_grids)
+    item = PrefillItem(0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids)
     with torch.inference_mode():
         return cap.model.lm_head(cap.runner.forward_prompts([item])).float()
 

@@ -35,7 +35,7 @@ def test_packed_vision_equals_per_image_path(tiny_dir):
                                                              (64, 64), (200, 150), (40, 400)])]
     reqs = [cap.request(f"k{i}", [im], "q", cap.sampling())[0] for i, im in enumerate(images)]
     pixels = [r.pixel_values[0] for r in reqs]
-    grids = [r.image_grids[0] for r in reqs]
+    grids = [r.vision_grids[0] for r in reqs]
     assert 64 in [t * h * w for t, h, w in grids]
     reference = _per_image(cap, pixels, grids)
     # (64, (1, 2)) needs more blocks than its largest bucket: the wave is split into several calls

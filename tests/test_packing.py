@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 
 from mmcli.config import load_config
 from mmcli.errors import ConfigError
+from mmcli.compiled.buckets import choose_bucket
 from mmcli.engine.packing import (
     block_bounds,
-    choose_bucket,
     choose_wave,
     ffd_pack,
     flat_efficiency,

@@ -32,7 +32,7 @@ def _reference_inputs(processor, images):
 
 def _prefill_logits(captioner, req, rotary=None):
     item = PrefillItem(0, req.input_ids, req.rotary_position_ids if rotary is None else rotary,
-                       req.pixel_values, req.image_grids)
+                       req.pixel_values, req.vision_grids)
     return captioner.model.lm_head(captioner.runner.forward_prompts([item])).float()
 
 
@@ -46,7 +46,7 @@ def test_ids_positions_logits_and_greedy_tokens(pair, case):
     assert req.input_ids == ref["input_ids"][0].tolist()
     if images:
         torch.testing.assert_close(torch.cat(req.pixel_values), ref["pixel_values"], atol=1e-6, rtol=0)
-        assert [list(g) for g in req.image_grids] == ref["image_grid_thw"].tolist()
+        assert [list(g) for g in req.vision_grids] == ref["image_grid_thw"].tolist()
     positions, deltas = model.model.get_rope_index(ref["input_ids"], ref["mm_token_type_ids"],
                                                    ref.get("image_grid_thw"), attention_mask=ref["attention_mask"])
     assert torch.equal(req.rotary_position_ids, positions[:, 0]) and req.rope_delta == int(deltas)

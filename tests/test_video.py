@@ -202,7 +202,7 @@ def test_video_positions_logits_and_greedy_tokens_match_transformers(pair, tiny_
     assert torch.equal(req.rotary_position_ids, positions[:, 0]) and req.rope_delta == int(deltas)
     with torch.no_grad():
         reference = model(**inputs).logits[0]
-    item = PrefillItem(0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.image_grids)
+    item = PrefillItem(0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids)
     ours = captioner.model.lm_head(captioner.runner.forward_prompts([item])).float()
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
 

@@ -22,7 +22,8 @@ from mmcli.model.checkpoint import (
 )
 from mmcli.compiled.graphs import CompiledGraphs, resolve_backend
 from mmcli.config import Config, SamplingParams, check_vision_budget, load_config
-from mmcli.engine.loop import Engine, Request
+from mmcli.engine.loop import Engine
+from mmcli.engine.sequence import Request
 from mmcli.engine.grammar import JsonGrammar
 from mmcli.inputs.images import ImageProcessorConfig, image_processor_config
 from mmcli.inputs.prefetch import NOT_READY, default_workers, prefetch

@@ -68,7 +68,7 @@ def print_plan(names: list[str], patches: list[int], size: int) -> None:
 def compile_buckets(cfg: Config, bucket_list: str | None) -> None:
     """Load the model, compile each configured bucket (or those listed) unless cached, and print the table."""
     from mmcli.api.labeler import Labeler
-    from mmcli.compiled.graphs import parse_buckets
+    from mmcli.compiled.buckets import parse_buckets
 
     started = time.perf_counter()
     captioner = Labeler.from_pretrained(config=cfg)

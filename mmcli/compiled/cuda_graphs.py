@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mmcli.engine.packing import choose_bucket
+from mmcli.compiled.buckets import choose_bucket
 from mmcli.compiled.steps import decode_step
 
 

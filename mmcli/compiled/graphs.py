@@ -21,7 +21,6 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 
 from mmcli.config import Config
 from mmcli.errors import ConfigError
+from mmcli.compiled.buckets import Bucket, configured_buckets
 from mmcli.compiled.manifest import Manifest, open_cache_dir, stale_fields
 from mmcli.model.config import ModelConfig
 
@@ -37,36 +37,6 @@ NEURON_MODULES = {"torch_neuronx": "torch-neuronx", "neuronxcc": "neuronx-cc", "
 NEURON_SOURCE = "AWS's Neuron pip repository (https://pip.repos.neuron.amazonaws.com), on a Trainium2 instance"
 PACKAGE_ROOT = Path(__file__).parent.parent
 GRAPH_ENTRY = "compiled/steps.py"  # the bodies of the prefill and decode graphs; the vision graph is the model's forward_packed
-
-
-@dataclass(frozen=True, order=True)
-class Bucket:
-    component: str  # vision, prefill or decode
-    shape: tuple[int, ...]  # (num_blocks, block_size), (tokens,) or (batch, context)
-
-    @property
-    def label(self) -> str:
-        return f"{self.component} {'x'.join(map(str, self.shape))}"
-
-
-def configured_buckets(vision_buckets, block_size, prefill_buckets, decode_batch_buckets,
-                       decode_context_buckets) -> list[Bucket]:
-    return ([Bucket("vision", (n, block_size)) for n in sorted(set(vision_buckets))]
-            + [Bucket("prefill", (t,)) for t in sorted(set(prefill_buckets))]
-            + [Bucket("decode", (b, c)) for b in sorted(set(decode_batch_buckets))
-               for c in sorted(set(decode_context_buckets))])
-
-
-def parse_buckets(text: str, configured: list[Bucket]) -> list[Bucket]:
-    """'decode 8x1024, prefill 512' (or 'decode:8x1024') -> those configured buckets; anything else is refused."""
-    known = {b.label: b for b in configured}
-    picked = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        label = " ".join(item.replace(":", " ").split())
-        if label not in known:
-            raise ConfigError(f"--buckets {item!r}: not a configured bucket (configured: {', '.join(known)})")
-        picked.append(known[label])
-    return picked
 
 
 def require_neuron() -> None:

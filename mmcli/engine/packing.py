@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmcli.compiled.buckets import choose_bucket
+
 
 @dataclass(frozen=True)
 class BlockLayout:
@@ -38,14 +40,6 @@ def ffd_pack(tokens: list[int], block_size: int) -> list[list[int]]:
             bins.append([i])
             room.append(block_size - tokens[i])
     return bins
-
-
-def choose_bucket(num_blocks: int, buckets: list[int]) -> int:
-    """The smallest configured block count that holds `num_blocks`."""
-    fitting = [b for b in sorted(buckets) if b >= num_blocks]
-    if not fitting:
-        raise ValueError(f"{num_blocks} blocks needed, over the largest bucket {max(buckets)}")
-    return fitting[0]
 
 
 def make_layout(tokens: list[int], bins: list[list[int]], num_blocks: int, block_size: int) -> BlockLayout:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 
-def rope_index(input_ids: list[int], image_grids: list[tuple[int, int, int]], visual_token_ids: int | tuple[int, ...],
+def rope_index(input_ids: list[int], vision_grids: list[tuple[int, int, int]], visual_token_ids: int | tuple[int, ...],
                spatial_merge_size: int) -> tuple[torch.Tensor, int]:
     """[3, T] rotary position ids of one prompt and its delta (max + 1 - T).
 
@@ -19,7 +19,7 @@ def rope_index(input_ids: list[int], image_grids: list[tuple[int, int, int]], vi
     video_grid_thw), so time is carried by the text positions; `visual_token_ids` holds both pad ids then.
     """
     visual = {visual_token_ids} if isinstance(visual_token_ids, int) else set(visual_token_ids)
-    grids = iter(image_grids)
+    grids = iter(vision_grids)
     rows: list[torch.Tensor] = []
     next_pos = 0
     i, n = 0, len(input_ids)

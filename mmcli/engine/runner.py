@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from mmcli.compiled.graphs import Bucket, CompiledGraphs
+from mmcli.compiled.buckets import Bucket, choose_bucket
+from mmcli.compiled.graphs import CompiledGraphs
 from mmcli.config import Config, SamplingParams
 from mmcli.compiled.cuda_graphs import DecodeGraphs
 from mmcli.engine.vision_encoder import ImageEncoder, ImageFeatures
@@ -21,7 +22,6 @@ from mmcli.model.attention import choose_block_attention
 from mmcli.model.linear import KERNEL_ROWS, can_quantize, pack_linears
 from mmcli.model.quantize import quantize_model
 from mmcli.model.config import ModelConfig
-from mmcli.engine.packing import choose_bucket
 from mmcli.engine.positions import decode_rotary_position_ids, mrope_cos_sin, mrope_slot_axes, text_inv_freq
 from mmcli.engine.sampling import choose_tokens
 from mmcli.compiled.steps import decode_step, prefill_step
@@ -63,8 +63,8 @@ class PrefillItem:
     input_ids: list[int]
     rotary_position_ids: torch.Tensor  # [3, L]
     pixel_values: list[torch.Tensor]  # one [n_i, C*T*P*P] per image, in prompt order
-    image_grids: list[tuple[int, int, int]]
-    image_hashes: list[str] = field(default_factory=list)  # content hashes; equal images are encoded once
+    vision_grids: list[tuple[int, int, int]]
+    vision_hashes: list[str] = field(default_factory=list)  # content hashes; equal images are encoded once
     max_tokens: int = 0  # prompt and output tokens the sequence may reach (KV cache columns to hold)
     group: str | None = None  # items of one group share their first prefix_len tokens (prefilled once)
     prefix_len: int = 0
@@ -140,8 +140,8 @@ class ModelRunner:
             return hidden, None, None
         if image_features is None:
             image_features = self.encoder.features([p for item in items for p in item.pixel_values],
-                                                   [g for item in items for g in item.image_grids],
-                                                   [h for item in items for h in item.image_hashes])
+                                                   [g for item in items for g in item.vision_grids],
+                                                   [h for item in items for h in item.vision_hashes])
         merged = torch.cat([f for f, _ in image_features]).to(hidden.dtype)
         if merged.shape[0] != int(visual_mask.sum()):
             raise ValueError(f"{int(visual_mask.sum())} image tokens but {merged.shape[0]} image features")
@@ -185,7 +185,7 @@ class ModelRunner:
             n = min(min(m.prefix_len for m in members), min(len(m.input_ids) for m in members) - 1)
             lead = members[0]
             prefixes.append(PrefillItem(lead.slot, lead.input_ids[:n], lead.rotary_position_ids[:, :n],
-                                        lead.pixel_values, lead.image_grids, lead.image_hashes,
+                                        lead.pixel_values, lead.vision_grids, lead.vision_hashes,
                                         max(m.max_tokens for m in members)))
             for member in members:
                 copies.append((lead.slot, member.slot, n))

@@ -9,9 +9,10 @@ from collections import OrderedDict
 
 import torch
 
-from mmcli.compiled.graphs import Bucket, CompiledGraphs
+from mmcli.compiled.graphs import CompiledGraphs
 from mmcli.model.vision import VisionTower
-from mmcli.engine.packing import block_bounds, choose_bucket, ffd_pack, gather_index, make_layout, unpack_index
+from mmcli.compiled.buckets import Bucket, choose_bucket
+from mmcli.engine.packing import block_bounds, ffd_pack, gather_index, make_layout, unpack_index
 
 ImageFeatures = tuple[torch.Tensor, tuple[torch.Tensor, ...]]  # merged [n, out], DeepStack levels [n, out] each
 

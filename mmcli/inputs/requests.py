@@ -13,7 +13,7 @@ from pathlib import Path
 from PIL import Image
 
 from mmcli.config import Config, SamplingParams
-from mmcli.engine.loop import Request
+from mmcli.engine.sequence import Request
 from mmcli.errors import ImageError, ItemError
 from mmcli.inputs.images import ImageProcessorConfig
 from mmcli.engine.positions import rope_index

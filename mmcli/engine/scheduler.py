@@ -1,0 +1,114 @@
+"""The scheduler: waiting and running sequences, free slots and admission, in plain Python.
+
+Waiting requests are admitted as running ones finish. With vision inputs, a look-ahead window picks the
+wave that packs into vision blocks with least padding; an input's tasks (a group) are admitted together
+so that they share their prompt prefix; newly admitted prompts share a token budget.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from mmcli.config import Config
+from mmcli.engine.packing import choose_wave
+from mmcli.engine.sequence import Request, Sequence
+
+
+class Scheduler:
+    def __init__(self, config: Config):
+        self.max_seqs, self.max_len = config.engine.max_seqs, config.engine.max_len
+        self.max_prefill_tokens = config.engine.max_prefill_tokens
+        self.lookahead = config.vision.lookahead
+        self.block_size = config.vision.block_size
+        self.num_blocks_buckets = list(config.vision.num_blocks_buckets)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Sequence] = []
+        self.free = list(range(self.max_seqs))
+
+    @property
+    def wants_more(self) -> bool:
+        """Room to look further ahead in the inputs."""
+        return len(self.waiting) < max(self.max_seqs, self.lookahead)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def admit(self) -> list[Sequence]:
+        """Sequences admitted now, each in the lowest free slot, to be prefilled together."""
+        if not self.waiting or not self.free:
+            return []
+        self.free.sort()
+        admitted = [Sequence(req, self.free.pop(0)) for req in self._pick(len(self.free))]
+        self.running.extend(admitted)
+        return admitted
+
+    def decoding(self) -> list[Sequence]:
+        """The running sequences that go on, in slot order."""
+        return sorted((s for s in self.running if not s.finished), key=lambda s: s.slot)
+
+    def finish(self) -> list[Sequence]:
+        """Sequences that stopped, out of the running set, their slots freed."""
+        done = [s for s in self.running if s.finished]
+        for seq in done:
+            self.running.remove(seq)
+            self.free.append(seq.slot)
+        return done
+
+    def append(self, seq: Sequence, token: int, logprob: float) -> None:
+        """A chosen token, and whether it stops the sequence (an eos id, or a length limit)."""
+        req = seq.request
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob)
+        if token in req.stop_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.token_ids) >= req.sampling.max_new_tokens or seq.num_tokens >= self.max_len:
+            seq.finish_reason = "length"
+
+    def _pick(self, slots: int) -> list[Request]:
+        window = list(self.waiting)[: self.lookahead]
+        if any(r.group is not None for r in window):
+            picked = whole_groups(window, slots, self.max_seqs)
+        elif len(window) <= slots:
+            picked = window
+        else:
+            patches = [r.vision_patches for r in window]
+            wave = choose_wave(patches, slots, self.block_size, self.num_blocks_buckets)
+            picked = [window[i] for i in wave]
+        admitted = within_budget(picked, self.max_prefill_tokens)
+        taken = {id(r) for r in admitted}  # by identity: requests hold tensors
+        kept = [r for r in self.waiting if id(r) not in taken]
+        self.waiting.clear()
+        self.waiting.extend(kept)
+        return admitted
+
+
+def whole_groups(window: list[Request], slots: int, max_seqs: int) -> list[Request]:
+    """Whole groups in order while they fit the free slots; a group that does not fit waits for
+    slots to free up, unless it is larger than all of them (then it is split)."""
+    units: dict[object, list[Request]] = {}
+    for req in window:
+        units.setdefault(req.group if req.group is not None else id(req), []).append(req)
+    picked: list[Request] = []
+    for unit in units.values():
+        if len(picked) + len(unit) > slots:
+            if not picked and len(unit) > max_seqs:
+                picked = unit[:slots]
+            break
+        picked.extend(unit)
+    return picked
+
+
+def within_budget(picked: list[Request], budget: int) -> list[Request]:
+    """The first of `picked` whose prompts fit `budget` tokens (always one; a group is not cut)."""
+    admitted: list[Request] = []
+    for req in picked:
+        same_group = req.group is not None and req.group == admitted[-1].group if admitted else True
+        if len(req.input_ids) > budget and not same_group:
+            break
+        admitted.append(req)
+        budget -= len(req.input_ids)
+    return admitted

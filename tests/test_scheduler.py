@@ -1,0 +1,73 @@
+"""The scheduler on its own: slots, admission, groups, the prefill budget and stop rules (no model)."""
+
+from mmcli.config import SamplingParams, load_config
+from mmcli.engine.scheduler import Scheduler
+from mmcli.engine.sequence import Request
+
+
+def request(key: str, tokens: int = 4, group: str | None = None, patches: int = 0, **sampling):
+    grids = [(1, 2, patches // 2)] if patches else []
+    return Request(key, list(range(tokens)), None, 0, [], grids, SamplingParams(**sampling),
+                   frozenset({99}), group=group)
+
+
+def scheduler(max_seqs=2, max_len=64, budget=16384, lookahead=32, block_size=64, buckets=(1, 2)):
+    engine = {"max_seqs": max_seqs, "max_len": max_len, "max_prefill_tokens": budget}
+    vision = {"block_size": block_size, "num_blocks_buckets": list(buckets), "lookahead": lookahead}
+    cfg = load_config(None, {"engine": engine, "vision": vision, "image": {"max_pixels": 16384}})
+    return Scheduler(cfg)
+
+
+def test_admits_up_to_the_free_slots_in_order_and_frees_them_when_done():
+    s = scheduler(max_seqs=2)
+    for key in "abc":
+        s.add(request(key))
+    first = s.admit()
+    assert [(q.request.key, q.slot) for q in first] == [("a", 0), ("b", 1)]
+    assert s.admit() == [] and [r.key for r in s.waiting] == ["c"]
+    s.append(first[1], 99, -0.1)  # b stops on its eos id
+    assert [q.request.key for q in s.finish()] == ["b"] and first[1].finish_reason == "stop"
+    assert [(q.request.key, q.slot) for q in s.admit()] == [("c", 1)]
+    assert [q.request.key for q in s.decoding()] == ["a", "c"]
+
+
+def test_length_limits_stop_a_sequence():
+    s = scheduler(max_len=16)
+    s.add(request("a", tokens=14, max_new_tokens=10))
+    s.add(request("b", tokens=2, max_new_tokens=1))
+    a, b = s.admit()
+    s.append(a, 5, 0.0)
+    s.append(b, 5, 0.0)
+    assert a.finish_reason is None and b.finish_reason == "length"
+    s.append(a, 5, 0.0)  # 14 prompt + 2 new tokens reach max_len 16
+    assert a.finish_reason == "length"
+
+
+def test_a_group_is_admitted_whole_or_waits_for_room():
+    s = scheduler(max_seqs=3)
+    s.add(request("x"))
+    s.add(request("g1", group="g"))
+    s.add(request("g2", group="g"))
+    s.add(request("g3", group="g"))
+    assert [q.request.key for q in s.admit()] == ["x"]  # the group of 3 waits: 2 slots left
+    assert s.admit() == []
+    (x,) = s.running
+    s.append(x, 99, 0.0)
+    s.finish()
+    assert [q.request.key for q in s.admit()] == ["g1", "g2", "g3"]
+
+
+def test_the_prefill_budget_holds_back_later_prompts_but_always_admits_one():
+    s = scheduler(max_seqs=4, budget=10)
+    for key, tokens in (("a", 8), ("b", 8), ("c", 1)):
+        s.add(request(key, tokens=tokens))
+    assert [q.request.key for q in s.admit()] == ["a"]
+    assert [q.request.key for q in s.admit()] == ["b", "c"]
+
+
+def test_a_vision_wave_is_chosen_for_least_padding():
+    # Blocks of 64 patches, at most 2 blocks: the oldest goes, then the one that fills its block.
+    s = scheduler(max_seqs=2, block_size=64)
+    for key, patches in (("a", 40), ("b", 40), ("c", 24)):
+        s.add(request(key, patches=patches))
+    assert [q.request.key for q in s.admit()] == ["a", "c"]
