@@ -1,16 +1,19 @@
-"""mmcli vs transformers on the same Qwen3-VL checkpoint and images, in one run, with the machine's own limits.
+"""mmcli vs transformers on the same Qwen3-VL checkpoint and images, in one run, with the
+machine's own limits.
 
-Random weights with the real Qwen3-VL-2B-Instruct shapes (bfloat16, written once to --cache-dir), 16 images from
-224x224 to 640x480, per-image output lengths from a fixed schedule between 16 and 96 tokens (standing in for eos;
-transformers gets a per-row stopping criterion with the same lengths). Both sides compute in --dtype (default
-float32, what mmcli picks on a CPU). Each side runs in a process of its own (peak RSS is per process).
+Random weights with the real Qwen3-VL-2B-Instruct shapes (bfloat16, written once to --cache-dir),
+16 images from 224x224 to 640x480, per-image output lengths from a fixed schedule between 16 and
+96 tokens (standing in for eos; transformers gets a per-row stopping criterion with the same
+lengths). Both sides compute in --dtype (default float32, what mmcli picks on a CPU). Each side
+runs in a process of its own (peak RSS is per process).
 
-    python bench/compare_hf.py [--smoke] [--cache-dir DIR] [--dtype float32] [--hf-batch-sizes 1,4,8]
-    python bench/compare_hf.py --device cuda --dtype bfloat16 --images 256 --max-seqs 64 --hf-batch-sizes 16,64
+python bench/compare_hf.py [--smoke] [--cache-dir DIR] [--dtype float32] [--hf-batch-sizes 1,4,8]
+python bench/compare_hf.py --device cuda --dtype bfloat16 --images 256 --max-seqs 64
+--hf-batch-sizes 16,64
 
-With --images N the 16 sizes and lengths repeat. mmcli reads its inputs through its input pipeline (worker threads
-ahead of the engine) and reports the fraction of the run its engine waited for them.
-"""
+With --images N the 16 sizes and lengths repeat. mmcli reads its inputs through its input
+pipeline (worker threads ahead of the engine) and reports the fraction of the run its engine
+waited for them."""
 
 from __future__ import annotations
 
@@ -28,8 +31,24 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SIZES = [(224, 224), (640, 480), (320, 240), (512, 384), (256, 256), (480, 360), (300, 300), (640, 360),
-         (224, 336), (400, 300), (288, 288), (360, 480), (560, 420), (240, 320), (448, 448), (600, 400)]
+SIZES = [
+    (224, 224),
+    (640, 480),
+    (320, 240),
+    (512, 384),
+    (256, 256),
+    (480, 360),
+    (300, 300),
+    (640, 360),
+    (224, 336),
+    (400, 300),
+    (288, 288),
+    (360, 480),
+    (560, 420),
+    (240, 320),
+    (448, 448),
+    (600, 400),
+]
 LENGTHS = [16, 96, 32, 64, 24, 80, 48, 16, 96, 40, 72, 20, 56, 88, 32, 64]
 PROMPT = "Describe this image."
 
@@ -41,27 +60,46 @@ def make_inputs(cache: Path, smoke: bool, count: int = 16) -> tuple[Path, list[P
 
     ckpt = cache / ("tiny" if smoke else "qwen3-vl-2b-random-bf16")
     if not (ckpt / "config.json").is_file():
-        print(f"writing {'a tiny' if smoke else 'a 2B-shaped'} random checkpoint to {ckpt} (once)", flush=True)
-        make_tiny_checkpoint(ckpt, dtype="bfloat16", shapes_2b=not smoke,
-                             **({} if smoke else {"max_pixels": 16777216, "min_pixels": 65536}))
+        print(
+            f"writing {'a tiny' if smoke else 'a 2B-shaped'} random checkpoint to {ckpt} (once)",
+            flush=True,
+        )
+        make_tiny_checkpoint(
+            ckpt,
+            dtype="bfloat16",
+            shapes_2b=not smoke,
+            **({} if smoke else {"max_pixels": 16777216, "min_pixels": 65536}),
+        )
     images = []
     names = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"]
     count = 6 if smoke else count
     for n in range(count):
         w, h = SIZES[n % len(SIZES)]
-        f = cache / "images" / (f"{n:02d}_{w}x{h}.png" if n < len(SIZES) else f"{n:03d}_{w}x{h}.png")
+        f = (
+            cache
+            / "images"
+            / (f"{n:02d}_{w}x{h}.png" if n < len(SIZES) else f"{n:03d}_{w}x{h}.png")
+        )
         if not f.is_file():
             f.parent.mkdir(parents=True, exist_ok=True)
             im = Image.open(ROOT / "samples" / names[n % 4]).convert("RGB")
-            im.rotate(n // len(SIZES) * 7).resize((w, h), Image.BICUBIC).save(f)  # repeats differ: no cache hits
+            # repeats differ: no cache hits
+            im.rotate(n // len(SIZES) * 7).resize((w, h), Image.BICUBIC).save(f)
         images.append(f)
-    lengths = [max(2, n // 8) for n in LENGTHS[:count]] if smoke else [LENGTHS[n % len(LENGTHS)] for n in range(count)]
+    lengths = (
+        [max(2, n // 8) for n in LENGTHS[:count]]
+        if smoke
+        else [LENGTHS[n % len(LENGTHS)] for n in range(count)]
+    )
     return ckpt, images, lengths
 
 
 def machine_limits(device: str = "cpu", dtype: str = "float32") -> dict:
-    """Read bandwidth (sum over a 512 MiB tensor; 4 GiB on a GPU) and matmul FLOP/s, best of a few tries."""
-    x = torch.ones((1 << 30) if device == "cuda" else (128 << 20), dtype=torch.float32, device=device)
+    """Read bandwidth (sum over a 512 MiB tensor; 4 GiB on a GPU) and matmul FLOP/s, best of a
+    few tries."""
+    x = torch.ones(
+        (1 << 30) if device == "cuda" else (128 << 20), dtype=torch.float32, device=device
+    )
     x.sum()
     bw = max(x.numel() * 4 / _timed(x.sum) for _ in range(5))
     del x
@@ -86,7 +124,8 @@ def _sync() -> None:
 
 
 def phase_timers(cap) -> dict[str, float]:
-    """Seconds spent in the vision tower, in prefill (vision included) and in decode, summed as `cap` runs."""
+    """Seconds spent in the vision tower, in prefill (vision included) and in decode, summed as
+    `cap` runs."""
     spent = {"vision": 0.0, "prefill": 0.0, "decode": 0.0}
 
     def timed(name, fn):
@@ -96,6 +135,7 @@ def phase_timers(cap) -> dict[str, float]:
                 return fn(*a, **k)
             finally:
                 spent[name] += time.perf_counter() - t
+
         return wrapper
 
     for name in spent:
@@ -108,9 +148,9 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
     from dataclasses import replace
 
     from mmcli.api.labeler import Labeler
-    from mmcli.model.checkpoint import expected_shapes
     from mmcli.config import load_config
     from mmcli.inputs.prefetch import NOT_READY, default_workers, prefetch
+    from mmcli.model.checkpoint import expected_shapes
 
     cfg = load_config(None, settings)
     cap = Labeler.from_pretrained(str(ckpt), config=cfg)
@@ -125,7 +165,9 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
     def requests():  # the input pipeline `caption` uses: worker threads ahead of the engine
         workers = default_workers(cfg.inputs.workers)
         items = [(n, path, length) for n, (path, length) in enumerate(zip(images, lengths))]
-        for ready in prefetch(items, prepare, workers, max(cfg.engine.max_seqs, cfg.vision.lookahead) + workers):
+        for ready in prefetch(
+            items, prepare, workers, max(cfg.engine.max_seqs, cfg.vision.lookahead) + workers
+        ):
             yield None if ready is NOT_READY else ready[1]
 
     done = {r.key: len(r.token_ids) for r in cap.engine.generate(requests())}
@@ -138,23 +180,39 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
 
     req, _ = cap.request("solo", [images[0]], PROMPT, cap.sampling())
     runner = cap.runner
-    runner.prefill([PrefillItem(0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids)])
+    runner.prefill(
+        [PrefillItem(0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids)]
+    )
     steps = []
     for k in range(12):
         pos = len(req.input_ids) + k
         steps.append(_timed(lambda pos=pos: runner.decode([DecodeItem(0, 1, pos, req.rope_delta)])))
-    # A decode step reads every text weight but the embedding (one row of it), and the lm_head (tied or not).
+    # A decode step reads every text weight but the embedding (one row of it), and the lm_head (tied
+    # or not).
     shapes = expected_shapes(cap.model.cfg)
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}[cap.precision["weights"]]
     decode_bytes = itemsize * sum(
-        math.prod(shape) for name, shape in shapes.items()
-        if name == "lm_head.weight" or name.startswith("model.language_model.") and "embed" not in name)
+        math.prod(shape)
+        for name, shape in shapes.items()
+        if name == "lm_head.weight"
+        or name.startswith("model.language_model.")
+        and "embed" not in name
+    )
     gpu = torch.cuda.max_memory_allocated() if cap.runner.device.type == "cuda" else 0
-    return {"images_per_s": len(images) / elapsed, "seconds": elapsed, "decode_step": statistics.median(steps[2:]),
-            "weight_bytes": cap.weight_bytes, "decode_weight_bytes": decode_bytes, "kv_bytes": runner.cache.nbytes,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "gpu_peak": gpu,
-            "input_wait": cap.engine.input_wait / elapsed, "generated": sum(lengths), "spent": split,
-            "precision": cap.precision}
+    return {
+        "images_per_s": len(images) / elapsed,
+        "seconds": elapsed,
+        "decode_step": statistics.median(steps[2:]),
+        "weight_bytes": cap.weight_bytes,
+        "decode_weight_bytes": decode_bytes,
+        "kv_bytes": runner.cache.nbytes,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "gpu_peak": gpu,
+        "input_wait": cap.engine.input_wait / elapsed,
+        "generated": sum(lengths),
+        "spent": split,
+        "precision": cap.precision,
+    }
 
 
 def _hf_processor(ckpt: Path):
@@ -166,23 +224,39 @@ def _hf_processor(ckpt: Path):
     pre = json.loads((ckpt / "preprocessor_config.json").read_text())
     pre = {k: v for k, v in pre.items() if k not in ("image_processor_type", "processor_class")}
     template = json.loads((ckpt / "chat_template.json").read_text())["chat_template"]
-    ProcessorMixin.check_argument_for_proper_class = lambda *a, **k: None  # no torchvision: no video processor
+    # no torchvision: no video processor
+    ProcessorMixin.check_argument_for_proper_class = lambda *a, **k: None
     tokenizer = AutoTokenizer.from_pretrained(ckpt, padding_side="left")
-    return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessorPil(**pre), tokenizer=tokenizer,
-                            video_processor=None, chat_template=template)
+    return Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil(**pre),
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=template,
+    )
 
 
-def worker_hf(ckpt: Path, images: list[Path], lengths: list[int], dtype: str, batch_size: int,
-              device: str = "cpu") -> dict:
+def worker_hf(
+    ckpt: Path,
+    images: list[Path],
+    lengths: list[int],
+    dtype: str,
+    batch_size: int,
+    device: str = "cpu",
+) -> dict:
     from PIL import Image
     from transformers import GenerationConfig, Qwen3VLForConditionalGeneration, StoppingCriteria
 
-    model = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval().to(device)
+    model = (
+        Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=getattr(torch, dtype))
+        .eval()
+        .to(device)
+    )
     model.generation_config.eos_token_id = None
     processor = _hf_processor(ckpt)
     content = [{"type": "image"}, {"type": "text", "text": PROMPT}]
-    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
 
     class RowLengths(StoppingCriteria):
         def __init__(self, prompt_len: int, targets: list[int]):
@@ -195,44 +269,81 @@ def worker_hf(ckpt: Path, images: list[Path], lengths: list[int], dtype: str, ba
     generated = 0
     with torch.inference_mode():
         for b in range(0, len(images), batch_size):
-            chunk = [Image.open(p).convert("RGB") for p in images[b:b + batch_size]]
-            targets = lengths[b:b + batch_size]
-            inputs = processor(text=[text] * len(chunk), images=chunk, padding=True, return_tensors="pt").to(device)
+            chunk = [Image.open(p).convert("RGB") for p in images[b : b + batch_size]]
+            targets = lengths[b : b + batch_size]
+            inputs = processor(
+                text=[text] * len(chunk), images=chunk, padding=True, return_tensors="pt"
+            ).to(device)
             gen = GenerationConfig(max_new_tokens=max(targets), do_sample=False, pad_token_id=0)
-            out = model.generate(**inputs, generation_config=gen,
-                                 stopping_criteria=[RowLengths(inputs["input_ids"].shape[1], targets)])
+            out = model.generate(
+                **inputs,
+                generation_config=gen,
+                stopping_criteria=[RowLengths(inputs["input_ids"].shape[1], targets)],
+            )
             generated += (out.shape[1] - inputs["input_ids"].shape[1]) * len(chunk)
     _sync()
     elapsed = time.perf_counter() - start
-    return {"images_per_s": len(images) / elapsed, "seconds": elapsed, "batch_size": batch_size,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rows_computed": generated,
-            "gpu_peak": torch.cuda.max_memory_allocated() if device == "cuda" else 0}
+    return {
+        "images_per_s": len(images) / elapsed,
+        "seconds": elapsed,
+        "batch_size": batch_size,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rows_computed": generated,
+        "gpu_peak": torch.cuda.max_memory_allocated() if device == "cuda" else 0,
+    }
 
 
 def mmcli_settings(args) -> dict:
-    # On the CPU all 16 images in flight (the KV cache for 16 x 512 tokens is 1.9 GB in float32); the default is
+    # On the CPU all 16 images in flight (the KV cache for 16 x 512 tokens is 1.9 GB in float32);
+    # the default is
     # 8 x 4096.
-    return {"dtype": args.dtype, "device": args.device, "engine": {"max_seqs": args.max_seqs, "max_len": args.max_len},
-            **json.loads(args.settings)}
+    return {
+        "dtype": args.dtype,
+        "device": args.device,
+        "engine": {"max_seqs": args.max_seqs, "max_len": args.max_len},
+        **json.loads(args.settings),
+    }
 
 
 def run_worker(args, kind: str, batch_size: int = 0) -> dict:
-    cmd = [sys.executable, __file__, "--worker", kind, "--cache-dir", str(args.cache_dir), "--dtype", args.dtype,
-           "--batch-size", str(batch_size), "--device", args.device, "--images", str(args.images),
-           "--max-seqs", str(args.max_seqs), "--max-len", str(args.max_len), "--settings", args.settings
-           ] + (["--smoke"] if args.smoke else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        kind,
+        "--cache-dir",
+        str(args.cache_dir),
+        "--dtype",
+        args.dtype,
+        "--batch-size",
+        str(batch_size),
+        "--device",
+        args.device,
+        "--images",
+        str(args.images),
+        "--max-seqs",
+        str(args.max_seqs),
+        "--max-len",
+        str(args.max_len),
+        "--settings",
+        args.settings,
+    ] + (["--smoke"] if args.smoke else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint and few images (runs in the tests)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a tiny checkpoint and few images (runs in the tests)"
+    )
     parser.add_argument("--cache-dir", type=Path, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--hf-batch-sizes", default="1,4,8")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--images", type=int, default=16, help="images (the 16 sizes and lengths repeat)")
+    parser.add_argument(
+        "--images", type=int, default=16, help="images (the 16 sizes and lengths repeat)"
+    )
     parser.add_argument("--max-seqs", type=int, default=16, help="mmcli's sequences in flight")
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--settings", default="{}", help="more mmcli settings, JSON")
@@ -240,36 +351,59 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cache_dir is None:
-        args.cache_dir = Path(tempfile.gettempdir()) / "mmcli-bench" if args.smoke else ROOT / ".bench_cache"
+        args.cache_dir = (
+            Path(tempfile.gettempdir()) / "mmcli-bench" if args.smoke else ROOT / ".bench_cache"
+        )
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     ckpt, images, lengths = make_inputs(args.cache_dir, args.smoke, args.images)
     if args.worker == "mmcli":
         print(json.dumps(worker_mmcli(ckpt, images, lengths, mmcli_settings(args))))
         return
     if args.worker == "hf":
-        print(json.dumps(worker_hf(ckpt, images, lengths, args.dtype, args.batch_size, args.device)))
+        print(
+            json.dumps(worker_hf(ckpt, images, lengths, args.dtype, args.batch_size, args.device))
+        )
         return
 
     limits = machine_limits(args.device, args.dtype)
-    print(f"{len(images)} images, output lengths {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all), "
-          f"dtype {args.dtype}, {torch.get_num_threads()} threads", flush=True)
-    print(f"machine: read bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s, {args.dtype} matmul "
-          f"{limits['matmul_flops'] / 1e9:.1f} GFLOP/s", flush=True)
+    print(
+        f"{len(images)} images, output lengths {min(lengths)}-{max(lengths)} tokens "
+        f"({sum(lengths)} in all), "
+        f"dtype {args.dtype}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
+    print(
+        f"machine: read bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s, {args.dtype} matmul "
+        f"{limits['matmul_flops'] / 1e9:.1f} GFLOP/s",
+        flush=True,
+    )
     ours = run_worker(args, "mmcli")
     spent = ours["spent"]
-    print(f"mmcli: {ours['images_per_s']:.3f} images/s ({ours['seconds']:.1f} s: vision {spent['vision']:.1f} s, "
-          f"text prefill {spent['prefill'] - spent['vision']:.1f} s, decode {spent['decode']:.1f} s)", flush=True)
+    print(
+        f"mmcli: {ours['images_per_s']:.3f} images/s ({ours['seconds']:.1f} s: vision "
+        f"{spent['vision']:.1f} s, "
+        f"text prefill {spent['prefill'] - spent['vision']:.1f} s, decode {spent['decode']:.1f} s)",
+        flush=True,
+    )
     theirs = []
     for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
         theirs.append(run_worker(args, "hf", bs))
-        print(f"transformers, batch {bs}: {theirs[-1]['images_per_s']:.3f} images/s "
-              f"({theirs[-1]['seconds']:.1f} s)", flush=True)
+        print(
+            f"transformers, batch {bs}: {theirs[-1]['images_per_s']:.3f} images/s "
+            f"({theirs[-1]['seconds']:.1f} s)",
+            flush=True,
+        )
     best = max(theirs, key=lambda r: r["images_per_s"])
-    # The machine's limits are what it can do at best: measured again at the end (a shared machine, or the writeback
+    # The machine's limits are what it can do at best: measured again at the end (a shared machine,
+    # or the writeback
     # of a freshly written checkpoint, can slow one measurement), the higher figure counts.
     after = machine_limits(args.device, args.dtype)
-    print(f"machine, after the runs: read bandwidth {after['bandwidth'] / 1e9:.1f} GB/s, {args.dtype} matmul "
-          f"{after['matmul_flops'] / 1e9:.1f} GFLOP/s", flush=True)
+    print(
+        f"machine, after the runs: read bandwidth {after['bandwidth'] / 1e9:.1f} GB/s, "
+        f"{args.dtype} matmul "
+        f"{after['matmul_flops'] / 1e9:.1f} GFLOP/s",
+        flush=True,
+    )
     bandwidth = max(limits["bandwidth"], after["bandwidth"])
     bound = ours["decode_weight_bytes"] / bandwidth
     budget = ours["weight_bytes"] + ours["kv_bytes"]
@@ -277,18 +411,30 @@ def main() -> None:
     print("| measure | value |")
     print("|---|---|")
     print(f"| mmcli images/s | {ours['images_per_s']:.3f} |")
-    print(f"| transformers images/s (best: batch {best['batch_size']}) | {best['images_per_s']:.3f} |")
+    print(
+        f"| transformers images/s (best: batch {best['batch_size']}) | {best['images_per_s']:.3f} |"
+    )
     print(f"| mmcli decode step, batch 1 | {ours['decode_step'] * 1000:.1f} ms |")
-    print(f"| decode weight bytes / read bandwidth ({bandwidth / 1e9:.1f} GB/s) | {bound * 1000:.1f} ms "
-          f"(step is {ours['decode_step'] / bound:.2f}x) |")
+    print(
+        f"| decode weight bytes / read bandwidth ({bandwidth / 1e9:.1f} GB/s) | {bound * 1000:.1f} "
+        "ms "
+        f"(step is {ours['decode_step'] / bound:.2f}x) |"
+    )
     print(f"| mmcli peak RSS | {ours['peak_rss'] / 2**30:.2f} GiB |")
     if args.device == "cuda":
-        print(f"| GPU memory peak, mmcli / transformers (best) | {ours['gpu_peak'] / 2**30:.2f} / "
-              f"{best['gpu_peak'] / 2**30:.2f} GiB |")
+        print(
+            f"| GPU memory peak, mmcli / transformers (best) | {ours['gpu_peak'] / 2**30:.2f} / "
+            f"{best['gpu_peak'] / 2**30:.2f} GiB |"
+        )
     print(f"| mmcli engine waiting for inputs | {100 * ours['input_wait']:.1f}% of the run |")
-    print(f"| weight bytes + KV cache bytes | {ours['weight_bytes'] / 2**30:.2f} + {ours['kv_bytes'] / 2**30:.2f} GiB "
-          f"(RSS is {ours['peak_rss'] / budget:.2f}x) |")
-    print(f"images/s ratio (mmcli / transformers): {ours['images_per_s'] / best['images_per_s']:.2f}")
+    print(
+        f"| weight bytes + KV cache bytes | {ours['weight_bytes'] / 2**30:.2f} + "
+        f"{ours['kv_bytes'] / 2**30:.2f} GiB "
+        f"(RSS is {ours['peak_rss'] / budget:.2f}x) |"
+    )
+    print(
+        f"images/s ratio (mmcli / transformers): {ours['images_per_s'] / best['images_per_s']:.2f}"
+    )
 
 
 if __name__ == "__main__":

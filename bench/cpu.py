@@ -1,17 +1,18 @@
-"""The CPU paths side by side, in one run, each side in a process of its own, as ratios (issue 13's bench).
+"""The CPU paths side by side, in one run, each side in a process of its own, as ratios (issue
+13's bench).
 
-(a) images/s on compare_hf's 16 images and output lengths: `dtype: float32` (float32 weights, packed), the default
-    (the checkpoint's bfloat16 weights, float32 compute) and `quantize: int8`, against the float32 path and against
-    transformers (float32, its best batch size of --hf-batch-sizes);
-(b) `mmcli ask` for one 448x448 image and 16 tokens: wall time split into start, load, vision, prefill, decode, next
-    to its floor = checkpoint bytes / read bandwidth + FLOPs / float32 matmul peak + decode weight bytes / bandwidth;
-(c) peak RSS against weight bytes + KV bytes used (each (a) run, and the ask);
-(d) int8 against the unquantized run, teacher-forced on the default run's greedy tokens: top-1 agreement and mean
-    |difference| of the reference token's log-prob, on the 2B-shaped checkpoint and on a tiny one whose decoder
-    RMSNorm weights carry three channels scaled by 30 (outliers in the activations, as real models show).
+(a) images/s on compare_hf's 16 images and output lengths: `dtype: float32` (float32 weights,
+packed), the default (the checkpoint's bfloat16 weights, float32 compute) and `quantize: int8`,
+against the float32 path and against transformers (float32, its best batch size of
+--hf-batch-sizes); (b) `mmcli ask` for one 448x448 image and 16 tokens: wall time split into
+start, load, vision, prefill, decode, next to its floor = checkpoint bytes / read bandwidth +
+FLOPs / float32 matmul peak + decode weight bytes / bandwidth; (c) peak RSS against weight bytes
++ KV bytes used (each (a) run, and the ask); (d) int8 against the unquantized run, teacher-forced
+on the default run's greedy tokens: top-1 agreement and mean |difference| of the reference
+token's log-prob, on the 2B-shaped checkpoint and on a tiny one whose decoder RMSNorm weights
+carry three channels scaled by 30 (outliers in the activations, as real models show).
 
-    python bench/cpu.py [--smoke] [--hf-batch-sizes 1,8] [--skip-hf]
-"""
+python bench/cpu.py [--smoke] [--hf-batch-sizes 1,8] [--skip-hf]"""
 
 from __future__ import annotations
 
@@ -31,52 +32,85 @@ import torch
 from mmcli.testing import make_outlier_checkpoint
 
 ASK_IMAGE = 14  # compare_hf's 448x448 image
-PATHS = {"float32": {"dtype": "float32"}, "default": {"dtype": "auto"}, "int8": {"dtype": "auto", "quantize": "int8"}}
+PATHS = {
+    "float32": {"dtype": "float32"},
+    "default": {"dtype": "auto"},
+    "int8": {"dtype": "auto", "quantize": "int8"},
+}
 
 
 def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
-    """What `mmcli ask` does, through the same API, timed by phase (the parent adds the interpreter's start)."""
+    """What `mmcli ask` does, through the same API, timed by phase (the parent adds the
+    interpreter's start)."""
     from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
 
     imported = time.perf_counter()
-    cap = Labeler.from_pretrained(str(ckpt), config=load_config(None, {"device": "cpu", **settings}))
+    cap = Labeler.from_pretrained(
+        str(ckpt), config=load_config(None, {"device": "cpu", **settings})
+    )
     loaded = time.perf_counter()
     spent = compare_hf.phase_timers(cap)
     result = cap.ask([image], compare_hf.PROMPT, max_new_tokens=16)
     done = time.perf_counter()
     assert result.ok, result.error
-    return {"imports": imported - started, "load": loaded - imported, "ask": done - loaded, "spent": spent,
-            "tokens": len(result.token_ids), "image_tokens": result.num_image_tokens,
-            "input_tokens": result.num_input_tokens,
-            "weight_bytes": cap.weight_bytes, "kv_bytes": cap.runner.cache.nbytes,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {
+        "imports": imported - started,
+        "load": loaded - imported,
+        "ask": done - loaded,
+        "spent": spent,
+        "tokens": len(result.token_ids),
+        "image_tokens": result.num_image_tokens,
+        "input_tokens": result.num_input_tokens,
+        "weight_bytes": cap.weight_bytes,
+        "kv_bytes": cap.runner.cache.nbytes,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
 
 
-def teacher_forced(ckpt: Path, image: Path, settings: dict, tokens: list[int] | None, count: int) -> dict:
-    """Log-probs of every generated position given the reference tokens (generated here when `tokens` is None)."""
+def teacher_forced(
+    ckpt: Path, image: Path, settings: dict, tokens: list[int] | None, count: int
+) -> dict:
+    """Log-probs of every generated position given the reference tokens (generated here when
+    `tokens` is None)."""
     from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
     from mmcli.engine.positions import rope_index
     from mmcli.engine.runner import PrefillItem
 
-    cap = Labeler.from_pretrained(str(ckpt), config=load_config(None, {"device": "cpu", **settings}))
+    cap = Labeler.from_pretrained(
+        str(ckpt), config=load_config(None, {"device": "cpu", **settings})
+    )
     if tokens is None:
-        tokens = cap.ask([image], compare_hf.PROMPT, max_new_tokens=count).token_ids  # eos may end it sooner
+        # eos may end it sooner
+        tokens = cap.ask([image], compare_hf.PROMPT, max_new_tokens=count).token_ids
     req, _ = cap.request("k", [image], compare_hf.PROMPT, cap.sampling())
     ids = list(req.input_ids) + tokens[:-1]
-    rotary, _ = rope_index(ids, req.vision_grids, cap.model.cfg.image_token_id, cap.model.cfg.vision.spatial_merge_size)
+    rotary, _ = rope_index(
+        ids, req.vision_grids, cap.model.cfg.image_token_id, cap.model.cfg.vision.spatial_merge_size
+    )
     with torch.inference_mode():
-        hidden = cap.runner.forward_prompts([PrefillItem(0, ids, rotary, req.pixel_values, req.vision_grids)])
-        logprobs = torch.log_softmax(cap.model.lm_head(hidden[len(req.input_ids) - 1:]).float(), -1)
-    return {"tokens": tokens, "top1": logprobs.argmax(-1).tolist(),
-            "reference_logprob": logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()}
+        hidden = cap.runner.forward_prompts(
+            [PrefillItem(0, ids, rotary, req.pixel_values, req.vision_grids)]
+        )
+        logprobs = torch.log_softmax(
+            cap.model.lm_head(hidden[len(req.input_ids) - 1 :]).float(), -1
+        )
+    return {
+        "tokens": tokens,
+        "top1": logprobs.argmax(-1).tolist(),
+        "reference_logprob": logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist(),
+    }
 
 
 def run(args, *worker_args: str) -> tuple[dict, float]:
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, __file__, *worker_args, "--cache-dir", str(args.cache_dir)]
-                         + (["--smoke"] if args.smoke else []), capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, __file__, *worker_args, "--cache-dir", str(args.cache_dir)]
+        + (["--smoke"] if args.smoke else []),
+        capture_output=True,
+        text=True,
+    )
     if out.returncode:
         sys.exit(f"{' '.join(worker_args[:2])} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1]), time.perf_counter() - start
@@ -84,18 +118,47 @@ def run(args, *worker_args: str) -> tuple[dict, float]:
 
 def agreement(args, ckpt: Path, image: Path, label: str) -> str:
     count = 8 if args.smoke else 32
-    reference, _ = run(args, "--worker", "forced", "--ckpt", str(ckpt), "--image", str(image), "--settings", "{}",
-                       "--count", str(count))
-    quantized, _ = run(args, "--worker", "forced", "--ckpt", str(ckpt), "--image", str(image), "--settings",
-                       json.dumps(PATHS["int8"]), "--tokens", json.dumps(reference["tokens"]))
+    reference, _ = run(
+        args,
+        "--worker",
+        "forced",
+        "--ckpt",
+        str(ckpt),
+        "--image",
+        str(image),
+        "--settings",
+        "{}",
+        "--count",
+        str(count),
+    )
+    quantized, _ = run(
+        args,
+        "--worker",
+        "forced",
+        "--ckpt",
+        str(ckpt),
+        "--image",
+        str(image),
+        "--settings",
+        json.dumps(PATHS["int8"]),
+        "--tokens",
+        json.dumps(reference["tokens"]),
+    )
     count = len(reference["tokens"])
     same = sum(a == b for a, b in zip(reference["top1"], quantized["top1"])) / count
-    diff = sum(abs(a - b) for a, b in zip(reference["reference_logprob"], quantized["reference_logprob"])) / count
+    diff = (
+        sum(
+            abs(a - b)
+            for a, b in zip(reference["reference_logprob"], quantized["reference_logprob"])
+        )
+        / count
+    )
     return f"| {label} | {count} | {100 * same:.1f}% | {diff:.4f} |"
 
 
 def start_times() -> None:
-    """`mmcli --help`, `config show` and `plan` (no torch): best of 5 wall times each, as a user's shell runs them."""
+    """`mmcli --help`, `config show` and `plan` (no torch): best of 5 wall times each, as a
+    user's shell runs them."""
     mmcli = shutil.which("mmcli") or "mmcli"
     for command in (["--help"], ["config", "show"], ["plan", "--tokens", "512,256"]):
         best = math.inf
@@ -107,42 +170,86 @@ def start_times() -> None:
 
 
 def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
-    """(b) and (c) for `mmcli ask`: the instrumented run, then the real command for its wall time and peak RSS."""
+    """(b) and (c) for `mmcli ask`: the instrumented run, then the real command for its wall time
+    and peak RSS."""
     from mmcli.model.checkpoint import expected_shapes
     from mmcli.model.config import parse_config
 
-    timed, wall = run(args, "--worker", "ask", "--ckpt", str(ckpt), "--image", str(image), "--settings", "{}")
-    command = [shutil.which("mmcli") or "mmcli", "ask", "--model", str(ckpt), "--device", "cpu", "--image",
-               str(image), "--max-new-tokens", "16", compare_hf.PROMPT]
-    # A fresh interpreter runs the command and reports its peak RSS (RUSAGE_CHILDREN here would be the largest of
+    timed, wall = run(
+        args, "--worker", "ask", "--ckpt", str(ckpt), "--image", str(image), "--settings", "{}"
+    )
+    command = [
+        shutil.which("mmcli") or "mmcli",
+        "ask",
+        "--model",
+        str(ckpt),
+        "--device",
+        "cpu",
+        "--image",
+        str(image),
+        "--max-new-tokens",
+        "16",
+        compare_hf.PROMPT,
+    ]
+    # A fresh interpreter runs the command and reports its peak RSS (RUSAGE_CHILDREN here would be
+    # the largest of
     # every child this bench has waited for, the float32 worker included).
-    probe = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
-             "subprocess.run(sys.argv[1:], check=True, capture_output=True); "
-             "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
-    out = subprocess.run([sys.executable, "-c", probe, *command], check=True, capture_output=True, text=True)
+    probe = (
+        "import resource, subprocess, sys, time; t = time.perf_counter(); "
+        "subprocess.run(sys.argv[1:], check=True, capture_output=True); "
+        "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * "
+        "1024)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *command], check=True, capture_output=True, text=True
+    )
     cli_wall, cli_rss = (float(v) for v in out.stdout.split())
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
     shapes = expected_shapes(cfg)
-    vision = sum(math.prod(s) for n, s in shapes.items() if ".visual." in n or n.startswith("model.visual"))
-    text = sum(math.prod(s) for n, s in shapes.items() if n.startswith("model.language_model.") and "embed" not in n)
+    vision = sum(
+        math.prod(s) for n, s in shapes.items() if ".visual." in n or n.startswith("model.visual")
+    )
+    text = sum(
+        math.prod(s)
+        for n, s in shapes.items()
+        if n.startswith("model.language_model.") and "embed" not in n
+    )
     head = cfg.text.vocab_size * cfg.text.hidden_size
-    patches = timed["image_tokens"] * cfg.vision.spatial_merge_size ** 2
+    patches = timed["image_tokens"] * cfg.vision.spatial_merge_size**2
     flops = 2 * (vision * patches + (text + head / timed["input_tokens"]) * timed["input_tokens"])
     checkpoint_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    floor = {"read checkpoint": checkpoint_bytes / limits["bandwidth"], "compute": flops / limits["matmul_flops"],
-             "decode weights": 15 * 2 * (text + head) / limits["bandwidth"]}
+    floor = {
+        "read checkpoint": checkpoint_bytes / limits["bandwidth"],
+        "compute": flops / limits["matmul_flops"],
+        "decode weights": 15 * 2 * (text + head) / limits["bandwidth"],
+    }
     s = timed["spent"]
     start_s = wall - timed["load"] - timed["ask"]
-    print(f"\n(b) mmcli ask, one 448x448 image, {timed['tokens']} tokens ({timed['input_tokens']} prompt tokens):")
-    print(f"instrumented: {wall:.1f} s = start {start_s:.1f} + load {timed['load']:.1f} + vision {s['vision']:.1f} "
-          f"+ text prefill {s['prefill'] - s['vision']:.1f} + decode {s['decode']:.1f} + rest "
-          f"{timed['ask'] - s['prefill'] - s['decode']:.1f}")
-    print(f"floor: {sum(floor.values()):.1f} s = " + " + ".join(f"{k} {v:.1f}" for k, v in floor.items())
-          + f" ({flops / 1e12:.2f} TFLOP)")
-    print(f"the command itself: {cli_wall:.1f} s wall = {cli_wall / sum(floor.values()):.2f}x the floor")
+    print(
+        f"\n(b) mmcli ask, one 448x448 image, {timed['tokens']} tokens ({timed['input_tokens']} "
+        "prompt tokens):"
+    )
+    print(
+        f"instrumented: {wall:.1f} s = start {start_s:.1f} + load {timed['load']:.1f} + vision "
+        f"{s['vision']:.1f} "
+        f"+ text prefill {s['prefill'] - s['vision']:.1f} + decode {s['decode']:.1f} + rest "
+        f"{timed['ask'] - s['prefill'] - s['decode']:.1f}"
+    )
+    print(
+        f"floor: {sum(floor.values()):.1f} s = "
+        + " + ".join(f"{k} {v:.1f}" for k, v in floor.items())
+        + f" ({flops / 1e12:.2f} TFLOP)"
+    )
+    print(
+        f"the command itself: {cli_wall:.1f} s wall = {cli_wall / sum(floor.values()):.2f}x the "
+        "floor"
+    )
     used = timed["weight_bytes"] + timed["kv_bytes"]
-    print(f"(c) ask peak RSS {cli_rss / 2**30:.2f} GiB against weights + KV {timed['weight_bytes'] / 2**30:.2f} + "
-          f"{timed['kv_bytes'] / 2**30:.3f} GiB: {cli_rss / used:.2f}x")
+    print(
+        f"(c) ask peak RSS {cli_rss / 2**30:.2f} GiB against weights + KV "
+        f"{timed['weight_bytes'] / 2**30:.2f} + "
+        f"{timed['kv_bytes'] / 2**30:.3f} GiB: {cli_rss / used:.2f}x"
+    )
 
 
 def main() -> None:
@@ -158,49 +265,93 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     if args.worker == "ask":
-        print(json.dumps(ask_worker(Path(args.ckpt), Path(args.image), json.loads(args.settings), started)))
+        print(
+            json.dumps(
+                ask_worker(Path(args.ckpt), Path(args.image), json.loads(args.settings), started)
+            )
+        )
         return
     if args.worker == "forced":
         tokens = json.loads(args.tokens) if args.tokens else None
-        print(json.dumps(teacher_forced(Path(args.ckpt), Path(args.image), json.loads(args.settings), tokens,
-                                        args.count)))
+        print(
+            json.dumps(
+                teacher_forced(
+                    Path(args.ckpt), Path(args.image), json.loads(args.settings), tokens, args.count
+                )
+            )
+        )
         return
     if args.cache_dir is None:
         args.cache_dir = compare_hf.ROOT / (".bench_cache/smoke" if args.smoke else ".bench_cache")
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     ckpt, images, lengths = compare_hf.make_inputs(args.cache_dir, args.smoke)
     limits = compare_hf.machine_limits()
-    print(f"machine: read bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s, float32 matmul "
-          f"{limits['matmul_flops'] / 1e9:.1f} GFLOP/s, {torch.get_num_threads()} threads; "
-          f"{len(images)} images, {sum(lengths)} output tokens", flush=True)
-    rate_args = argparse.Namespace(cache_dir=args.cache_dir, dtype="float32", device="cpu", images=len(images),
-                                   max_seqs=16, max_len=512, smoke=args.smoke)
+    print(
+        f"machine: read bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s, float32 matmul "
+        f"{limits['matmul_flops'] / 1e9:.1f} GFLOP/s, {torch.get_num_threads()} threads; "
+        f"{len(images)} images, {sum(lengths)} output tokens",
+        flush=True,
+    )
+    rate_args = argparse.Namespace(
+        cache_dir=args.cache_dir,
+        dtype="float32",
+        device="cpu",
+        images=len(images),
+        max_seqs=16,
+        max_len=512,
+        smoke=args.smoke,
+    )
     from mmcli.model.checkpoint import expected_shapes
     from mmcli.model.config import parse_config
 
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
-    parameters = sum(math.prod(s) for n, s in expected_shapes(cfg).items()
-                     if not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+    parameters = sum(
+        math.prod(s)
+        for n, s in expected_shapes(cfg).items()
+        if not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    )
     rates = {}
     for name, settings in PATHS.items():
-        rates[name] = compare_hf.run_worker(argparse.Namespace(**vars(rate_args), settings=json.dumps(settings)),
-                                            "mmcli")
+        rates[name] = compare_hf.run_worker(
+            argparse.Namespace(**vars(rate_args), settings=json.dumps(settings)), "mmcli"
+        )
         r = rates[name]
         spent = r["spent"]
-        print(f"{name}: {r['images_per_s']:.4f} images/s ({r['seconds']:.1f} s: vision {spent['vision']:.1f}, text "
-              f"prefill {spent['prefill'] - spent['vision']:.1f}, decode {spent['decode']:.1f}; {r['precision']}); "
-              f"weights {r['weight_bytes'] / 2**30:.2f} GiB ({r['weight_bytes'] / parameters:.2f} bytes a parameter)"
-              f" + KV {r['kv_bytes'] / 2**30:.2f} GiB, peak RSS "
-              f"{r['peak_rss'] / 2**30:.2f} GiB ({r['peak_rss'] / (r['weight_bytes'] + r['kv_bytes']):.2f}x)",
-              flush=True)
-    hf = [] if args.skip_hf else [compare_hf.run_worker(argparse.Namespace(**vars(rate_args), settings="{}"), "hf",
-                                                        int(b)) for b in args.hf_batch_sizes.split(",")]
+        print(
+            f"{name}: {r['images_per_s']:.4f} images/s ({r['seconds']:.1f} s: vision "
+            f"{spent['vision']:.1f}, text "
+            f"prefill {spent['prefill'] - spent['vision']:.1f}, decode {spent['decode']:.1f}; "
+            f"{r['precision']}); "
+            f"weights {r['weight_bytes'] / 2**30:.2f} GiB ({r['weight_bytes'] / parameters:.2f} "
+            "bytes a parameter)"
+            f" + KV {r['kv_bytes'] / 2**30:.2f} GiB, peak RSS "
+            f"{r['peak_rss'] / 2**30:.2f} GiB "
+            f"({r['peak_rss'] / (r['weight_bytes'] + r['kv_bytes']):.2f}x)",
+            flush=True,
+        )
+    hf = (
+        []
+        if args.skip_hf
+        else [
+            compare_hf.run_worker(
+                argparse.Namespace(**vars(rate_args), settings="{}"), "hf", int(b)
+            )
+            for b in args.hf_batch_sizes.split(",")
+        ]
+    )
     print("\n(a) images/s | vs float32 path | vs transformers (best batch)")
     best = max(hf, key=lambda r: r["images_per_s"]) if hf else None
     for name, r in rates.items():
-        versus = f"{r['images_per_s'] / best['images_per_s']:.2f}x (batch {best['batch_size']})" if best else "-"
-        print(f"{name}: {r['images_per_s']:.4f} | {r['images_per_s'] / rates['float32']['images_per_s']:.2f}x | "
-              f"{versus}")
+        versus = (
+            f"{r['images_per_s'] / best['images_per_s']:.2f}x (batch {best['batch_size']})"
+            if best
+            else "-"
+        )
+        print(
+            f"{name}: {r['images_per_s']:.4f} | "
+            f"{r['images_per_s'] / rates['float32']['images_per_s']:.2f}x | "
+            f"{versus}"
+        )
     print("\nstart-up, no model:")
     start_times()
     ask_part(args, ckpt, images[ASK_IMAGE % len(images)], limits)
@@ -209,8 +360,14 @@ def main() -> None:
     print("|---|---|---|---|")
     print(agreement(args, ckpt, images[0], "2B-shaped random" if not args.smoke else "tiny"))
     tiny, _, _ = compare_hf.make_inputs(args.cache_dir / "tiny", smoke=True)
-    print(agreement(args, make_outlier_checkpoint(tiny, args.cache_dir / "tiny-outliers"), images[0],
-                    "tiny, RMSNorm outlier channels x30"))
+    print(
+        agreement(
+            args,
+            make_outlier_checkpoint(tiny, args.cache_dir / "tiny-outliers"),
+            images[0],
+            "tiny, RMSNorm outlier channels x30",
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
-"""mmcli against transformers on CUDA, on the tests' tiny random checkpoints (three model shapes).
+"""mmcli against transformers on CUDA, on the tests' tiny random checkpoints (three model
+shapes).
 
-float32: greedy tokens must be identical (32 tokens, text only, one image, two images). bfloat16: the share of
-positions where the two agree (teacher-forced on transformers' own tokens, so one early divergence does not count
-for every later position), with every divergence listed. Exits 1 if float32 differs or bfloat16 agrees on less
-than 90% of positions.
+float32: greedy tokens must be identical (32 tokens, text only, one image, two images). bfloat16:
+the share of positions where the two agree (teacher-forced on transformers' own tokens, so one
+early divergence does not count for every later position), with every divergence listed. Exits 1
+if float32 differs or bfloat16 agrees on less than 90% of positions.
 
-    python bench/gpu_parity.py [--device cuda]   (--device cpu checks the script itself)
-"""
+python bench/gpu_parity.py [--device cuda]   (--device cpu checks the script itself)"""
 
 from __future__ import annotations
 
@@ -26,7 +26,11 @@ from mmcli.engine.positions import rope_index  # noqa: E402
 from mmcli.engine.runner import PrefillItem  # noqa: E402
 from mmcli.testing import make_tiny_checkpoint  # noqa: E402
 
-CASES = {"text_only": [], "one_image": ["chelsea.jpg"], "two_images": ["astronaut.jpg", "coffee.jpg"]}
+CASES = {
+    "text_only": [],
+    "one_image": ["chelsea.jpg"],
+    "two_images": ["astronaut.jpg", "coffee.jpg"],
+}
 QUESTION = "Describe this image."
 TOKENS = 32
 
@@ -42,14 +46,20 @@ def reference(path: Path, dtype: torch.dtype, images: list) -> tuple[list[int], 
     model.generation_config.eos_token_id = None
     processor = hf_processor(path)
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": QUESTION}]
-    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
     inputs = processor(text=[text], images=images or None, return_tensors="pt").to(DEVICE)
-    gen = GenerationConfig(max_new_tokens=TOKENS, do_sample=False, pad_token_id=0, output_logits=True,
-                           return_dict_in_generate=True)
+    gen = GenerationConfig(
+        max_new_tokens=TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     with torch.inference_mode():
         out = model.generate(**inputs, generation_config=gen)
-    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
     return tokens, torch.stack([step[0].float() for step in out.logits])
 
 
@@ -64,10 +74,12 @@ def ours_teacher_forced(cap: Labeler, images: list, tokens: list[int]) -> list[i
     """mmcli's argmax at each position, given transformers' tokens before it."""
     req, _ = cap.request("k", images, QUESTION, cap.sampling())
     ids = req.input_ids + tokens[:-1]
-    rotary, _ = rope_index(ids, req.vision_grids, cap.model.cfg.image_token_id, cap.image_cfg.merge_size)
+    rotary, _ = rope_index(
+        ids, req.vision_grids, cap.model.cfg.image_token_id, cap.image_cfg.merge_size
+    )
     item = PrefillItem(0, ids, rotary, req.pixel_values, req.vision_grids, max_tokens=len(ids) + 1)
     with torch.inference_mode():
-        hidden = cap.runner.forward_prompts([item])[len(req.input_ids) - 1:]
+        hidden = cap.runner.forward_prompts([item])[len(req.input_ids) - 1 :]
         return cap.model.lm_head(hidden).float().argmax(-1).tolist()
 
 
@@ -85,15 +97,24 @@ def main() -> int:
                         ours = ours_greedy(cap, images)
                         same = ours == ref_tokens
                         failures += not same
-                        print(f"{variant} {case} float32: greedy tokens {'identical' if same else 'DIFFER'} "
-                              f"({TOKENS} tokens)", flush=True)
+                        print(
+                            f"{variant} {case} float32: greedy tokens "
+                            f"{'identical' if same else 'DIFFER'} "
+                            f"({TOKENS} tokens)",
+                            flush=True,
+                        )
                         continue
                     ours = ours_teacher_forced(cap, images, ref_tokens)
                     agree = sum(a == b for a, b in zip(ours, ref_tokens))
-                    diverged = [(n, a, b) for n, (a, b) in enumerate(zip(ours, ref_tokens)) if a != b]
+                    diverged = [
+                        (n, a, b) for n, (a, b) in enumerate(zip(ours, ref_tokens)) if a != b
+                    ]
                     failures += agree < 0.9 * TOKENS
-                    print(f"{variant} {case} bfloat16: {agree}/{TOKENS} positions agree; divergences "
-                          f"(position, mmcli, transformers): {diverged or 'none'}", flush=True)
+                    print(
+                        f"{variant} {case} bfloat16: {agree}/{TOKENS} positions agree; divergences "
+                        f"(position, mmcli, transformers): {diverged or 'none'}",
+                        flush=True,
+                    )
                 del cap
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()

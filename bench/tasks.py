@@ -1,13 +1,14 @@
-"""Several tasks in one pass against one task, on the 2B-shaped random checkpoint (compare_hf's), one process.
+"""Several tasks in one pass against one task, on the 2B-shaped random checkpoint (compare_hf's),
+one process.
 
-Three text tasks (caption, tags, detailed) on the same 8 images, 48 tokens each (eos set aside, so every answer
-has that length, as compare_hf does), against the caption task alone: the image is decoded and encoded once, the
-shared prompt prefix prefilled once, and the three answers decode side by side. Prints the time ratio (three
-separate runs would be about 3x). Then a JSON task under a schema (enum, integer range, strings, an array) on the
-same images: every answer checked against the schema, and the grammar's masks as a share of decode time.
+Three text tasks (caption, tags, detailed) on the same 8 images, 48 tokens each (eos set aside,
+so every answer has that length, as compare_hf does), against the caption task alone: the image
+is decoded and encoded once, the shared prompt prefix prefilled once, and the three answers
+decode side by side. Prints the time ratio (three separate runs would be about 3x). Then a JSON
+task under a schema (enum, integer range, strings, an array) on the same images: every answer
+checked against the schema, and the grammar's masks as a share of decode time.
 
-    python bench/tasks.py [--images 8] [--dtype auto] [--quantize int8] [--smoke]
-"""
+python bench/tasks.py [--images 8] [--dtype auto] [--quantize int8] [--smoke]"""
 
 from __future__ import annotations
 
@@ -20,14 +21,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_hf import ROOT, make_inputs  # noqa: E402
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["kind", "count", "title", "tags"],
-          "properties": {"kind": {"enum": ["photo", "drawing", "screenshot"]},
-                         "count": {"type": "integer", "minimum": 0, "maximum": 20},
-                         "title": {"type": "string", "maxLength": 12},
-                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2}}}
-TASKS = {"caption": {"max_new_tokens": 48}, "tags": {"max_new_tokens": 48}, "detailed": {"max_new_tokens": 48},
-         "fields": {"prompt": "Describe this image as JSON.", "output": "json", "schema": SCHEMA,
-                    "max_new_tokens": 96}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["kind", "count", "title", "tags"],
+    "properties": {
+        "kind": {"enum": ["photo", "drawing", "screenshot"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 20},
+        "title": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+    },
+}
+TASKS = {
+    "caption": {"max_new_tokens": 48},
+    "tags": {"max_new_tokens": 48},
+    "detailed": {"max_new_tokens": 48},
+    "fields": {
+        "prompt": "Describe this image as JSON.",
+        "output": "json",
+        "schema": SCHEMA,
+        "max_new_tokens": 96,
+    },
+}
 
 
 def main() -> None:
@@ -43,8 +58,16 @@ def main() -> None:
     cache = Path("/tmp/mmcli-bench") if args.smoke else ROOT / ".bench_cache"
     cache.mkdir(parents=True, exist_ok=True)
     ckpt, images, _ = make_inputs(cache, args.smoke, args.images)
-    cfg = load_config(None, {"dtype": args.dtype, "device": "cpu", "tasks": TASKS, "quantize": args.quantize,
-                             "engine": {"max_seqs": 3 * args.images, "max_len": 1024}})
+    cfg = load_config(
+        None,
+        {
+            "dtype": args.dtype,
+            "device": "cpu",
+            "tasks": TASKS,
+            "quantize": args.quantize,
+            "engine": {"max_seqs": 3 * args.images, "max_len": 1024},
+        },
+    )
     cap = Labeler.from_pretrained(str(ckpt), config=cfg)
     decode = {"seconds": 0.0}
     runner_decode = cap.runner.decode
@@ -60,25 +83,35 @@ def main() -> None:
     items = [(f"img{n}", path) for n, path in enumerate(images)]
     times = {}
     stop_ids = cap.requests.stop_ids
-    runs = (("one task (caption)", ["caption"]), ("three tasks (caption, tags, detailed)",
-                                                  ["caption", "tags", "detailed"]), ("json task (fields)", ["fields"]))
+    runs = (
+        ("one task (caption)", ["caption"]),
+        ("three tasks (caption, tags, detailed)", ["caption", "tags", "detailed"]),
+        ("json task (fields)", ["fields"]),
+    )
     for name, tasks in runs:
         cap.runner.encoder.cache.clear()  # each run encodes its images itself
         decode["seconds"], cap.runner.mask_seconds = 0.0, 0.0
-        cap.requests.stop_ids = stop_ids if tasks == ["fields"] else frozenset()  # text answers: all 48 tokens
+        # text answers: all 48 tokens
+        cap.requests.stop_ids = stop_ids if tasks == ["fields"] else frozenset()
         started = time.perf_counter()
         results = list(cap.label(items, tasks=tasks))
         times[name] = time.perf_counter() - started
-        print(f"{name}: {times[name]:.1f} s for {len(images)} images, {len(results)} labels, decode "
-              f"{decode['seconds']:.1f} s, grammar masks {cap.runner.mask_seconds:.2f} s "
-              f"({100 * cap.runner.mask_seconds / max(decode['seconds'], 1e-9):.1f}% of decode)", flush=True)
+        print(
+            f"{name}: {times[name]:.1f} s for {len(images)} images, {len(results)} labels, decode "
+            f"{decode['seconds']:.1f} s, grammar masks {cap.runner.mask_seconds:.2f} s "
+            f"({100 * cap.runner.mask_seconds / max(decode['seconds'], 1e-9):.1f}% of decode)",
+            flush=True,
+        )
     fields = [r for r in results if r.task == "fields"]
     import jsonschema
 
     for r in fields:
         if r.ok:
             jsonschema.validate(json.loads(r.text), SCHEMA)
-    print(f"JSON answers: {sum(r.ok for r in fields)} of {len(fields)} ok, every ok one valid under the schema")
+    print(
+        f"JSON answers: {sum(r.ok for r in fields)} of {len(fields)} ok, every ok one valid under "
+        "the schema"
+    )
     ratio = times["three tasks (caption, tags, detailed)"] / times["one task (caption)"]
     print(f"time ratio (three tasks in one pass / one task): {ratio:.2f}")
 

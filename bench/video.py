@@ -1,11 +1,12 @@
-"""Seconds per video-minute on the CPU: FFmpeg decoding (PyAV) apart from the model, at the default settings.
+"""Seconds per video-minute on the CPU: FFmpeg decoding (PyAV) apart from the model, at the
+default settings.
 
-A 60 s, 1280x720, 30 fps H.264 clip (a photo panned and zoomed, so the codec has real work), written once under
---cache-dir; the 2B-shaped random checkpoint of compare_hf; `mmcli caption`'s defaults (fps 2 from the checkpoint,
-video.max_pixels over all frames), one caption of --max-new-tokens tokens.
+A 60 s, 1280x720, 30 fps H.264 clip (a photo panned and zoomed, so the codec has real work),
+written once under --cache-dir; the 2B-shaped random checkpoint of compare_hf; `mmcli caption`'s
+defaults (fps 2 from the checkpoint, video.max_pixels over all frames), one caption of
+--max-new-tokens tokens.
 
-    python bench/video.py [--smoke] [--seconds 60] [--max-new-tokens 64]
-"""
+python bench/video.py [--smoke] [--seconds 60] [--max-new-tokens 64]"""
 
 from __future__ import annotations
 
@@ -16,16 +17,24 @@ from pathlib import Path
 import compare_hf
 
 
-def make_clip(path: Path, seconds: float, width: int = 1280, height: int = 720, fps: int = 30) -> Path:
+def make_clip(
+    path: Path, seconds: float, width: int = 1280, height: int = 720, fps: int = 30
+) -> Path:
     import av
     import numpy as np
     from PIL import Image
 
     if path.is_file():
         return path
-    photo = Image.open(compare_hf.ROOT / "samples" / "astronaut.jpg").convert("RGB").resize((width * 2, height * 2))
+    photo = (
+        Image.open(compare_hf.ROOT / "samples" / "astronaut.jpg")
+        .convert("RGB")
+        .resize((width * 2, height * 2))
+    )
     with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=fps, options={"preset": "veryfast", "crf": "23"})
+        stream = container.add_stream(
+            "libx264", rate=fps, options={"preset": "veryfast", "crf": "23"}
+        )
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for k in range(int(seconds * fps)):
             phase = k / (seconds * fps)
@@ -45,7 +54,9 @@ def main() -> None:
     args = parser.parse_args()
     seconds = 4.0 if args.smoke else args.seconds
     args.cache_dir.mkdir(parents=True, exist_ok=True)
-    ckpt, _, _ = compare_hf.make_inputs(args.cache_dir / ("smoke" if args.smoke else ""), args.smoke)
+    ckpt, _, _ = compare_hf.make_inputs(
+        args.cache_dir / ("smoke" if args.smoke else ""), args.smoke
+    )
     clip = make_clip(args.cache_dir / f"clip_{seconds:g}s_720p.mp4", seconds)
 
     from mmcli.api.labeler import Labeler
@@ -63,15 +74,25 @@ def main() -> None:
     assert result.ok, result.error
     info = result.images[0]
     minutes = video.duration / 60
-    print(f"clip: {video.duration:.0f} s, {info['width']}x{info['height']} at {video.source_fps:.0f} fps; "
-          f"{len(video.frames)} frames sampled ({video.frames_decoded} decoded), {cap.precision}")
-    print(f"prompt: {result.num_input_tokens} tokens ({result.num_image_tokens} visual), "
-          f"{len(result.token_ids)} generated")
+    print(
+        f"clip: {video.duration:.0f} s, {info['width']}x{info['height']} at {video.source_fps:.0f} "
+        "fps; "
+        f"{len(video.frames)} frames sampled ({video.frames_decoded} decoded), {cap.precision}"
+    )
+    print(
+        f"prompt: {result.num_input_tokens} tokens ({result.num_image_tokens} visual), "
+        f"{len(result.token_ids)} generated"
+    )
     model = total - decode  # ask decodes the file again; its own decoding is the measured `decode`
-    print(f"FFmpeg decoding and sampling: {decode:.2f} s ({decode / minutes:.2f} s per video-minute)")
-    print(f"preprocessing and model: {model:.1f} s (vision {spent['vision']:.1f}, text prefill "
-          f"{spent['prefill'] - spent['vision']:.1f}, decode {spent['decode']:.1f}) = {model / minutes:.1f} s per "
-          "video-minute")
+    print(
+        f"FFmpeg decoding and sampling: {decode:.2f} s ({decode / minutes:.2f} s per video-minute)"
+    )
+    print(
+        f"preprocessing and model: {model:.1f} s (vision {spent['vision']:.1f}, text prefill "
+        f"{spent['prefill'] - spent['vision']:.1f}, decode {spent['decode']:.1f}) = "
+        f"{model / minutes:.1f} s per "
+        "video-minute"
+    )
     print(f"in all: {total / minutes:.1f} s per video-minute")
 
 

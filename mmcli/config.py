@@ -20,7 +20,8 @@ from mmcli.model.config import DEFAULT_MODEL, QWEN_MERGE_SIZE, QWEN_PATCH_SIZE
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a request's tokens are chosen, and how many: the `generation` settings, and each request's own."""
+    """How a request's tokens are chosen, and how many: the `generation` settings, and each
+    request's own."""
 
     temperature: float = 0.0  # 0 is greedy
     top_p: float = 1.0
@@ -30,12 +31,17 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        _refuse(self, "generation.", [
-            ("max_new_tokens", self.max_new_tokens >= 1, "at least 1"),
-            ("temperature", self.temperature >= 0, "0 or more"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k >= 0, "0 or more"),
-            ("repetition_penalty", self.repetition_penalty > 0, "above 0")])
+        _refuse(
+            self,
+            "generation.",
+            [
+                ("max_new_tokens", self.max_new_tokens >= 1, "at least 1"),
+                ("temperature", self.temperature >= 0, "0 or more"),
+                ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+                ("top_k", self.top_k >= 0, "0 or more"),
+                ("repetition_penalty", self.repetition_penalty > 0, "above 0"),
+            ],
+        )
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -49,26 +55,42 @@ OUTPUTS = ("text", "json", "boxes")
 class TaskConfig:
     """One label to make per image (see mmcli/tasks.py for the presets and the placeholders)."""
 
-    prompt: str = ""  # the question; placeholders {filename} {stem} {folder} {sidecar}; "" (caption): `prompt`
-    output: str = "text"  # text, json (with `schema`), or boxes (Qwen3-VL's bbox_2d JSON, in pixels)
-    schema: dict | None = None  # JSON Schema the answer must match (output json): decoding is constrained to it
+    # the question; placeholders {filename} {stem} {folder} {sidecar}; "" (caption): `prompt`
+    prompt: str = ""
+    # text, json (with `schema`), or boxes (Qwen3-VL's bbox_2d JSON, in pixels)
+    output: str = "text"
+    # JSON Schema the answer must match (output json): decoding is constrained to it
+    schema: dict | None = None
     max_new_tokens: int | None = None  # None: generation.max_new_tokens
     temperature: float | None = None  # None: generation.temperature
-    sidecar: str | None = None  # this task's sidecar extension (--sidecar applies to the first task)
+    # this task's sidecar extension (--sidecar applies to the first task)
+    sidecar: str | None = None
     prefix: str = ""  # put before the answer in `text` and the sidecar (a trigger word, say)
     suffix: str = ""  # put after it
 
 
 PRESET_TASKS = {
     "caption": TaskConfig(),
-    "detailed": TaskConfig(prompt="Describe this image in detail: the subjects, what they do, the setting, the "
-                           "colours, the light and the composition.", max_new_tokens=256),
-    "tags": TaskConfig(prompt="List the main subjects, objects and attributes in this image as short "
-                       "comma-separated tags.", max_new_tokens=64),
-    "ocr": TaskConfig(prompt="Read all the text in this image exactly as written. Answer with the text only.",
-                      max_new_tokens=256),
-    "detect": TaskConfig(prompt="Locate every distinct object in this image. Answer in JSON: a list of "
-                         '{{"bbox_2d": [x1, y1, x2, y2], "label": "name"}}.', output="boxes", max_new_tokens=512),
+    "detailed": TaskConfig(
+        prompt="Describe this image in detail: the subjects, what they do, the setting, the "
+        "colours, the light and the composition.",
+        max_new_tokens=256,
+    ),
+    "tags": TaskConfig(
+        prompt="List the main subjects, objects and attributes in this image as short "
+        "comma-separated tags.",
+        max_new_tokens=64,
+    ),
+    "ocr": TaskConfig(
+        prompt="Read all the text in this image exactly as written. Answer with the text only.",
+        max_new_tokens=256,
+    ),
+    "detect": TaskConfig(
+        prompt="Locate every distinct object in this image. Answer in JSON: a list of "
+        '{{"bbox_2d": [x1, y1, x2, y2], "label": "name"}}.',
+        output="boxes",
+        max_new_tokens=512,
+    ),
 }
 
 
@@ -76,17 +98,21 @@ PRESET_TASKS = {
 class ImageConfig:
     min_pixels: int | None = None  # None: the checkpoint's preprocessor_config.json
     max_pixels: int = 1_310_720  # cap on the checkpoint's own max_pixels (1280 visual tokens)
-    max_decode_pixels: int = 134_217_728  # refuse larger files before decoding (decompression bombs)
+    # refuse larger files before decoding (decompression bombs)
+    max_decode_pixels: int = 134_217_728
 
 
 @dataclass(frozen=True)
 class VideoConfig:
-    fps: float | None = None  # frames sampled a second; None: the checkpoint's video_preprocessor_config.json (2)
-    num_frames: int | None = None  # exactly this many frames instead (excludes fps, as in the reference)
+    # frames sampled a second; None: the checkpoint's video_preprocessor_config.json (2)
+    fps: float | None = None
+    # exactly this many frames instead (excludes fps, as in the reference)
+    num_frames: int | None = None
     min_frames: int | None = None  # None: the checkpoint's (4)
     max_frames: int | None = None  # None: the checkpoint's (768)
     min_pixels: int | None = None  # over all frames of one video; None: the checkpoint's
-    max_pixels: int = 3_145_728  # cap on the checkpoint's budget over all frames (3072 visual tokens a video)
+    # cap on the checkpoint's budget over all frames (3072 visual tokens a video)
+    max_pixels: int = 3_145_728
     max_decode_pixels: int = 67_108_864  # refuse larger frames before decoding
 
 
@@ -99,7 +125,16 @@ class VisionBlocksConfig:
 
 @dataclass(frozen=True)
 class ScanConfig:
-    extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+    extensions: tuple[str, ...] = (
+        ".jpg",
+        ".jpeg",
+        ".png",
+        ".webp",
+        ".bmp",
+        ".gif",
+        ".tif",
+        ".tiff",
+    )
     video_extensions: tuple[str, ...] = (".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v")
 
     def is_video(self, name: str | Path) -> bool:
@@ -108,7 +143,8 @@ class ScanConfig:
 
 @dataclass(frozen=True)
 class InputsConfig:
-    workers: int = 0  # threads decoding and preprocessing ahead of the engine; 0: one per core but one
+    # threads decoding and preprocessing ahead of the engine; 0: one per core but one
+    workers: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,12 +156,28 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class CompileConfig:
-    backend: str = "auto"  # eager, inductor, neuron; auto = eager on the CPU and CUDA (bench/compile_speed.py)
-    cache_dir: str = "~/.cache/mmcli/compile"  # compiled buckets and their manifest (created user-only)
-    prefill_buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096)  # padded prompt lengths, one prompt per call
+    # eager, inductor, neuron; auto = eager on the CPU and CUDA (bench/compile_speed.py)
+    backend: str = "auto"
+    # compiled buckets and their manifest (created user-only)
+    cache_dir: str = "~/.cache/mmcli/compile"
+    # padded prompt lengths, one prompt per call
+    prefill_buckets: tuple[int, ...] = (
+        256,
+        512,
+        1024,
+        2048,
+        4096,
+    )
     decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)  # sequences per decode step, padded
-    decode_context_buckets: tuple[int, ...] = (512, 1024, 2048, 4096)  # KV columns a decode step reads, padded
-    cuda_graphs: bool = True  # eager backend on CUDA: decode steps replayed from CUDA graphs per bucket
+    # KV columns a decode step reads, padded
+    decode_context_buckets: tuple[int, ...] = (
+        512,
+        1024,
+        2048,
+        4096,
+    )
+    # eager backend on CUDA: decode steps replayed from CUDA graphs per bucket
+    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)
@@ -136,7 +188,8 @@ class Config:
     quantize: str = "none"  # none or int8 (CPU)
     device: str = "auto"
     prompt: str = "Describe this image."
-    task: tuple[str, ...] = ("caption",)  # the tasks `mmcli caption` runs (--task), each one record per image
+    # the tasks `mmcli caption` runs (--task), each one record per image
+    task: tuple[str, ...] = ("caption",)
     tasks: dict[str, TaskConfig] = field(default_factory=lambda: dict(PRESET_TASKS))
     generation: SamplingParams = field(default_factory=SamplingParams)
     image: ImageConfig = field(default_factory=ImageConfig)
@@ -149,9 +202,16 @@ class Config:
 
     def __post_init__(self):
         checks: list = [
-            ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "auto, float32, bfloat16, float16"),
-            ("weights_dtype", self.weights_dtype in ("auto", "float32", "bfloat16", "float16"),
-             "auto, float32, bfloat16, float16"),
+            (
+                "dtype",
+                self.dtype in ("auto", "float32", "bfloat16", "float16"),
+                "auto, float32, bfloat16, float16",
+            ),
+            (
+                "weights_dtype",
+                self.weights_dtype in ("auto", "float32", "bfloat16", "float16"),
+                "auto, float32, bfloat16, float16",
+            ),
             ("quantize", self.quantize in ("none", "int8"), "none, int8"),
             ("device", self.device in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
             ("inputs.workers", self.inputs.workers >= 0, "0 (one per core but one) or more"),
@@ -159,45 +219,95 @@ class Config:
             ("engine.max_len", self.engine.max_len >= 16, "at least 16"),
             ("image.max_decode_pixels", self.image.max_decode_pixels > 0, "above 0"),
             ("video.fps", self.video.fps is None or self.video.fps > 0, "above 0"),
-            ("video.num_frames", self.video.num_frames is None or (self.video.num_frames >= 1 and
-                                                                   self.video.fps is None),
-             "at least 1, and not set together with video.fps (the two are exclusive)"),
-            ("video.min_frames", self.video.min_frames is None or self.video.min_frames >= 1, "at least 1"),
-            ("video.max_frames", self.video.max_frames is None or self.video.max_frames >= (self.video.min_frames or 1),
-             "at least video.min_frames (and at least 1)"),
+            (
+                "video.num_frames",
+                self.video.num_frames is None
+                or (self.video.num_frames >= 1 and self.video.fps is None),
+                "at least 1, and not set together with video.fps (the two are exclusive)",
+            ),
+            (
+                "video.min_frames",
+                self.video.min_frames is None or self.video.min_frames >= 1,
+                "at least 1",
+            ),
+            (
+                "video.max_frames",
+                self.video.max_frames is None
+                or self.video.max_frames >= (self.video.min_frames or 1),
+                "at least video.min_frames (and at least 1)",
+            ),
             ("video.max_pixels", self.video.max_pixels > 0, "above 0"),
-            ("vision.num_blocks_buckets", _counts(self.vision.num_blocks_buckets), "a non-empty list of counts >= 1"),
+            (
+                "vision.num_blocks_buckets",
+                _counts(self.vision.num_blocks_buckets),
+                "a non-empty list of counts >= 1",
+            ),
             ("vision.lookahead", self.vision.lookahead >= 1, "at least 1"),
-            ("compile.backend", self.compile.backend in ("auto", "eager", "inductor", "neuron"),
-             "auto, eager, inductor, neuron"),
-            ("compile.prefill_buckets", _counts(self.compile.prefill_buckets), "a non-empty list of counts >= 1"),
-            ("compile.decode_batch_buckets", _counts(self.compile.decode_batch_buckets),
-             "a non-empty list of counts >= 1"),
-            ("compile.decode_context_buckets", _counts(self.compile.decode_context_buckets),
-             "a non-empty list of counts >= 1"),
+            (
+                "compile.backend",
+                self.compile.backend in ("auto", "eager", "inductor", "neuron"),
+                "auto, eager, inductor, neuron",
+            ),
+            (
+                "compile.prefill_buckets",
+                _counts(self.compile.prefill_buckets),
+                "a non-empty list of counts >= 1",
+            ),
+            (
+                "compile.decode_batch_buckets",
+                _counts(self.compile.decode_batch_buckets),
+                "a non-empty list of counts >= 1",
+            ),
+            (
+                "compile.decode_context_buckets",
+                _counts(self.compile.decode_context_buckets),
+                "a non-empty list of counts >= 1",
+            ),
         ]
         _refuse(self, "", checks)
         _check_tasks(self)
-        if self.compile.backend in ("inductor", "neuron"):  # the buckets must hold what the engine may ask for
-            _refuse(self, "", [
-                ("compile.prefill_buckets", max(self.compile.prefill_buckets) <= self.engine.max_len,
-                 f"token counts none over engine.max_len {self.engine.max_len}"),
-                ("compile.decode_batch_buckets", max(self.compile.decode_batch_buckets) >= self.engine.max_seqs,
-                 f"counts whose largest holds engine.max_seqs {self.engine.max_seqs}"),
-                ("compile.decode_context_buckets", max(self.compile.decode_context_buckets) >= self.engine.max_len,
-                 f"lengths whose largest holds engine.max_len {self.engine.max_len}"),
-            ])
+        # the buckets must hold what the engine may ask for
+        if self.compile.backend in (
+            "inductor",
+            "neuron",
+        ):
+            _refuse(
+                self,
+                "",
+                [
+                    (
+                        "compile.prefill_buckets",
+                        max(self.compile.prefill_buckets) <= self.engine.max_len,
+                        f"token counts none over engine.max_len {self.engine.max_len}",
+                    ),
+                    (
+                        "compile.decode_batch_buckets",
+                        max(self.compile.decode_batch_buckets) >= self.engine.max_seqs,
+                        f"counts whose largest holds engine.max_seqs {self.engine.max_seqs}",
+                    ),
+                    (
+                        "compile.decode_context_buckets",
+                        max(self.compile.decode_context_buckets) >= self.engine.max_len,
+                        f"lengths whose largest holds engine.max_len {self.engine.max_len}",
+                    ),
+                ],
+            )
         check_vision_budget(self.vision.block_size, self.image.max_pixels)
 
 
 def _check_tasks(cfg: Config) -> None:
-    """Refuse unknown task names, outputs and placeholders, and json tasks without a schema (exit 2)."""
+    """Refuse unknown task names, outputs and placeholders, and json tasks without a schema (exit
+    2)."""
     for name in cfg.task:
         if name not in cfg.tasks:
-            raise ConfigError(f"config task: {name!r} is not a task (known: {', '.join(cfg.tasks)})")
+            raise ConfigError(
+                f"config task: {name!r} is not a task (known: {', '.join(cfg.tasks)})"
+            )
     for name, task in cfg.tasks.items():
         if task.output not in OUTPUTS:
-            raise ConfigError(f"config tasks.{name}.output: value {task.output!r} must be text, json or boxes")
+            raise ConfigError(
+                f"config tasks.{name}.output: value {task.output!r} must be text, json or boxes"
+            )
         if task.output == "json" and not task.schema:
             raise ConfigError(f"config tasks.{name}: output json needs a schema")
         try:
@@ -206,9 +316,10 @@ def _check_tasks(cfg: Config) -> None:
             raise ConfigError(f"config tasks.{name}.prompt: {e}") from None
         unknown = [f for f in fields if f not in PLACEHOLDERS]
         if unknown:
-            raise ConfigError(f"config tasks.{name}.prompt: unknown placeholder {{{unknown[0]}}} (known: "
-                              f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
-
+            raise ConfigError(
+                f"config tasks.{name}.prompt: unknown placeholder {{{unknown[0]}}} (known: "
+                f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)})"
+            )
 
 
 def _refuse(obj, prefix: str, checks: list) -> None:
@@ -221,20 +332,30 @@ def _counts(values: tuple[int, ...]) -> bool:
     return len(values) > 0 and all(v >= 1 for v in values)
 
 
-def check_vision_budget(block_size: int, max_pixels: int, patch_size: int = QWEN_PATCH_SIZE,
-                        merge_size: int = QWEN_MERGE_SIZE) -> None:
-    """Every allowed image must fit one block: refuse the config otherwise, saying what would fit."""
+def check_vision_budget(
+    block_size: int,
+    max_pixels: int,
+    patch_size: int = QWEN_PATCH_SIZE,
+    merge_size: int = QWEN_MERGE_SIZE,
+) -> None:
+    """Every allowed image must fit one block: refuse the config otherwise, saying what would
+    fit."""
     unit = merge_size * merge_size
     if block_size < unit or block_size % unit:
         raise ConfigError(
-            f"config vision.block_size: {block_size} must be a positive multiple of merge_size^2 = {unit}")
-    largest = max_pixels // (patch_size * patch_size)  # patches of the largest image smart_resize allows
+            f"config vision.block_size: {block_size} must be a positive multiple of merge_size^2 = "
+            f"{unit}"
+        )
+    # patches of the largest image smart_resize allows
+    largest = max_pixels // (patch_size * patch_size)
     if largest > block_size:
         fits = block_size * patch_size * patch_size
         need = -(-largest // 128) * 128
-        raise ConfigError(f"config image.max_pixels {max_pixels} allows images of {largest} patches, over "
-                          f"vision.block_size {block_size}: set image.max_pixels <= {fits} or "
-                          f"vision.block_size >= {need}")
+        raise ConfigError(
+            f"config image.max_pixels {max_pixels} allows images of {largest} patches, over "
+            f"vision.block_size {block_size}: set image.max_pixels <= {fits} or "
+            f"vision.block_size >= {need}"
+        )
 
 
 def _get(obj, dotted: str):
@@ -288,7 +409,8 @@ def _merge(base: dict, top: dict) -> dict:
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> Config:
-    """Built-in defaults, updated by the YAML file, updated by `overrides` (nested dict, None values skipped)."""
+    """Built-in defaults, updated by the YAML file, updated by `overrides` (nested dict, None
+    values skipped)."""
     data: dict = {}
     if path is not None:
         try:
@@ -314,8 +436,14 @@ def config_as_dict(cfg: Config) -> dict:
 
 def config_as_yaml(cfg: Config) -> str:
     """The settings as YAML, in the order of configs/default.yaml (tuples as lists)."""
+
     def plain(value):
-        return {k: plain(v) for k, v in value.items()} if isinstance(value, dict) else \
-            list(value) if isinstance(value, tuple) else value
+        return (
+            {k: plain(v) for k, v in value.items()}
+            if isinstance(value, dict)
+            else list(value)
+            if isinstance(value, tuple)
+            else value
+        )
 
     return yaml.safe_dump(plain(config_as_dict(cfg)), sort_keys=False).rstrip()

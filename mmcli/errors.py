@@ -32,7 +32,8 @@ class ImageError(ItemError):
 
 
 class OutputLocked(MmcliError):
-    """Another run holds the output's lock: exit 2 (a usage error: choose another output or wait)."""
+    """Another run holds the output's lock: exit 2 (a usage error: choose another output or
+    wait)."""
 
     exit_code = 2
 

@@ -1,11 +1,12 @@
-"""Tasks: the labels made per image (a caption, tags, typed JSON fields, boxes), from the settings' `tasks`.
+"""Tasks: the labels made per image (a caption, tags, typed JSON fields, boxes), from the
+settings' `tasks`.
 
-A task is a prompt with its own sampling, output kind and template. Placeholders in a prompt are filled per image:
-{filename} (the file's name), {stem} (without its extension), {folder} (its folder's name) and {sidecar} (the
-text of the image's existing sidecar caption, to refine labels). `output: json` decodes under the task's JSON
-Schema (mmcli/grammar.py); `output: boxes` reads Qwen3-VL's `bbox_2d` answer (0-1000 on both axes) and gives the
-boxes in pixels of the image as the user sees it (after its EXIF orientation).
-"""
+A task is a prompt with its own sampling, output kind and template. Placeholders in a prompt are
+filled per image: {filename} (the file's name), {stem} (without its extension), {folder} (its
+folder's name) and {sidecar} (the text of the image's existing sidecar caption, to refine
+labels). `output: json` decodes under the task's JSON Schema (mmcli/grammar.py); `output: boxes`
+reads Qwen3-VL's `bbox_2d` answer (0-1000 on both axes) and gives the boxes in pixels of the
+image as the user sees it (after its EXIF orientation)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from pathlib import Path
 
 from mmcli.config import Config, SamplingParams, TaskConfig
 from mmcli.errors import ConfigError
-
 
 
 @dataclass(frozen=True)
@@ -36,26 +36,54 @@ class Task:
         return {k: v for k, v in asdict(self).items() if k != "sidecar"}
 
 
-def resolve_tasks(cfg: Config, names: tuple[str, ...] | list[str] | None = None,
-                  overrides_given: dict | None = None) -> list[Task]:
-    """The named tasks (default: the settings' `task` list) with their sampling filled from `generation`;
-    `overrides_given` (sampling values given on the command line) win over a task's own."""
+def decide_sampling(base: SamplingParams, own: dict, given: dict | None) -> SamplingParams:
+    """Sampling precedence, decided here alone: values given (the command line, the API's keywords)
+    win over a task's own, which win over `base` (the settings' generation). None is not given."""
+    chosen = {k: v for k, v in own.items() if v is not None}
+    chosen.update({k: v for k, v in (given or {}).items() if v is not None})
+    return replace(base, **chosen)
+
+
+def resolve_tasks(
+    cfg: Config, names: list[str | Task] | tuple[str, ...] | None = None, given: dict | None = None
+) -> list[Task]:
+    """The named tasks (default: the settings' `task` list), or tasks already resolved, with their
+    sampling decided by `decide_sampling`."""
     tasks = []
     for name in names or cfg.task:
+        if isinstance(name, Task):
+            tasks.append(replace(name, sampling=decide_sampling(name.sampling, {}, given)))
+            continue
         if name not in cfg.tasks:
             raise ConfigError(f"task {name!r} is not defined (known: {', '.join(cfg.tasks)})")
         spec: TaskConfig = cfg.tasks[name]
-        overrides = {k: v for k, v in (("max_new_tokens", spec.max_new_tokens), ("temperature", spec.temperature))
-                     if v is not None}
+        own = {"max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature}
         prompt = spec.prompt or (cfg.prompt if name == "caption" else "")
-        overrides.update({k: v for k, v in (overrides_given or {}).items() if v is not None})
-        tasks.append(Task(name, prompt, spec.output, spec.schema, replace(cfg.generation, **overrides),
-                          spec.sidecar, spec.prefix, spec.suffix))
+        sampling = decide_sampling(cfg.generation, own, given)
+        tasks.append(
+            Task(
+                name,
+                prompt,
+                spec.output,
+                spec.schema,
+                sampling,
+                spec.sidecar,
+                spec.prefix,
+                spec.suffix,
+            )
+        )
     return tasks
 
 
+def question_task(cfg: Config, question: str | None, given: dict | None = None) -> Task:
+    """The plain task of a question (else the settings' prompt): text out, no template."""
+    sampling = decide_sampling(cfg.generation, {}, given)
+    return Task("caption", question or cfg.prompt, "text", None, sampling, None, "", "")
+
+
 def render_prompt(task: Task, path: str | Path | None) -> str:
-    """The task's prompt with this image's placeholders filled (`{{` and `}}` are literal braces)."""
+    """The task's prompt with this image's placeholders filled (`{{` and `}}` are literal
+    braces)."""
     if "{" not in task.prompt and "}" not in task.prompt:
         return task.prompt
     if path is None:
@@ -66,7 +94,9 @@ def render_prompt(task: Task, path: str | Path | None) -> str:
         existing = sidecar.read_text(encoding="utf-8").strip() if sidecar.is_file() else ""
     except OSError:
         existing = ""
-    return task.prompt.format(filename=path.name, stem=path.stem, folder=path.parent.name, sidecar=existing)
+    return task.prompt.format(
+        filename=path.name, stem=path.stem, folder=path.parent.name, sidecar=existing
+    )
 
 
 def _json_text(text: str) -> str:
@@ -76,21 +106,31 @@ def _json_text(text: str) -> str:
 
 
 def boxes_in_pixels(text: str, width: int, height: int) -> list[dict]:
-    """Qwen3-VL's boxes ({"bbox_2d": [x1, y1, x2, y2], "label": ...}, 0-1000 on both axes) in pixels of a
-    width x height image; raises ValueError when the answer holds no such boxes."""
+    """Qwen3-VL's boxes ({"bbox_2d": [x1, y1, x2, y2], "label": ...}, 0-1000 on both axes) in
+    pixels of a width x height image; raises ValueError when the answer holds no such boxes."""
     data = json.loads(_json_text(text))
     data = [data] if isinstance(data, dict) else data
     boxes = []
     for entry in data:
         x1, y1, x2, y2 = (float(v) for v in entry["bbox_2d"])
-        boxes.append({"label": entry.get("label"), "bbox": [round(x1 * width / 1000, 1), round(y1 * height / 1000, 1),
-                                                            round(x2 * width / 1000, 1), round(y2 * height / 1000, 1)]})
+        boxes.append(
+            {
+                "label": entry.get("label"),
+                "bbox": [
+                    round(x1 * width / 1000, 1),
+                    round(y1 * height / 1000, 1),
+                    round(x2 * width / 1000, 1),
+                    round(y2 * height / 1000, 1),
+                ],
+            }
+        )
     return boxes
 
 
 def finish(task: Task, text: str, width: int | None, height: int | None) -> dict:
-    """A finished answer's record fields: `text` wrapped in the template, and `json` or `boxes` as the output
-    asks; raises ValueError with the reason when the answer is not what the output needs."""
+    """A finished answer's record fields: `text` wrapped in the template, and `json` or `boxes`
+    as the output asks; raises ValueError with the reason when the answer is not what the output
+    needs."""
     fields: dict = {"text": f"{task.prefix}{text}{task.suffix}"}
     if task.prefix or task.suffix:
         fields["raw_text"] = text

@@ -1,8 +1,8 @@
-"""Tiny random Qwen3-VL checkpoints in the released Hugging Face layout, for tests and `--smoke` benchmarks.
+"""Tiny random Qwen3-VL checkpoints in the released Hugging Face layout, for tests and `--smoke`
+benchmarks.
 
-Everything is generated here (BPE tokenizer trained on a few sentences, random weights); transformers loads the
-result unchanged. Never used on a real model.
-"""
+Everything is generated here (BPE tokenizer trained on a few sentences, random weights);
+transformers loads the result unchanged. Never used on a real model."""
 
 from __future__ import annotations
 
@@ -17,14 +17,28 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from mmcli.model.checkpoint import expected_shapes, parse_config
 
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 ]
-PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
-                     r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
-# A chat template in the style of the Qwen3-VL Instruct release: optional system turn, tools block, images,
+# A chat template in the style of the Qwen3-VL Instruct release: optional system turn, tools block,
+# images,
 # videos and text items rendered in order, generation prompt.
 CHAT_TEMPLATE = """{%- set image_count = namespace(value=0) -%}
 {%- set video_count = namespace(value=0) -%}
@@ -70,9 +84,11 @@ CHAT_TEMPLATE = """{%- set image_count = namespace(value=0) -%}
 """
 
 _CORPUS = [
-    "Describe this image.", "What is in the picture? A cat sits on a red sofa near the window.",
+    "Describe this image.",
+    "What is in the picture? A cat sits on a red sofa near the window.",
     "The astronaut smiles in front of the flag; a rocket launches into the blue sky.",
-    "A cup of coffee on a wooden table, with steam rising slowly.", "Answer in one short sentence, please.",
+    "A cup of coffee on a wooden table, with steam rising slowly.",
+    "Answer in one short sentence, please.",
     "There are 3 dogs, 12 birds and 7 trees in the park at 10:30 in the morning.",
     "user assistant system The quick brown fox jumps over the lazy dog.",
 ]
@@ -81,34 +97,78 @@ _CORPUS = [
 def tiny_tokenizer(vocab_size: int = 360) -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False, fuse_unk=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False, special_tokens=[])
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+        special_tokens=[],
+    )
     tok.train_from_iterator(_CORPUS * 4, trainer)
     tok.add_special_tokens(SPECIAL_TOKENS)
     return tok
 
 
-def tiny_config(variant: str = "base", rope_form: str = "rope_scaling", vocab_size: int = 384,
-                special_ids: dict | None = None) -> dict:
+def tiny_config(
+    variant: str = "base",
+    rope_form: str = "rope_scaling",
+    vocab_size: int = 384,
+    special_ids: dict | None = None,
+) -> dict:
     """config.json of a tiny model. Variants: 'base' (head_dim 128, mrope [24,20,20], tied),
-    'wide_attn' (attention width != hidden, untied), 'deepstack_last' (DeepStack taps on the last blocks)."""
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=128, vocab_size=vocab_size, rms_norm_eps=1e-6,
-                max_position_embeddings=4096, hidden_act="silu", attention_bias=False, attention_dropout=0.0,
-                model_type="qwen3_vl_text", tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    'wide_attn' (attention width != hidden, untied), 'deepstack_last' (DeepStack taps on the last
+    blocks)."""
+    text = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        vocab_size=vocab_size,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        hidden_act="silu",
+        attention_bias=False,
+        attention_dropout=0.0,
+        model_type="qwen3_vl_text",
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     rope = {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}
-    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=16,
-                  temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=2304,
-                  deepstack_visual_indexes=[0, 1], hidden_act="gelu_pytorch_tanh", model_type="qwen3_vl",
-                  initializer_range=0.02)
+    vision = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        in_channels=3,
+        patch_size=16,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        out_hidden_size=64,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=[0, 1],
+        hidden_act="gelu_pytorch_tanh",
+        model_type="qwen3_vl",
+        initializer_range=0.02,
+    )
     tie = True
     if variant == "wide_attn":
-        text.update(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                    tie_word_embeddings=False, num_hidden_layers=2)
+        text.update(
+            hidden_size=48,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            num_hidden_layers=2,
+        )
         rope["mrope_section"] = [6, 5, 5]
         vision.update(out_hidden_size=48, num_position_embeddings=576, deepstack_visual_indexes=[1])
         tie = False
@@ -122,33 +182,60 @@ def tiny_config(variant: str = "base", rope_form: str = "rope_scaling", vocab_si
     else:
         text["rope_parameters"] = {**rope, "rope_theta": 5_000_000.0}
     ids = special_ids or {}
-    return {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
-            "image_token_id": ids.get("<|image_pad|>", 151655), "video_token_id": ids.get("<|video_pad|>", 151656),
-            "vision_start_token_id": ids.get("<|vision_start|>", 151652),
-            "vision_end_token_id": ids.get("<|vision_end|>", 151653),
-            "tie_word_embeddings": tie, "text_config": text, "vision_config": vision,
-            "dtype": "float32", "transformers_version": "4.57.0.dev0"}
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "image_token_id": ids.get("<|image_pad|>", 151655),
+        "video_token_id": ids.get("<|video_pad|>", 151656),
+        "vision_start_token_id": ids.get("<|vision_start|>", 151652),
+        "vision_end_token_id": ids.get("<|vision_end|>", 151653),
+        "tie_word_embeddings": tie,
+        "text_config": text,
+        "vision_config": vision,
+        "dtype": "float32",
+        "transformers_version": "4.57.0.dev0",
+    }
 
 
 def qwen3_vl_2b_config(special_ids: dict) -> dict:
-    """config.json with the shapes of the released Qwen3-VL-2B-Instruct, for benchmarks on random weights."""
+    """config.json with the shapes of the released Qwen3-VL-2B-Instruct, for benchmarks on random
+    weights."""
     config = tiny_config("base", "rope_scaling", 151936, special_ids)
-    config["text_config"].update(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                                 max_position_embeddings=262144)
-    config["vision_config"].update(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
-                                   out_hidden_size=2048, num_position_embeddings=2304,
-                                   deepstack_visual_indexes=[5, 11, 17])
+    config["text_config"].update(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=262144,
+    )
+    config["vision_config"].update(
+        depth=24,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_heads=16,
+        out_hidden_size=2048,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=[5, 11, 17],
+    )
     return config
 
 
-def random_weights(config: dict, seed: int = 0, std: float = 0.15,
-                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Random tensors for every name the config implies; std is large so greedy choices have clear margins."""
+def random_weights(
+    config: dict, seed: int = 0, std: float = 0.15, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Random tensors for every name the config implies; std is large so greedy choices have
+    clear margins."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in expected_shapes(parse_config(config)).items():
-        if name.endswith("norm.weight") or "norm1" in name or "norm2" in name or name.endswith("layernorm.weight"):
+        if (
+            name.endswith("norm.weight")
+            or "norm1" in name
+            or "norm2" in name
+            or name.endswith("layernorm.weight")
+        ):
             t = 1.0 + 0.1 * torch.randn(shape, generator=g) if name.endswith("weight") else None
         else:
             t = None
@@ -161,21 +248,37 @@ def random_weights(config: dict, seed: int = 0, std: float = 0.15,
     return out
 
 
-def make_tiny_checkpoint(path: str | Path, variant: str = "base", *, seed: int = 0, dtype: str = "float32",
-                         rope_form: str = "rope_scaling", shards: int = 1, template_file: str = "json",
-                         max_pixels: int = 128 * 128, min_pixels: int = 32 * 32, shapes_2b: bool = False) -> Path:
-    """Write config.json, weights, tokenizer, chat template, preprocessor and generation configs to `path`.
-    `shapes_2b` gives the tensors of Qwen3-VL-2B (random values, for benchmarks)."""
+def make_tiny_checkpoint(
+    path: str | Path,
+    variant: str = "base",
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    rope_form: str = "rope_scaling",
+    shards: int = 1,
+    template_file: str = "json",
+    max_pixels: int = 128 * 128,
+    min_pixels: int = 32 * 32,
+    shapes_2b: bool = False,
+) -> Path:
+    """Write config.json, weights, tokenizer, chat template, preprocessor and generation configs
+    to `path`. `shapes_2b` gives the tensors of Qwen3-VL-2B (random values, for benchmarks)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = tiny_tokenizer()
     tok.save(str(path / "tokenizer.json"))
     special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     vocab = -(-tok.get_vocab_size() // 64) * 64
-    config = qwen3_vl_2b_config(special_ids) if shapes_2b else tiny_config(variant, rope_form, vocab, special_ids)
+    config = (
+        qwen3_vl_2b_config(special_ids)
+        if shapes_2b
+        else tiny_config(variant, rope_form, vocab, special_ids)
+    )
     config["dtype"] = dtype
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    weights = random_weights(config, seed, std=0.02 if shapes_2b else 0.15, dtype=getattr(torch, dtype))
+    weights = random_weights(
+        config, seed, std=0.02 if shapes_2b else 0.15, dtype=getattr(torch, dtype)
+    )
     if config["tie_word_embeddings"]:
         weights.pop("lm_head.weight")
     names = sorted(weights)
@@ -190,34 +293,67 @@ def make_tiny_checkpoint(path: str | Path, variant: str = "base", *, seed: int =
             weight_map.update({n: file for n in part})
         total = sum(t.numel() * t.element_size() for t in weights.values())
         (path / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    tok_cfg = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
-               "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": 262144,
-               "errors": "replace", "split_special_tokens": False, "add_prefix_space": False}
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+    tok_cfg = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 262144,
+        "errors": "replace",
+        "split_special_tokens": False,
+        "add_prefix_space": False,
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     if template_file == "json":
-        (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2))
+        (path / "chat_template.json").write_text(
+            json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2)
+        )
     else:
         (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    pre = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
-           "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}, "patch_size": 16,
-           "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-           "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
-           "rescale_factor": 1 / 255, "resample": 3}
+    pre = {
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "processor_class": "Qwen3VLProcessor",
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "rescale_factor": 1 / 255,
+        "resample": 3,
+    }
     (path / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
-    video = {**pre, "video_processor_type": "Qwen3VLVideoProcessor", "fps": 2, "min_frames": 4,
-             "max_frames": 768, "do_sample_frames": True}
+    video = {
+        **pre,
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "fps": 2,
+        "min_frames": 4,
+        "max_frames": 768,
+        "do_sample_frames": True,
+    }
     video.pop("image_processor_type")
     (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
-    gen = {"bos_token_id": special_ids["<|endoftext|>"], "pad_token_id": special_ids["<|endoftext|>"],
-           "eos_token_id": [special_ids["<|im_end|>"], special_ids["<|endoftext|>"]], "do_sample": False}
+    gen = {
+        "bos_token_id": special_ids["<|endoftext|>"],
+        "pad_token_id": special_ids["<|endoftext|>"],
+        "eos_token_id": [special_ids["<|im_end|>"], special_ids["<|endoftext|>"]],
+        "do_sample": False,
+    }
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return path
 
 
 def make_outlier_checkpoint(source: str | Path, target: str | Path) -> Path:
-    """A copy of a tiny checkpoint whose decoder RMSNorm weights carry three channels scaled by 30: large outlier
-    channels in the activations the linear layers read, as real language models show (written once)."""
+    """A copy of a tiny checkpoint whose decoder RMSNorm weights carry three channels scaled by
+    30: large outlier channels in the activations the linear layers read, as real language models
+    show (written once)."""
     import shutil
 
     from safetensors.torch import load_file
@@ -234,18 +370,29 @@ def make_outlier_checkpoint(source: str | Path, target: str | Path) -> Path:
     return target
 
 
-def make_test_video(path: str | Path, seconds: float = 2.0, fps: int = 10, width: int = 96, height: int = 64,
-                    codec: str = "mpeg4", rotation: int = 0, frame_times: list[float] | None = None,
-                    keyframe_every: int = 12) -> Path:
-    """A small video written with PyAV: frame k is grey level (k * 7) % 256 with a white top-left corner (so a
-    test can tell frames and orientation apart), `width` x `height` as displayed. `frame_times` gives each frame's
-    own time (variable frame rate); with `rotation` (the display matrix's counterclockwise degrees, a multiple of
-    90) the frames are stored turned the other way, so that a player that honours the matrix shows them upright."""
+def make_test_video(
+    path: str | Path,
+    seconds: float = 2.0,
+    fps: int = 10,
+    width: int = 96,
+    height: int = 64,
+    codec: str = "mpeg4",
+    rotation: int = 0,
+    frame_times: list[float] | None = None,
+    keyframe_every: int = 12,
+) -> Path:
+    """A small video written with PyAV: frame k is grey level (k * 7) % 256 with a white top-left
+    corner (so a test can tell frames and orientation apart), `width` x `height` as displayed.
+    `frame_times` gives each frame's own time (variable frame rate); with `rotation` (the display
+    matrix's counterclockwise degrees, a multiple of 90) the frames are stored turned the other
+    way, so that a player that honours the matrix shows them upright."""
     import av
     import numpy as np
 
     path = Path(path)
-    times = frame_times if frame_times is not None else [k / fps for k in range(round(seconds * fps))]
+    times = (
+        frame_times if frame_times is not None else [k / fps for k in range(round(seconds * fps))]
+    )
     with av.open(str(path), "w") as container:
         stream = container.add_stream(codec, rate=fps)
         turns = rotation // 90 % 4
@@ -258,7 +405,9 @@ def make_test_video(path: str | Path, seconds: float = 2.0, fps: int = 10, width
         for k, t in enumerate(times):
             rgb = np.full((height, width, 3), (k * 7) % 256, np.uint8)
             rgb[: height // 4, : width // 4] = 255
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(np.rot90(rgb, -turns)), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(
+                np.ascontiguousarray(np.rot90(rgb, -turns)), format="rgb24"
+            )
             frame.time_base = stream.codec_context.time_base
             frame.pts = round(t / frame.time_base)
             container.mux(stream.encode(frame))

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints in the released layout, transformers' processor and model on them."""
+"""Shared fixtures: tiny checkpoints in the released layout, transformers' processor and model on
+them."""
 
 from __future__ import annotations
 
@@ -24,18 +25,30 @@ def tiny_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def variant_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("variants")
-    forms = {"base": "rope_scaling", "wide_attn": "rope_parameters", "deepstack_last": "rope_scaling"}
-    return {v: make_tiny_checkpoint(root / v, v, seed=i + 1, rope_form=forms[v], shards=2 if v == "wide_attn" else 1,
-                                    template_file="jinja" if v == "deepstack_last" else "json")
-            for i, v in enumerate(VARIANTS)}
+    forms = {
+        "base": "rope_scaling",
+        "wide_attn": "rope_parameters",
+        "deepstack_last": "rope_scaling",
+    }
+    return {
+        v: make_tiny_checkpoint(
+            root / v,
+            v,
+            seed=i + 1,
+            rope_form=forms[v],
+            shards=2 if v == "wide_attn" else 1,
+            template_file="jinja" if v == "deepstack_last" else "json",
+        )
+        for i, v in enumerate(VARIANTS)
+    }
 
 
 def hf_processor(path: Path):
-    """transformers' Qwen3VLProcessor with its PIL image processor, built from the checkpoint's files.
+    """transformers' Qwen3VLProcessor with its PIL image processor, built from the checkpoint's
+    files.
 
     The video processor needs torchvision, which we do not install; images never touch it, so the
-    processor's class check for that slot is skipped and the slot left empty.
-    """
+    processor's class check for that slot is skipped and the slot left empty."""
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
@@ -43,14 +56,20 @@ def hf_processor(path: Path):
 
     pre = json.loads((path / "preprocessor_config.json").read_text())
     pre = {k: v for k, v in pre.items() if k not in ("image_processor_type", "processor_class")}
-    template = (path / "chat_template.jinja").read_text() if (path / "chat_template.jinja").is_file() else \
-        json.loads((path / "chat_template.json").read_text())["chat_template"]
+    template = (
+        (path / "chat_template.jinja").read_text()
+        if (path / "chat_template.jinja").is_file()
+        else json.loads((path / "chat_template.json").read_text())["chat_template"]
+    )
     check = ProcessorMixin.check_argument_for_proper_class
     ProcessorMixin.check_argument_for_proper_class = lambda *a, **k: None
     try:
-        return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessorPil(**pre),
-                                tokenizer=AutoTokenizer.from_pretrained(path), video_processor=None,
-                                chat_template=template)
+        return Qwen3VLProcessor(
+            image_processor=Qwen2VLImageProcessorPil(**pre),
+            tokenizer=AutoTokenizer.from_pretrained(path),
+            video_processor=None,
+            chat_template=template,
+        )
     finally:
         ProcessorMixin.check_argument_for_proper_class = check
 
@@ -76,12 +95,18 @@ def varied_images() -> dict[str, Image.Image]:
     alpha[..., 3] = np.linspace(0, 255, alpha.shape[1], dtype=np.uint8)[None, :]
     grey16 = Image.fromarray(np.asarray(photo("rocket.jpg", (90, 61), "L")).astype(np.uint16) * 257)
     return {
-        "rgb_512": photo("astronaut.jpg"), "rgb_600x400": photo("coffee.jpg"), "rgb_451x300": photo("chelsea.jpg"),
-        "rgb_odd_37x211": photo("rocket.jpg", (37, 211)), "rgb_tiny_9x13": photo("chelsea.jpg", (9, 13)),
-        "rgb_wide_500x40": photo("astronaut.jpg", (500, 40)), "rgba_123x77": Image.fromarray(alpha, "RGBA"),
+        "rgb_512": photo("astronaut.jpg"),
+        "rgb_600x400": photo("coffee.jpg"),
+        "rgb_451x300": photo("chelsea.jpg"),
+        "rgb_odd_37x211": photo("rocket.jpg", (37, 211)),
+        "rgb_tiny_9x13": photo("chelsea.jpg", (9, 13)),
+        "rgb_wide_500x40": photo("astronaut.jpg", (500, 40)),
+        "rgba_123x77": Image.fromarray(alpha, "RGBA"),
         "palette_100x80": photo("chelsea.jpg", (100, 80)).convert("P", palette=Image.ADAPTIVE),
-        "grey_81x97": photo("coffee.jpg", (81, 97), "L"), "la_64x48": photo("rocket.jpg", (64, 48), "LA"),
-        "cmyk_70x70": photo("astronaut.jpg", (70, 70), "CMYK"), "grey16_90x61": grey16,
+        "grey_81x97": photo("coffee.jpg", (81, 97), "L"),
+        "la_64x48": photo("rocket.jpg", (64, 48), "LA"),
+        "cmyk_70x70": photo("astronaut.jpg", (70, 70), "CMYK"),
+        "grey16_90x61": grey16,
         "bilevel_40x40": photo("coffee.jpg", (40, 40), "1"),
     }
 

@@ -1,4 +1,5 @@
-"""The benchmarks' smoke modes, so they keep working (their figures are not asserted: machines are noisy)."""
+"""The benchmarks' smoke modes, so they keep working (their figures are not asserted: machines
+are noisy)."""
 
 import subprocess
 import sys
@@ -11,32 +12,76 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_compare_hf_smoke(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "compare_hf.py"), "--smoke", "--hf-batch-sizes", "8",
-                          "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "compare_hf.py"),
+            "--smoke",
+            "--hf-batch-sizes",
+            "8",
+            "--cache-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith("images/s ratio (mmcli / transformers): ") and float(last.split()[-1]) > 0
+    assert (
+        last.startswith("images/s ratio (mmcli / transformers): ") and float(last.split()[-1]) > 0
+    )
 
 
 @pytest.mark.slow
 def test_vision_packing_bench_runs(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "vision_packing.py"), "--depth", "1", "--repeats", "1"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "vision_packing.py"),
+            "--depth",
+            "1",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "speed-up of packed blocks" in out.stdout
 
 
 @pytest.mark.slow
 def test_cpu_bench_smoke(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu.py"), "--smoke", "--skip-hf", "--cache-dir",
-                          str(tmp_path)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "cpu.py"),
+            "--smoke",
+            "--skip-hf",
+            "--cache-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "(a) images/s" in out.stdout and "(b) mmcli ask" in out.stdout and "outlier channels x30" in out.stdout
+    assert (
+        "(a) images/s" in out.stdout
+        and "(b) mmcli ask" in out.stdout
+        and "outlier channels x30" in out.stdout
+    )
 
 
 @pytest.mark.slow
 def test_video_bench_smoke(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "video.py"), "--smoke", "--cache-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "video.py"), "--smoke", "--cache-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "s per video-minute" in out.stdout.splitlines()[-1]

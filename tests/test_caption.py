@@ -19,7 +19,9 @@ from mmcli.jobs.scan import scan, shard_of
 
 
 def _caption(*args, model):
-    return CliRunner().invoke(app, ["caption", *map(str, args), "--model", str(model), "--max-new-tokens", "4"])
+    return CliRunner().invoke(
+        app, ["caption", *map(str, args), "--model", str(model), "--max-new-tokens", "4"]
+    )
 
 
 def _records(path):
@@ -55,12 +57,32 @@ def test_bad_inputs_become_error_records_and_the_run_goes_on(tiny_dir, tmp_path)
     assert result.exit_code == 1, result.output
     records = {r["key"]: r for r in _records(out)}
     assert len(records) == len(_records(out)) == 16
-    causes = {"zero.jpg": "empty file", "truncated.jpg": "corrupt or truncated", "notes.jpg": "not an image",
-              "bomb.png": "decompression bomb", "thin.png": "aspect ratio", "unreadable.jpg": "unreadable"}
+    causes = {
+        "zero.jpg": "empty file",
+        "truncated.jpg": "corrupt or truncated",
+        "notes.jpg": "not an image",
+        "bomb.png": "decompression bomb",
+        "thin.png": "aspect ratio",
+        "unreadable.jpg": "unreadable",
+    }
     for key, cause in causes.items():
-        assert records[key]["status"] == "error" and cause in records[key]["error"]["message"], records[key]
-    for key in ["good0.jpg", "good4.jpg", "cmyk.tif", "grey16.png", "palette.png", "grey_alpha.png", "anim.gif"]:
-        assert records[key]["status"] == "ok" and records[key]["text"] is not None and records[key]["sha256"]
+        assert records[key]["status"] == "error" and cause in records[key]["error"]["message"], (
+            records[key]
+        )
+    for key in [
+        "good0.jpg",
+        "good4.jpg",
+        "cmyk.tif",
+        "grey16.png",
+        "palette.png",
+        "grey_alpha.png",
+        "anim.gif",
+    ]:
+        assert (
+            records[key]["status"] == "ok"
+            and records[key]["text"] is not None
+            and records[key]["sha256"]
+        )
     assert records["anim.gif"]["note"] == "first frame of 2 used"
 
 
@@ -71,7 +93,10 @@ def test_resume_prompt_change_and_overwrite(tiny_dir, tmp_path):
     assert len(_records(out)) == 3
     assert _caption(root, "-o", out, "-q", model=tiny_dir).exit_code == 0
     assert len(_records(out)) == 3  # nothing redone
-    assert _caption(root, "-o", out, "-q", "--prompt", "Name the colours.", model=tiny_dir).exit_code == 0
+    assert (
+        _caption(root, "-o", out, "-q", "--prompt", "Name the colours.", model=tiny_dir).exit_code
+        == 0
+    )
     records = _records(out)
     assert len(records) == 6 and {r["prompt"] for r in records[3:]} == {"Name the colours."}
     assert _caption(root, "-o", out, "-q", "--overwrite", model=tiny_dir).exit_code == 0
@@ -83,10 +108,14 @@ def test_retry_errors_only_when_asked(tiny_dir, tmp_path):
     (root / "bad.jpg").write_bytes(b"")
     out = tmp_path / "out.jsonl"
     assert _caption(root, "-o", out, "-q", model=tiny_dir).exit_code == 1
-    assert _caption(root, "-o", out, "-q", model=tiny_dir).exit_code == 0 and len(_records(out)) == 2
+    assert (
+        _caption(root, "-o", out, "-q", model=tiny_dir).exit_code == 0 and len(_records(out)) == 2
+    )
     assert _caption(root, "-o", out, "-q", "--retry-errors", model=tiny_dir).exit_code == 1
     records = _records(out)
-    assert len(records) == 3 and records[-1]["key"] == "bad.jpg" and records[-1]["status"] == "error"
+    assert (
+        len(records) == 3 and records[-1]["key"] == "bad.jpg" and records[-1]["status"] == "error"
+    )
 
 
 def test_second_concurrent_run_exits_2_and_writes_nothing(tiny_dir, tmp_path):
@@ -109,7 +138,9 @@ def test_torn_last_line_is_set_aside(tiny_dir, tmp_path):
         f.write('{"schema": 1, "key": "good1.jpg", "status": "o')  # a crash mid-write
     assert _caption(root, "-o", out, "-q", model=tiny_dir).exit_code == 0
     records = _records(out)
-    assert [r["key"] for r in records] == ["good0.jpg", "good1.jpg"] and all(r["status"] == "ok" for r in records)
+    assert [r["key"] for r in records] == ["good0.jpg", "good1.jpg"] and all(
+        r["status"] == "ok" for r in records
+    )
     torn = list(tmp_path.glob("out.jsonl.torn-*"))
     assert len(torn) == 1 and torn[0].read_text().startswith('{"schema": 1, "key": "good1.jpg"')
 
@@ -126,8 +157,23 @@ def test_shards_cover_every_key_once(tmp_path):
     assert len(keys) == 17 and keys == sorted(keys) and not any(".hidden" in k for k in keys)
     shards = [{k for k in keys if shard_of(k, 3) == i} for i in range(3)]
     assert set().union(*shards) == set(keys) and sum(map(len, shards)) == len(keys)
-    listed = [CliRunner().invoke(app, ["caption", str(root), "--shard", f"{i}/3", "--dry-run", "-o",
-                                       str(tmp_path / "o.jsonl")]).output.split() for i in range(3)]
+    listed = [
+        CliRunner()
+        .invoke(
+            app,
+            [
+                "caption",
+                str(root),
+                "--shard",
+                f"{i}/3",
+                "--dry-run",
+                "-o",
+                str(tmp_path / "o.jsonl"),
+            ],
+        )
+        .output.split()
+        for i in range(3)
+    ]
     assert sorted(k for lst in listed for k in lst if k in keys) == keys
 
 
@@ -150,10 +196,26 @@ def test_killed_run_then_rerun_records_every_key_once(tiny_dir, tmp_path, sig):
     root = tmp_path / "imgs"
     root.mkdir()
     for i in range(40):
-        photo(["astronaut.jpg", "chelsea.jpg", "coffee.jpg"][i % 3], (64 + i, 64)).save(root / f"{i:02d}.png")
+        photo(["astronaut.jpg", "chelsea.jpg", "coffee.jpg"][i % 3], (64 + i, 64)).save(
+            root / f"{i:02d}.png"
+        )
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "mmcli", "caption", str(root), "-o", str(out), "--model", str(tiny_dir), "-q",
-           "--max-new-tokens", "24", "-c", str(SAMPLES.parent / "configs" / "default.yaml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmcli",
+        "caption",
+        str(root),
+        "-o",
+        str(out),
+        "--model",
+        str(tiny_dir),
+        "-q",
+        "--max-new-tokens",
+        "24",
+        "-c",
+        str(SAMPLES.parent / "configs" / "default.yaml"),
+    ]
     proc = subprocess.Popen(cmd)
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 5):

@@ -7,9 +7,9 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from mmcli.api.labeler import Labeler
-from mmcli.model.checkpoint import load_weights, parse_config, read_model_config
 from mmcli.cli.app import app
 from mmcli.errors import CheckpointError
+from mmcli.model.checkpoint import load_weights, parse_config, read_model_config
 from mmcli.testing import make_tiny_checkpoint, tiny_config
 
 
@@ -19,7 +19,9 @@ def test_both_rope_config_forms_parse_the_same():
     assert a.text == b.text and a.text.mrope_section == (24, 20, 20) and a.text.rope_theta == 5e6
 
 
-@pytest.mark.parametrize("saved,loaded", [("bfloat16", "float32"), ("float32", "bfloat16"), ("float16", "float16")])
+@pytest.mark.parametrize(
+    "saved,loaded", [("bfloat16", "float32"), ("float32", "bfloat16"), ("float16", "float16")]
+)
 def test_dtypes(tmp_path, saved, loaded):
     path = make_tiny_checkpoint(tmp_path / "m", dtype=saved)
     cap = Labeler.from_pretrained(str(path), dtype=loaded, device="cpu")
@@ -39,12 +41,23 @@ def _edit_weights(path, edit):
     save_file(tensors, str(file), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda t: t.pop("model.visual.blocks.0.attn.qkv.bias"), "missing tensors: model.visual.blocks.0.attn.qkv.bias"),
-    (lambda t: t.__setitem__("model.extra.weight", torch.zeros(2)), "unexpected tensors: model.extra.weight"),
-    (lambda t: t.__setitem__("model.language_model.norm.weight", torch.zeros(7)),
-     "wrong shapes: model.language_model.norm.weight (7,) != (64,)"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (
+            lambda t: t.pop("model.visual.blocks.0.attn.qkv.bias"),
+            "missing tensors: model.visual.blocks.0.attn.qkv.bias",
+        ),
+        (
+            lambda t: t.__setitem__("model.extra.weight", torch.zeros(2)),
+            "unexpected tensors: model.extra.weight",
+        ),
+        (
+            lambda t: t.__setitem__("model.language_model.norm.weight", torch.zeros(7)),
+            "wrong shapes: model.language_model.norm.weight (7,) != (64,)",
+        ),
+    ],
+)
 def test_bad_weights_name_the_tensors(tmp_path, tiny_dir, edit, message):
     path = tmp_path / "m"
     shutil.copytree(tiny_dir, path)
@@ -52,7 +65,9 @@ def test_bad_weights_name_the_tensors(tmp_path, tiny_dir, edit, message):
     with pytest.raises(CheckpointError) as e:
         load_weights(path, read_model_config(path), torch.float32)
     assert message in str(e.value) and "\n" not in str(e.value)
-    result = CliRunner().invoke(app, ["ask", "--model", str(path), "--image", "samples/coffee.jpg", "q"])
+    result = CliRunner().invoke(
+        app, ["ask", "--model", str(path), "--image", "samples/coffee.jpg", "q"]
+    )
     assert result.exit_code == 3 and message in result.output
 
 
@@ -62,16 +77,22 @@ def test_other_architecture_is_refused(tmp_path, tiny_dir):
     cfg = json.loads((path / "config.json").read_text())
     cfg.update(model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"])
     (path / "config.json").write_text(json.dumps(cfg))
-    result = CliRunner().invoke(app, ["ask", "--model", str(path), "--image", "samples/coffee.jpg", "q"])
+    result = CliRunner().invoke(
+        app, ["ask", "--model", str(path), "--image", "samples/coffee.jpg", "q"]
+    )
     assert result.exit_code == 3
-    assert "model_type 'qwen2_5_vl' (Qwen2_5_VLForConditionalGeneration) is not Qwen3-VL" in result.output
+    assert (
+        "model_type 'qwen2_5_vl' (Qwen2_5_VLForConditionalGeneration) is not Qwen3-VL"
+        in result.output
+    )
 
 
 def test_unreachable_hub_says_how_to_pass_a_local_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    result = CliRunner().invoke(app, ["ask", "--model", "Qwen/Qwen3-VL-2B-Instruct", "--image", "samples/coffee.jpg",
-                                      "q"])
+    result = CliRunner().invoke(
+        app, ["ask", "--model", "Qwen/Qwen3-VL-2B-Instruct", "--image", "samples/coffee.jpg", "q"]
+    )
     assert result.exit_code == 3
     assert "pass the local directory with --model /path/to/checkpoint" in result.output
     assert len(result.output.strip().splitlines()) == 1

@@ -15,13 +15,31 @@ def test_ask_help():
 
 def test_ask_writes_record_with_logprobs(tiny_dir, tmp_path):
     out = tmp_path / "answers.jsonl"
-    args = ["ask", "--model", str(tiny_dir), "--dtype", "float32", "--image", str(SAMPLES / "coffee.jpg"),
-            "--image", str(SAMPLES / "rocket.jpg"), "--max-new-tokens", "6", "--logprobs", "-o", str(out),
-            "What differs between these?"]
+    args = [
+        "ask",
+        "--model",
+        str(tiny_dir),
+        "--dtype",
+        "float32",
+        "--image",
+        str(SAMPLES / "coffee.jpg"),
+        "--image",
+        str(SAMPLES / "rocket.jpg"),
+        "--max-new-tokens",
+        "6",
+        "--logprobs",
+        "-o",
+        str(out),
+        "What differs between these?",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
-    assert record["status"] == "ok" and record["task"] == "ask" and record["text"] == result.output.strip()
+    assert (
+        record["status"] == "ok"
+        and record["task"] == "ask"
+        and record["text"] == result.output.strip()
+    )
     assert (record["width"], record["height"]) == (600, 400) and len(record["sha256"]) == 64
     assert record["num_output_tokens"] == len(record["token_ids"]) == len(record["logprobs"]) <= 6
     assert record["num_image_tokens"] > 0 and record["images"][1].endswith("rocket.jpg")
@@ -33,8 +51,21 @@ def test_ask_same_answer_as_python_api(tiny_dir):
 
     cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
     api = cap.ask([SAMPLES / "chelsea.jpg"], "Describe this image.", max_new_tokens=5)
-    cli = CliRunner().invoke(app, ["ask", "--model", str(tiny_dir), "--dtype", "float32", "--image",
-                                   str(SAMPLES / "chelsea.jpg"), "--max-new-tokens", "5", "Describe this image."])
+    cli = CliRunner().invoke(
+        app,
+        [
+            "ask",
+            "--model",
+            str(tiny_dir),
+            "--dtype",
+            "float32",
+            "--image",
+            str(SAMPLES / "chelsea.jpg"),
+            "--max-new-tokens",
+            "5",
+            "Describe this image.",
+        ],
+    )
     assert cli.exit_code == 0 and cli.output.strip() == api.text.strip()
 
 
@@ -42,7 +73,9 @@ def test_ask_corrupt_image_is_one_line_and_exit_1(tiny_dir, tmp_path):
     bad = tmp_path / "broken.jpg"
     bad.write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     out = tmp_path / "a.jsonl"
-    result = CliRunner().invoke(app, ["ask", "--model", str(tiny_dir), "--image", str(bad), "-o", str(out), "q"])
+    result = CliRunner().invoke(
+        app, ["ask", "--model", str(tiny_dir), "--image", str(bad), "-o", str(out), "q"]
+    )
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "broken.jpg" in lines[0] and "corrupt or truncated" in lines[0]
@@ -51,6 +84,17 @@ def test_ask_corrupt_image_is_one_line_and_exit_1(tiny_dir, tmp_path):
 
 
 def test_bad_sampling_value_is_a_usage_error(tiny_dir):
-    result = CliRunner().invoke(app, ["ask", "--model", str(tiny_dir), "--image", str(SAMPLES / "coffee.jpg"),
-                                      "--top-p", "0", "q"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "ask",
+            "--model",
+            str(tiny_dir),
+            "--image",
+            str(SAMPLES / "coffee.jpg"),
+            "--top-p",
+            "0",
+            "q",
+        ],
+    )
     assert result.exit_code == 2 and "top_p" in result.output

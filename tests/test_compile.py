@@ -1,4 +1,5 @@
-"""Compile-ahead: buckets, the manifest and its keys, the neuron check, and inductor end to end on a tiny checkpoint."""
+"""Compile-ahead: buckets, the manifest and its keys, the neuron check, and inductor end to end
+on a tiny checkpoint."""
 
 import json
 import os
@@ -20,9 +21,16 @@ from mmcli.config import load_config
 from mmcli.errors import ConfigError
 
 NAMES = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"]
-SMALL = {"image": {"max_pixels": 65536}, "engine": {"max_seqs": 2, "max_len": 256},
-         "vision": {"block_size": 256, "num_blocks_buckets": [1, 2]},
-         "compile": {"prefill_buckets": [128, 256], "decode_batch_buckets": [1, 2], "decode_context_buckets": [256]}}
+SMALL = {
+    "image": {"max_pixels": 65536},
+    "engine": {"max_seqs": 2, "max_len": 256},
+    "vision": {"block_size": 256, "num_blocks_buckets": [1, 2]},
+    "compile": {
+        "prefill_buckets": [128, 256],
+        "decode_batch_buckets": [1, 2],
+        "decode_context_buckets": [256],
+    },
+}
 
 
 def _images(root, n=4):
@@ -40,16 +48,27 @@ def _graphs(tmp_path, **key):
 
 def test_configured_buckets_and_lists():
     buckets = configured_buckets((2, 1), 256, (512, 128), (1, 2), (256, 512))
-    assert [b.label for b in buckets] == ["vision 1x256", "vision 2x256", "prefill 128", "prefill 512",
-                                          "decode 1x256", "decode 1x512", "decode 2x256", "decode 2x512"]
-    assert parse_buckets("decode 2x512, prefill:128", buckets) == [Bucket("decode", (2, 512)),
-                                                                   Bucket("prefill", (128,))]
+    assert [b.label for b in buckets] == [
+        "vision 1x256",
+        "vision 2x256",
+        "prefill 128",
+        "prefill 512",
+        "decode 1x256",
+        "decode 1x512",
+        "decode 2x256",
+        "decode 2x512",
+    ]
+    assert parse_buckets("decode 2x512, prefill:128", buckets) == [
+        Bucket("decode", (2, 512)),
+        Bucket("prefill", (128,)),
+    ]
     with pytest.raises(ConfigError, match="'decode 3x512': not a configured bucket"):
         parse_buckets("decode 3x512", buckets)
 
 
 def test_cache_dir_is_user_only_and_stale_keys_are_never_loaded(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))  # restored after the test
+    # restored after the test
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
     graphs = _graphs(tmp_path)
     assert stat.S_IMODE(os.stat(graphs.cache_dir).st_mode) == 0o700
     assert graphs.attach() == graphs.buckets  # nothing compiled yet: every bucket missing
@@ -62,8 +81,11 @@ def test_cache_dir_is_user_only_and_stale_keys_are_never_loaded(tmp_path, monkey
         warmed.append(b)
 
     warmed = []
-    monkeypatch.setattr(graphs, "_artifacts",
-                        lambda: {str(p.relative_to(graphs.cache_dir)) for p in graphs.cache_dir.glob("inductor/*")})
+    monkeypatch.setattr(
+        graphs,
+        "_artifacts",
+        lambda: {str(p.relative_to(graphs.cache_dir)) for p in graphs.cache_dir.glob("inductor/*")},
+    )
     assert graphs.compile_bucket(bucket, warm)[0] == "new"
     assert graphs.compile_bucket(bucket, warm) == ("cached", 0.0) and len(warmed) == 1
     entry = next(iter(graphs.manifest.entries().values()))
@@ -71,8 +93,10 @@ def test_cache_dir_is_user_only_and_stale_keys_are_never_loaded(tmp_path, monkey
     assert _graphs(tmp_path).attach() == graphs.buckets[1:]  # a new process sees it compiled
 
     # changed config (KV cache shape), changed dtype, edited source: detected, not loaded, rebuilt
-    for change, field in (({"kv_cache": [5, 256]}, "kv_cache"), ({"kv_cache": [5, 256], "dtype": "bfloat16"},
-                                                                  "dtype")):
+    for change, field in (
+        ({"kv_cache": [5, 256]}, "kv_cache"),
+        ({"kv_cache": [5, 256], "dtype": "bfloat16"}, "dtype"),
+    ):
         other = _graphs(tmp_path, **change)
         assert bucket in other.attach()
         monkeypatch.setattr(other, "_artifacts", graphs._artifacts)
@@ -82,7 +106,8 @@ def test_cache_dir_is_user_only_and_stale_keys_are_never_loaded(tmp_path, monkey
     assert bucket in edited.attach()
     monkeypatch.setattr(edited, "_artifacts", graphs._artifacts)
     assert edited.compile_bucket(bucket, warm)[0] == "rebuilt (source changed)"
-    assert len(warmed) == 4 and len(list(graphs.cache_dir.glob("inductor/*"))) == 1  # old artifacts removed
+    # old artifacts removed
+    assert len(warmed) == 4 and len(list(graphs.cache_dir.glob("inductor/*"))) == 1
     # an entry whose artifacts vanished is not loaded either
     for path in graphs.cache_dir.glob("inductor/*"):
         path.unlink()
@@ -90,35 +115,62 @@ def test_cache_dir_is_user_only_and_stale_keys_are_never_loaded(tmp_path, monkey
 
 
 def test_padded_buckets_give_the_eager_tokens(tiny_dir, tmp_path, monkeypatch):
-    """Fixed shapes (prefill padded to its bucket, decode batch and context padded, padding rows on the scratch
-    row) through the eager fallback: the same greedy tokens as the unpadded engine, with 3 in flight."""
+    """Fixed shapes (prefill padded to its bucket, decode batch and context padded, padding rows
+    on the scratch row) through the eager fallback: the same greedy tokens as the unpadded
+    engine, with 3 in flight."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     root = _images(tmp_path / "im", 6)
     items = [(p.name, p) for p in sorted(root.iterdir())]
-    base = {**SMALL, "dtype": "float32", "device": "cpu", "engine": {"max_seqs": 3, "max_len": 256},
-            "generation": {"max_new_tokens": 10}}
+    base = {
+        **SMALL,
+        "dtype": "float32",
+        "device": "cpu",
+        "engine": {"max_seqs": 3, "max_len": 256},
+        "generation": {"max_new_tokens": 10},
+    }
     eager = Labeler.from_pretrained(str(tiny_dir), config=load_config(None, base))
     expected = {r.key: r.token_ids for r in eager.label(items)}
-    padded_cfg = {**base, "compile": {"backend": "inductor", "cache_dir": str(tmp_path / "cache"),
-                                      "prefill_buckets": [64, 128, 256], "decode_batch_buckets": [1, 4],
-                                      "decode_context_buckets": [64, 256]}}
+    padded_cfg = {
+        **base,
+        "compile": {
+            "backend": "inductor",
+            "cache_dir": str(tmp_path / "cache"),
+            "prefill_buckets": [64, 128, 256],
+            "decode_batch_buckets": [1, 4],
+            "decode_context_buckets": [64, 256],
+        },
+    }
     padded = Labeler.from_pretrained(str(tiny_dir), config=load_config(None, padded_cfg))
     assert padded.graphs.attach() == padded.graphs.buckets  # nothing compiled: all run eagerly
     assert {r.key: r.token_ids for r in padded.label(items)} == expected
     used = {b.label for b in padded.graphs.missing_used}
     assert {"decode 4x64", "prefill 64", "vision 1x256"} <= used and not padded.graphs.loaded
     # a prompt longer than the largest prefill bucket is refused for its item, the rest goes on
-    small = Labeler.from_pretrained(str(tiny_dir), config=load_config(None, {
-        **padded_cfg, "compile": {**padded_cfg["compile"], "prefill_buckets": [64]}}))
-    results = {r.key: r for r in small.label(items[:2], prompt="Describe " + "this image in detail, " * 6)}
-    assert all("over the largest compile.prefill_buckets entry 64" in r.error["message"] for r in results.values())
+    small = Labeler.from_pretrained(
+        str(tiny_dir),
+        config=load_config(
+            None, {**padded_cfg, "compile": {**padded_cfg["compile"], "prefill_buckets": [64]}}
+        ),
+    )
+    results = {
+        r.key: r for r in small.label(items[:2], prompt="Describe " + "this image in detail, " * 6)
+    }
+    assert all(
+        "over the largest compile.prefill_buckets entry 64" in r.error["message"]
+        for r in results.values()
+    )
 
 
 def test_neuron_without_the_sdk_is_one_line_exit_2(tiny_dir, tmp_path, monkeypatch):
     root = _images(tmp_path / "im", 1)
-    for command in (["caption", str(root), "-o", str(tmp_path / "out.jsonl")], ["compile", "--buckets"],
-                    ["ask", "--image", str(root / "im0.png"), "What?"]):
-        result = CliRunner().invoke(app, [*command, "--model", str(tiny_dir), "--backend", "neuron"])
+    for command in (
+        ["caption", str(root), "-o", str(tmp_path / "out.jsonl")],
+        ["compile", "--buckets"],
+        ["ask", "--image", str(root / "im0.png"), "What?"],
+    ):
+        result = CliRunner().invoke(
+            app, [*command, "--model", str(tiny_dir), "--backend", "neuron"]
+        )
         assert result.exit_code == 2, result.output
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and "torch-neuronx, neuronx-cc, nki, nki-library" in lines[0]
@@ -126,7 +178,7 @@ def test_neuron_without_the_sdk_is_one_line_exit_2(tiny_dir, tmp_path, monkeypat
     assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
     # PyPI's placeholder `nki` (an empty package) is named as such
     monkeypatch.setitem(sys.modules, "nki", type(sys)("nki"))
-    from mmcli.compiled.graphs import require_neuron
+    from mmcli.compiled.backends import require_neuron
 
     with pytest.raises(ConfigError, match=r"nki \(the installed one is PyPI's empty placeholder\)"):
         require_neuron()
@@ -134,8 +186,13 @@ def test_neuron_without_the_sdk_is_one_line_exit_2(tiny_dir, tmp_path, monkeypat
 
 def _mmcli(*args, cwd):
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "mmcli", *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mmcli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, time.perf_counter() - started
 
@@ -143,34 +200,87 @@ def _mmcli(*args, cwd):
 @pytest.mark.slow
 def test_inductor_compile_ahead_then_load_with_zero_compilations(tiny_dir, tmp_path):
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(json.dumps({**SMALL, "compile": {**SMALL["compile"], "backend": "inductor",
-                                                    "cache_dir": str(tmp_path / "cache")}}))
+    cfg.write_text(
+        json.dumps(
+            {
+                **SMALL,
+                "compile": {
+                    **SMALL["compile"],
+                    "backend": "inductor",
+                    "cache_dir": str(tmp_path / "cache"),
+                },
+            }
+        )
+    )
     common = ["--model", tiny_dir, "-c", cfg]
     first, first_s = _mmcli("compile", "--buckets", *common, cwd=tmp_path)
     assert first.stdout.count(" new ") == 6
     second, second_s = _mmcli("compile", "--buckets", *common, cwd=tmp_path)
     assert second.stdout.count(" cached ") == 6 and " new " not in second.stdout
-    print(f"first compile {first_s:.1f} s, second {second_s:.1f} s ({100 * second_s / first_s:.1f}%)")
+    print(
+        f"first compile {first_s:.1f} s, second {second_s:.1f} s ({100 * second_s / first_s:.1f}%)"
+    )
     assert second_s <= 0.10 * first_s
 
     root = _images(tmp_path / "im", 4)
-    run, _ = _mmcli("caption", root, "-o", tmp_path / "ind.jsonl", "--logprobs", "--max-new-tokens", "12", "-q",
-                    *common, cwd=tmp_path)
+    run, _ = _mmcli(
+        "caption",
+        root,
+        "-o",
+        tmp_path / "ind.jsonl",
+        "--logprobs",
+        "--max-new-tokens",
+        "12",
+        "-q",
+        *common,
+        cwd=tmp_path,
+    )
     assert "0 compiled in this run; shapes run eagerly: none" in run.stderr, run.stderr
-    _mmcli("caption", root, "-o", tmp_path / "eager.jsonl", "--logprobs", "--max-new-tokens", "12", "-q",
-           "--backend", "eager", *common, cwd=tmp_path)
-    compiled, eager = ({r["key"]: r for r in map(json.loads, (tmp_path / f).read_text().splitlines())}
-                       for f in ("ind.jsonl", "eager.jsonl"))
-    assert len(compiled) == 4 and {k: r["token_ids"] for k, r in compiled.items()} == \
-        {k: r["token_ids"] for k, r in eager.items()}
+    _mmcli(
+        "caption",
+        root,
+        "-o",
+        tmp_path / "eager.jsonl",
+        "--logprobs",
+        "--max-new-tokens",
+        "12",
+        "-q",
+        "--backend",
+        "eager",
+        *common,
+        cwd=tmp_path,
+    )
+    compiled, eager = (
+        {r["key"]: r for r in map(json.loads, (tmp_path / f).read_text().splitlines())}
+        for f in ("ind.jsonl", "eager.jsonl")
+    )
+    assert len(compiled) == 4 and {k: r["token_ids"] for k, r in compiled.items()} == {
+        k: r["token_ids"] for k, r in eager.items()
+    }
     for key in eager:
-        torch.testing.assert_close(torch.tensor(compiled[key]["logprobs"]), torch.tensor(eager[key]["logprobs"]),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(compiled[key]["logprobs"]),
+            torch.tensor(eager[key]["logprobs"]),
+            atol=1e-4,
+            rtol=0,
+        )
 
-    # a changed dtype: that bucket is rebuilt; a run under the old dtype no longer loads it, and says so
-    rebuilt, _ = _mmcli("compile", "--buckets", "prefill 128", "--dtype", "bfloat16", *common, cwd=tmp_path)
+    # a changed dtype: that bucket is rebuilt; a run under the old dtype no longer loads it, and
+    # says so
+    rebuilt, _ = _mmcli(
+        "compile", "--buckets", "prefill 128", "--dtype", "bfloat16", *common, cwd=tmp_path
+    )
     assert "rebuilt (dtype changed)" in rebuilt.stdout, rebuilt.stdout
-    again, _ = _mmcli("caption", root, "-o", tmp_path / "again.jsonl", "--max-new-tokens", "4", "-q", *common,
-                      cwd=tmp_path)
+    again, _ = _mmcli(
+        "caption",
+        root,
+        "-o",
+        tmp_path / "again.jsonl",
+        "--max-new-tokens",
+        "4",
+        "-q",
+        *common,
+        cwd=tmp_path,
+    )
     assert "1 of 6 buckets not compiled ahead (prefill 128)" in again.stderr, again.stderr
     assert "0 compiled in this run" in again.stderr

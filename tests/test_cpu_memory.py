@@ -1,4 +1,5 @@
-"""The CPU path's memory and precision: weights as stored, int8, the KV cache sized to the job, a fast start."""
+"""The CPU path's memory and precision: weights as stored, int8, the KV cache sized to the job, a
+fast start."""
 
 import json
 import math
@@ -14,12 +15,12 @@ from conftest import SAMPLES
 from typer.testing import CliRunner
 
 from mmcli.api.labeler import Labeler
-from mmcli.model.checkpoint import expected_shapes
 from mmcli.cli.app import app
 from mmcli.config import load_config
-from mmcli.model import cpu_kernel
-from mmcli.model.linear import Linear, can_quantize, quantize_linears
 from mmcli.engine.runner import PrefillItem
+from mmcli.model import cpu_kernel
+from mmcli.model.checkpoint import expected_shapes
+from mmcli.model.linear import Linear, can_quantize, quantize_linears
 from mmcli.testing import make_outlier_checkpoint, make_tiny_checkpoint
 
 IMAGE = [SAMPLES / "chelsea.jpg"]
@@ -37,39 +38,54 @@ def outlier_dir(bf16_dir, tmp_path_factory) -> Path:
 
 
 def _captioner(path, **settings):
-    return Labeler.from_pretrained(str(path), config=load_config(None, {"device": "cpu", **settings}))
+    return Labeler.from_pretrained(
+        str(path), config=load_config(None, {"device": "cpu", **settings})
+    )
 
 
 def _logits(cap):
     req, _ = cap.request("k", IMAGE, "Describe this image.", cap.sampling())
-    item = PrefillItem(0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids)
+    item = PrefillItem(
+        0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids
+    )
     with torch.inference_mode():
         return cap.model.lm_head(cap.runner.forward_prompts([item])).float()
 
 
 def _parameters(cap) -> int:
     cfg = cap.model.cfg
-    return sum(math.prod(shape) for name, shape in expected_shapes(cfg).items()
-               if not (name == "lm_head.weight" and cfg.tie_word_embeddings))
+    return sum(
+        math.prod(shape)
+        for name, shape in expected_shapes(cfg).items()
+        if not (name == "lm_head.weight" and cfg.tie_word_embeddings)
+    )
 
 
 def test_default_cpu_path_holds_the_stored_bfloat16_and_computes_in_float32(bf16_dir):
     default, full = _captioner(bf16_dir), _captioner(bf16_dir, dtype="float32")
     assert default.precision == {"weights": "bfloat16", "compute": "float32", "quantize": "none"}
     assert full.precision == {"weights": "float32", "compute": "float32", "quantize": "none"}
-    assert ("compiled bf16 kernel" in default.runner.kernels) == (cpu_kernel.why_unavailable() is None)
-    assert default.weight_bytes / _parameters(default) <= 2.1 < full.weight_bytes / _parameters(full)
+    assert ("compiled bf16 kernel" in default.runner.kernels) == (
+        cpu_kernel.why_unavailable() is None
+    )
+    assert (
+        default.weight_bytes / _parameters(default) <= 2.1 < full.weight_bytes / _parameters(full)
+    )
     torch.testing.assert_close(_logits(default), _logits(full), atol=1e-4, rtol=0)
     ask = {"max_new_tokens": 24}
-    assert default.ask(IMAGE, "Describe this image.", **ask).token_ids == full.ask(IMAGE, "Describe this image.",
-                                                                                   **ask).token_ids
+    assert (
+        default.ask(IMAGE, "Describe this image.", **ask).token_ids
+        == full.ask(IMAGE, "Describe this image.", **ask).token_ids
+    )
 
 
-@pytest.mark.skipif(cpu_kernel.why_unavailable() is not None, reason="no AVX2 or no C compiler here")
+@pytest.mark.skipif(
+    cpu_kernel.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
+)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
 def test_the_few_rows_kernel_computes_bfloat16_weights_in_float32(rows):
-    """Shapes off the kernel's tiles (7 output channels, 21 columns: 4+3 and 8+8+5) and a strided input, against
-    float64; this machine's build must load (the runner's report names it)."""
+    """Shapes off the kernel's tiles (7 output channels, 21 columns: 4+3 and 8+8+5) and a strided
+    input, against float64; this machine's build must load (the runner's report names it)."""
     assert cpu_kernel.load()[0] is not None, cpu_kernel.load()[1]
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(7, 21, generator=generator).bfloat16()
@@ -78,8 +94,12 @@ def test_the_few_rows_kernel_computes_bfloat16_weights_in_float32(rows):
     layer.weight.data, layer.bias.data = weight, torch.randn(7, generator=generator)
     expected = x.double() @ weight.double().t() + layer.bias.double()
     torch.testing.assert_close(layer(x).double(), expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cpu_kernel.bf16_linear(x.contiguous(), weight).double(), expected - layer.bias.double(),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        cpu_kernel.bf16_linear(x.contiguous(), weight).double(),
+        expected - layer.bias.double(),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def _relative_error(logits, reference) -> float:
@@ -88,15 +108,27 @@ def _relative_error(logits, reference) -> float:
 
 @needs_fbgemm
 def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
-    """int8 (norms folded into the next linears, a scale per token) stays within 12% (relative L2 of the prefill
-    logits) of the float32 run on a model with outlier channels; one activation scale per call does not."""
+    """int8 (norms folded into the next linears, a scale per token) stays within 12% (relative L2
+    of the prefill logits) of the float32 run on a model with outlier channels; one activation
+    scale per call does not."""
     reference = _logits(_captioner(outlier_dir, dtype="float32"))
     ours = _captioner(outlier_dir, quantize="int8")
-    assert ours.precision["weights"] == "int8" and ours.weight_bytes < 0.8 * _captioner(outlier_dir).weight_bytes
-    embedding, head = ours.model.language_model.embed_tokens.weight, ours.model.lm_head  # tied: one bfloat16 copy
-    assert head.kernel != "int8" and head.weight.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
+    assert (
+        ours.precision["weights"] == "int8"
+        and ours.weight_bytes < 0.8 * _captioner(outlier_dir).weight_bytes
+    )
+    # tied: one bfloat16 copy
+    embedding, head = (
+        ours.model.language_model.embed_tokens.weight,
+        ours.model.lm_head,
+    )
+    assert (
+        head.kernel != "int8"
+        and head.weight.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
+    )
     assert _relative_error(_logits(ours), reference) < 0.12
-    naive = _captioner(outlier_dir, weights_dtype="bfloat16")  # the same int8 weights, no folding, one scale a call
+    # the same int8 weights, no folding, one scale a call
+    naive = _captioner(outlier_dir, weights_dtype="bfloat16")
     quantize_linears(naive.model, keep=(naive.model.lm_head,))
     for layer in naive.model.modules():
         if isinstance(layer, Linear):
@@ -111,27 +143,61 @@ def test_quantization_is_in_the_record_and_the_resume_key(tiny_dir, tmp_path):
     shutil.copy(SAMPLES / "coffee.jpg", root)
     out = tmp_path / "out.jsonl"
     for extra in ([], ["--quantize", "int8"], ["--quantize", "int8"]):
-        result = CliRunner().invoke(app, ["caption", str(root), "-o", str(out), "--model", str(tiny_dir), "-q",
-                                          "--max-new-tokens", "3", *extra])
+        result = CliRunner().invoke(
+            app,
+            [
+                "caption",
+                str(root),
+                "-o",
+                str(out),
+                "--model",
+                str(tiny_dir),
+                "-q",
+                "--max-new-tokens",
+                "3",
+                *extra,
+            ],
+        )
         assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["precision"]["quantize"] for r in records] == ["none", "int8"]  # the third run redid nothing
-    assert records[1]["precision"]["weights"] == "int8" and records[0]["settings"] != records[1]["settings"]
+    # the third run redid nothing
+    assert [r["precision"]["quantize"] for r in records] == [
+        "none",
+        "int8",
+    ]
+    assert (
+        records[1]["precision"]["weights"] == "int8"
+        and records[0]["settings"] != records[1]["settings"]
+    )
 
 
 def test_the_kv_cache_holds_what_the_job_uses(tiny_dir, tmp_path):
     cap = _captioner(tiny_dir, dtype="float32")  # engine.max_seqs 8, max_len 4096 by default
     result = cap.ask(IMAGE, "Describe this image.", max_new_tokens=4)
-    assert (cap.runner.cache.rows, cap.runner.cache.columns) == (1, 256) and result.num_input_tokens + 4 <= 256
-    items = [(f"k{i}", SAMPLES / name) for i, name in enumerate(["coffee.jpg", "rocket.jpg", "chelsea.jpg"])]
-    alone = {key: cap.ask([path], "Describe this image.", max_new_tokens=300).token_ids for key, path in items}
+    assert (cap.runner.cache.rows, cap.runner.cache.columns) == (
+        1,
+        256,
+    ) and result.num_input_tokens + 4 <= 256
+    items = [
+        (f"k{i}", SAMPLES / name)
+        for i, name in enumerate(["coffee.jpg", "rocket.jpg", "chelsea.jpg"])
+    ]
+    alone = {
+        key: cap.ask([path], "Describe this image.", max_new_tokens=300).token_ids
+        for key, path in items
+    }
     batched = {r.key: r.token_ids for r in cap.label(items, max_new_tokens=300)}
-    assert batched == alone and cap.runner.cache.rows == 3 and cap.runner.cache.columns == 512  # grown, in order
+    # grown, in order
+    assert batched == alone and cap.runner.cache.rows == 3 and cap.runner.cache.columns == 512
 
 
-@pytest.mark.parametrize("args", [["--help"], ["config", "show"], ["plan", "--tokens", "512,256,128"]])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["config", "show"], ["plan", "--tokens", "512,256,128"]]
+)
 def test_the_commands_that_load_no_model_start_fast(args):
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "mmcli", *args], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "mmcli", *args], capture_output=True, text=True, timeout=60
+    )
     seconds = time.perf_counter() - started
     assert done.returncode == 0 and seconds < 2.0, (seconds, done.stderr)

@@ -8,9 +8,18 @@ from conftest import SAMPLES, photo
 
 from mmcli.api.labeler import Labeler
 from mmcli.config import load_config
-from mmcli.engine.vision_encoder import ImageEncoder
+from mmcli.engine.vision_encoder import VisionEncoder
 
-SIZES = [(224, 224), (97, 211), (640, 480), (128, 128), (300, 77), (512, 384), (64, 500), (451, 300)]
+SIZES = [
+    (224, 224),
+    (97, 211),
+    (640, 480),
+    (128, 128),
+    (300, 77),
+    (512, 384),
+    (64, 500),
+    (451, 300),
+]
 NAMES = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"]
 
 
@@ -31,17 +40,28 @@ def _captioner(path, **config):
 def test_packed_vision_equals_per_image_path(tiny_dir):
     cap = _captioner(tiny_dir)
     # 7 images of different sizes; the 8x8-patch one (64 patches) fills a 64-patch block exactly
-    images = [photo(NAMES[i % 4], s) for i, s in enumerate([(256, 256), (97, 211), (128, 64), (300, 77),
-                                                             (64, 64), (200, 150), (40, 400)])]
+    images = [
+        photo(NAMES[i % 4], s)
+        for i, s in enumerate(
+            [(256, 256), (97, 211), (128, 64), (300, 77), (64, 64), (200, 150), (40, 400)]
+        )
+    ]
     reqs = [cap.request(f"k{i}", [im], "q", cap.sampling())[0] for i, im in enumerate(images)]
     pixels = [r.pixel_values[0] for r in reqs]
     grids = [r.vision_grids[0] for r in reqs]
     assert 64 in [t * h * w for t, h, w in grids]
     reference = _per_image(cap, pixels, grids)
     # (64, (1, 2)) needs more blocks than its largest bucket: the wave is split into several calls
-    for block_size, buckets, fixed in ((64, (1, 2, 4, 8), True), (64, (1, 2), True), (128, (4, 8), True),
-                                       (256, (2,), True), (1024, (1,), False)):
-        packed = ImageEncoder(cap.model.visual, cap.runner.device, block_size, buckets, fixed).encode(pixels, grids)
+    for block_size, buckets, fixed in (
+        (64, (1, 2, 4, 8), True),
+        (64, (1, 2), True),
+        (128, (4, 8), True),
+        (256, (2,), True),
+        (1024, (1,), False),
+    ):
+        packed = VisionEncoder(
+            cap.model.visual, cap.runner.device, block_size, buckets, fixed
+        ).encode(pixels, grids)
         for (f_ref, ds_ref), (f, ds) in zip(reference, packed):
             torch.testing.assert_close(f, f_ref, atol=1e-5, rtol=0)
             for a, b in zip(ds, ds_ref):
@@ -50,15 +70,24 @@ def test_packed_vision_equals_per_image_path(tiny_dir):
 
 
 def _per_image(cap, pixels, grids):
-    return ImageEncoder(cap.model.visual, cap.runner.device, None, (1,), False).encode(pixels, grids)
+    return VisionEncoder(cap.model.visual, cap.runner.device, None, (1,), False).encode(
+        pixels, grids
+    )
 
 
 def test_caption_tokens_do_not_depend_on_block_size_or_bucket(tiny_dir, tmp_path):
     items = _items(tmp_path)[:5]
     runs = []
-    for vision in ({"block_size": 64, "num_blocks_buckets": [1, 2, 4, 8]}, {"block_size": 1024,
-                                                                           "num_blocks_buckets": [4]}):
-        cap = _captioner(tiny_dir, vision=vision, generation={"max_new_tokens": 8}, image={"max_pixels": 128 * 128})
+    for vision in (
+        {"block_size": 64, "num_blocks_buckets": [1, 2, 4, 8]},
+        {"block_size": 1024, "num_blocks_buckets": [4]},
+    ):
+        cap = _captioner(
+            tiny_dir,
+            vision=vision,
+            generation={"max_new_tokens": 8},
+            image={"max_pixels": 128 * 128},
+        )
         cap.runner.encoder.fixed_shapes = True
         runs.append({r.key: r.token_ids for r in cap.label(items)})
     assert runs[0] == runs[1] and len(runs[0]) == 5
@@ -111,8 +140,14 @@ def test_packed_linear_equals_the_plain_product_and_frees_the_plain_weight():
 
     torch.manual_seed(0)
     embed = torch.nn.Embedding(300, 64)
-    model = torch.nn.ModuleDict({"a": Linear(64, 96, bias=True), "b": Linear(96, 64, bias=False),
-                                 "head": Linear(64, 300, bias=False), "embed": embed}).requires_grad_(False)
+    model = torch.nn.ModuleDict(
+        {
+            "a": Linear(64, 96, bias=True),
+            "b": Linear(96, 64, bias=False),
+            "head": Linear(64, 300, bias=False),
+            "embed": embed,
+        }
+    ).requires_grad_(False)
     model["head"].weight = embed.weight  # tied: the embedding keeps the plain weight
     plain = {name: (m.weight.clone(), m.bias) for name, m in model.items() if isinstance(m, Linear)}
     assert pack_linears(model) == 3
@@ -121,8 +156,11 @@ def test_packed_linear_equals_the_plain_product_and_frees_the_plain_weight():
         for rows in (0, 1, 3, 16, 40):
             for name, (weight, bias) in plain.items():
                 x = torch.randn(rows, weight.shape[1])
-                torch.testing.assert_close(model[name](x), torch.nn.functional.linear(x, weight, bias),
-                                           atol=1e-5, rtol=0)
+                torch.testing.assert_close(
+                    model[name](x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=0
+                )
         x = torch.randn(2, 5, 64)[:, ::2]  # 3-D and not contiguous
-        torch.testing.assert_close(model["a"](x), torch.nn.functional.linear(x, *plain["a"]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            model["a"](x), torch.nn.functional.linear(x, *plain["a"]), atol=1e-5, rtol=0
+        )
     assert pack_linears(model) == 0  # already packed

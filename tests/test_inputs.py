@@ -1,4 +1,5 @@
-"""Inputs prepared ahead of the engine in worker threads: order, a slow file, a failing worker, closing early."""
+"""Inputs prepared ahead of the engine in worker threads: order, a slow file, a failing worker,
+closing early."""
 
 import threading
 import time
@@ -14,8 +15,12 @@ NAMES = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"]
 
 
 def _captioner(path, workers, **settings):
-    return Labeler.from_pretrained(str(path), config=load_config(
-        None, {"dtype": "float32", "device": "cpu", "inputs": {"workers": workers}, **settings}))
+    return Labeler.from_pretrained(
+        str(path),
+        config=load_config(
+            None, {"dtype": "float32", "device": "cpu", "inputs": {"workers": workers}, **settings}
+        ),
+    )
 
 
 def _items(n=6):
@@ -23,8 +28,13 @@ def _items(n=6):
 
 
 def test_results_are_the_same_with_any_number_of_workers(tiny_dir):
-    runs = [{r.key: (r.token_ids, r.images) for r in _captioner(tiny_dir, workers).label(_items(), max_new_tokens=5)}
-            for workers in (1, 3)]
+    runs = [
+        {
+            r.key: (r.token_ids, r.images)
+            for r in _captioner(tiny_dir, workers).label(_items(), max_new_tokens=5)
+        }
+        for workers in (1, 3)
+    ]
     assert runs[0] == runs[1] and sorted(runs[0]) == [f"k{i}" for i in range(6)]
 
 

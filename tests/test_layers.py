@@ -1,5 +1,6 @@
 """The layers of mmcli: each package imports only itself and the layers below it, and no module
-imports itself back through others (read from the source with ast, function-level imports included)."""
+imports itself back through others (read from the source with ast, function-level imports
+included)."""
 
 import ast
 from pathlib import Path
@@ -41,7 +42,8 @@ def layer_of(module: str) -> int:
 
 
 def imports(module: str) -> set[str]:
-    """The package modules `module` imports (a name imported from a package counts as its module)."""
+    """The package modules `module` imports (a name imported from a package counts as its
+    module)."""
     found = set()
     for node in ast.walk(ast.parse(MODULES[module].read_text())):
         if isinstance(node, ast.ImportFrom) and node.level:

@@ -5,9 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmcli.config import load_config
-from mmcli.errors import ConfigError
 from mmcli.compiled.buckets import choose_bucket
+from mmcli.config import load_config
 from mmcli.engine.packing import (
     block_bounds,
     choose_wave,
@@ -19,6 +18,7 @@ from mmcli.engine.packing import (
     padded_efficiency,
     unpack_index,
 )
+from mmcli.errors import ConfigError
 
 token_lists = st.lists(st.integers(1, 64).map(lambda n: 4 * n), min_size=1, max_size=9)
 
@@ -79,7 +79,9 @@ def test_bounds_confine_queries_and_unpack_inverts_pack(tokens, temporal):
     packed[real] = x[torch.tensor(index)[real]]
     assert torch.equal(packed[torch.tensor(unpack_index(tokens, layout, 1))], x)
     merged = packed.view(-1, 4, 3).sum(1)  # a stand-in for the 2x2 merger
-    assert torch.equal(merged[torch.tensor(unpack_index(tokens, layout, 4))], x.view(-1, 4, 3).sum(1))
+    assert torch.equal(
+        merged[torch.tensor(unpack_index(tokens, layout, 4))], x.view(-1, 4, 3).sum(1)
+    )
 
 
 def test_bucket_choice_and_overflow():
@@ -105,14 +107,30 @@ def test_seed_004_worked_example():
 
 
 def test_wave_fills_its_bucket_better_than_arrival_order():
-    waiting = [[400], [400], [400], [100], [100], [100], [100], [100]]  # patches of each waiting request
+    # patches of each waiting request
+    waiting = [
+        [400],
+        [400],
+        [400],
+        [100],
+        [100],
+        [100],
+        [100],
+        [100],
+    ]
     wave = choose_wave(waiting, 3, 512, [1, 2, 4])
     arrival = [0, 1, 2]
     assert wave[0] == 0 and len(wave) == 3
     fill = lambda ids: sum(waiting[i][0] for i in ids)  # noqa: E731
-    used = lambda ids: choose_bucket(len(ffd_pack([waiting[i][0] for i in ids], 512)), [1, 2, 4])  # noqa: E731
+
+    # noqa: E731
+    def used(ids):
+        return choose_bucket(len(ffd_pack([waiting[i][0] for i in ids], 512)), [1, 2, 4])
+
     assert used(wave) <= used(arrival)
-    assert fill(wave) / (used(wave) * 512) > fill(arrival) / (used(arrival) * 512) or used(wave) < used(arrival)
+    assert fill(wave) / (used(wave) * 512) > fill(arrival) / (used(arrival) * 512) or used(
+        wave
+    ) < used(arrival)
 
 
 def test_config_whose_pixel_budget_does_not_fit_its_block_is_refused(tmp_path):
@@ -120,8 +138,10 @@ def test_config_whose_pixel_budget_does_not_fit_its_block_is_refused(tmp_path):
     f.write_text("vision:\n  block_size: 1024\nimage:\n  max_pixels: 1310720\n")
     with pytest.raises(ConfigError) as e:
         load_config(f)
-    assert str(e.value) == ("config image.max_pixels 1310720 allows images of 5120 patches, over vision.block_size "
-                            "1024: set image.max_pixels <= 262144 or vision.block_size >= 5120")
+    assert str(e.value) == (
+        "config image.max_pixels 1310720 allows images of 5120 patches, over vision.block_size "
+        "1024: set image.max_pixels <= 262144 or vision.block_size >= 5120"
+    )
     f.write_text("vision:\n  block_size: 1022\n")
     with pytest.raises(ConfigError, match="multiple of merge_size"):
         load_config(f)
@@ -153,7 +173,9 @@ def test_plan_thumbnails_and_recommendation():
     mixed = [1024, 512, 256, 128, 128, 300, 64, 700]
     best = recommend_block_size(mixed)
     candidates = range(1024, 3200, 128)
-    assert best >= max(mixed) and all(vision_work(mixed, best) <= vision_work(mixed, c) for c in candidates)
+    assert best >= max(mixed) and all(
+        vision_work(mixed, best) <= vision_work(mixed, c) for c in candidates
+    )
     assert f"recommended block_size: {best} " in _plan("--tokens", ",".join(map(str, mixed)))
 
 
@@ -163,7 +185,8 @@ def test_plan_on_a_folder(tmp_path):
     for n, size in enumerate([(640, 480), (224, 224), (300, 200)]):
         Image.new("RGB", size).save(tmp_path / f"{n}.png")
     out = _plan(str(tmp_path), "--block-size", "1280")
-    # smart_resize: 640x480 -> 30x40 patches; 224x224 and 300x200 are raised to min_pixels: 16x16 and 14x20
+    # smart_resize: 640x480 -> 30x40 patches; 224x224 and 300x200 are raised to min_pixels: 16x16
+    # and 14x20
     assert "3 images in 2 blocks of 1280 patches" in out
     assert "0.png (1200)" in out and "1.png (256)" in out and "2.png (280)" in out
 
@@ -178,6 +201,8 @@ def test_segment_attention_equals_the_bounded_reference():
     bound_min, bound_max = torch.tensor(bmin).view(shape), torch.tensor(bmax).view(shape)
     q, k, v = (torch.randn(layout.num_blocks, 2, 64, 8) for _ in range(3))
     reference = bounded_attention(q, k, v, bound_min, bound_max)
-    torch.testing.assert_close(segment_attention(q, k, v, bound_min, bound_max), reference, atol=1e-6, rtol=1e-6)
-    padding = (bound_max <= bound_min)
+    torch.testing.assert_close(
+        segment_attention(q, k, v, bound_min, bound_max), reference, atol=1e-6, rtol=1e-6
+    )
+    padding = bound_max <= bound_min
     assert padding.any() and reference.transpose(1, 2)[padding].abs().max() == 0

@@ -28,7 +28,8 @@ def test_seed_000_worked_example():
 
 
 def test_seed_001_divergence_figures():
-    # A 1x7x7 merged grid whose image starts at text position 16; compare with every axis held at 16.
+    # A 1x7x7 merged grid whose image starts at text position 16; compare with every axis held at
+    # 16.
     ids = [1] * 16 + [IMG] * 49
     rotary, _ = rope_index(ids, [(1, 14, 14)], IMG, 2)
     image = rotary[:, 16:]
@@ -81,7 +82,8 @@ def test_matches_transformers_get_rope_index(tiny_dir, name):
     mm_types = (input_ids == img).int()
     grid_t = torch.tensor(grids) if grids else None
     if name == "back_to_back":
-        # transformers groups runs of image tokens, so two adjacent images look like one run to it; check
+        # transformers groups runs of image tokens, so two adjacent images look like one run to it;
+        # check
         # against it image by image instead (each grid alone, offset by the first image's span).
         ref_a, _ = model.get_rope_index(input_ids[:, :5], mm_types[:, :5], torch.tensor(grids[:1]))
         ours, _ = rope_index(ids, grids, img, 2)
@@ -104,8 +106,10 @@ def test_batch_of_different_lengths_matches_transformers_left_padded(tiny_dir):
     input_ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     grids = torch.tensor([g for _, gs in prompts for g in gs])
-    ref, _ = model.get_rope_index(input_ids, (input_ids == img).int() * mask, grids, attention_mask=mask)
+    ref, _ = model.get_rope_index(
+        input_ids, (input_ids == img).int() * mask, grids, attention_mask=mask
+    )
     for b, (row, (_, g)) in enumerate(zip(rows, prompts)):
         ours, delta = rope_index(row, g, img, 2)
-        assert torch.equal(ours, ref[:, b, width - len(row):])
+        assert torch.equal(ours, ref[:, b, width - len(row) :])
         assert delta == int(ours.max()) + 1 - len(row)

@@ -12,11 +12,18 @@ from mmcli.inputs.preprocess import ImageProcessorConfig, decode_image, preproce
 QWEN3 = ImageProcessorConfig()  # the released Qwen3-VL preprocessor values
 
 
-@pytest.mark.parametrize("hw,expected", [
-    ((1365, 2048), (1376, 2048)), ((480, 640), (480, 640)), ((1000, 1000), (992, 992)),
-    ((1080, 1920), (1088, 1920)), ((100, 100), (256, 256)), ((8000, 6000), (4704, 3520)),
-    ((80, 4000), (64, 4000)),  # half-to-even rounding: 80/32 = 2.5 -> 2
-])
+@pytest.mark.parametrize(
+    "hw,expected",
+    [
+        ((1365, 2048), (1376, 2048)),
+        ((480, 640), (480, 640)),
+        ((1000, 1000), (992, 992)),
+        ((1080, 1920), (1088, 1920)),
+        ((100, 100), (256, 256)),
+        ((8000, 6000), (4704, 3520)),
+        ((80, 4000), (64, 4000)),  # half-to-even rounding: 80/32 = 2.5 -> 2
+    ],
+)
 def test_smart_resize_matches_spec_examples(hw, expected):
     assert smart_resize(*hw, 32, QWEN3.min_pixels, QWEN3.max_pixels) == expected
 
@@ -37,19 +44,32 @@ def test_pixels_and_grids_match_transformers_pil_processor(tiny_dir, tmp_path, r
     proc = hf_processor(tiny_dir).image_processor
     cfg = ImageProcessorConfig.from_checkpoint(tiny_dir)
     if released:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
 
-        proc = Qwen2VLImageProcessorPil(size={"shortest_edge": 65536, "longest_edge": 16777216}, patch_size=16,
-                                        image_mean=[0.5] * 3, image_std=[0.5] * 3, merge_size=2)
+        proc = Qwen2VLImageProcessorPil(
+            size={"shortest_edge": 65536, "longest_edge": 16777216},
+            patch_size=16,
+            image_mean=[0.5] * 3,
+            image_std=[0.5] * 3,
+            merge_size=2,
+        )
         cfg = QWEN3
     images = varied_images()
     assert len(images) >= 10
     for name, im in images.items():
-        decoded = _decode_bytes(tmp_path, encoded(im, "PNG" if im.mode != "CMYK" else "TIFF"), name + ".img").image
-        # transformers gets the image as Pillow opened it (its own RGB conversion), except 16-bit grey, whose
+        decoded = _decode_bytes(
+            tmp_path, encoded(im, "PNG" if im.mode != "CMYK" else "TIFF"), name + ".img"
+        ).image
+        # transformers gets the image as Pillow opened it (its own RGB conversion), except 16-bit
+        # grey, whose
         # values Pillow's convert() would clip; there both get our 8-bit scaled decode.
-        reference_input = decoded if im.mode.startswith("I") else Image.open(io.BytesIO(
-            encoded(im, "PNG" if im.mode != "CMYK" else "TIFF")))
+        reference_input = (
+            decoded
+            if im.mode.startswith("I")
+            else Image.open(io.BytesIO(encoded(im, "PNG" if im.mode != "CMYK" else "TIFF")))
+        )
         ref = proc(images=[reference_input], return_tensors="pt")
         pixels, grid = preprocess(decoded, cfg)
         assert list(grid) == ref["image_grid_thw"][0].tolist(), name
@@ -85,11 +105,18 @@ def test_animation_uses_first_frame_and_says_so(tmp_path):
     assert d.image.getpixel((0, 0)) == (255, 0, 0) and d.note == "first frame of 3 used"
 
 
-@pytest.mark.parametrize("name,data,cause", [
-    ("zero.jpg", b"", "empty file"),
-    ("text.jpg", b"this is not an image at all\n", "not an image"),
-    ("trunc.jpg", encoded(Image.new("RGB", (64, 64), (1, 2, 3)), "JPEG")[:200], "cannot decode"),
-])
+@pytest.mark.parametrize(
+    "name,data,cause",
+    [
+        ("zero.jpg", b"", "empty file"),
+        ("text.jpg", b"this is not an image at all\n", "not an image"),
+        (
+            "trunc.jpg",
+            encoded(Image.new("RGB", (64, 64), (1, 2, 3)), "JPEG")[:200],
+            "cannot decode",
+        ),
+    ],
+)
 def test_bad_files_raise_one_line_image_errors(tmp_path, name, data, cause):
     with pytest.raises(ImageError, match=cause) as e:
         _decode_bytes(tmp_path, data, name)

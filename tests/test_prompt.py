@@ -5,7 +5,9 @@ from mmcli.errors import CheckpointError
 from mmcli.inputs.prompt import PromptBuilder
 
 
-@pytest.mark.parametrize("names", [[], ["chelsea.jpg"], ["astronaut.jpg", "rocket.jpg", "coffee.jpg"]])
+@pytest.mark.parametrize(
+    "names", [[], ["chelsea.jpg"], ["astronaut.jpg", "rocket.jpg", "coffee.jpg"]]
+)
 def test_ids_match_transformers_processor(variant_dirs, names):
     for path in variant_dirs.values():
         prompts = PromptBuilder.from_checkpoint(path, _image_id(path))
@@ -13,8 +15,9 @@ def test_ids_match_transformers_processor(variant_dirs, names):
         images = [photo(n) for n in names]
         question = "What is here? Answer in 3 words, please."
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-        text = proc.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                        add_generation_prompt=True)
+        text = proc.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
         assert prompts.render(question, ["image"] * len(images)) == text
         ref = proc(text=[text], images=images or None, return_tensors="pt")
         counts = [int(g.prod()) // 4 for g in ref["image_grid_thw"]] if images else []

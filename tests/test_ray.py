@@ -18,14 +18,28 @@ pytestmark = pytest.mark.slow
 def _images(root: Path, n: int = 20) -> Path:
     root.mkdir()
     for i in range(n):
-        photo(["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"][i % 4], (48 + 4 * i, 64)).save(
-            root / f"{i:02d}.png")
+        photo(
+            ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"][i % 4], (48 + 4 * i, 64)
+        ).save(root / f"{i:02d}.png")
     return root
 
 
 def _cmd(root, out, model, *extra):
-    return [sys.executable, "-m", "mmcli", "caption", str(root), "-o", str(out), "--model", str(model), "-q",
-            "--max-new-tokens", "6", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "mmcli",
+        "caption",
+        str(root),
+        "-o",
+        str(out),
+        "--model",
+        str(model),
+        "-q",
+        "--max-new-tokens",
+        "6",
+        *extra,
+    ]
 
 
 def _records(path: Path) -> list[dict]:
@@ -42,10 +56,14 @@ def test_ray_replicas_match_a_local_run_and_resume_does_nothing(tiny_dir, tmp_pa
     root = _images(tmp_path / "imgs")
     local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     assert subprocess.run(_cmd(root, local, tiny_dir), timeout=300).returncode == 0
-    ray_cmd = _cmd(root, remote, tiny_dir, "--ray", "--replicas", "2", "--replica-resources", '{"num_cpus": 1}')
+    ray_cmd = _cmd(
+        root, remote, tiny_dir, "--ray", "--replicas", "2", "--replica-resources", '{"num_cpus": 1}'
+    )
     assert subprocess.run(ray_cmd, timeout=600, env=_env()).returncode == 0
     ours = {r["key"]: r for r in _records(remote)}
-    assert len(ours) == len(_records(remote)) == 20 and all(r["status"] == "ok" for r in ours.values())
+    assert len(ours) == len(_records(remote)) == 20 and all(
+        r["status"] == "ok" for r in ours.values()
+    )
     assert {k: r["text"] for k, r in ours.items()} == {r["key"]: r["text"] for r in _records(local)}
     before = remote.read_text()
     rerun = subprocess.run(ray_cmd, timeout=600, env=_env(), capture_output=True, text=True)
@@ -78,7 +96,9 @@ def test_killing_a_replica_still_records_every_key_once(tiny_dir, tmp_path):
     assert killed, "no replica process was found while the run was going"
     assert proc.wait(600) == 0
     keys = [r["key"] for r in _records(out)]
-    assert sorted(keys) == sorted(p.name for p in root.iterdir()) and len(keys) == len(set(keys)) == 20
+    assert (
+        sorted(keys) == sorted(p.name for p in root.iterdir()) and len(keys) == len(set(keys)) == 20
+    )
 
 
 def test_ray_replicas_run_every_task_like_a_local_run(tiny_dir, tmp_path):
@@ -86,8 +106,17 @@ def test_ray_replicas_run_every_task_like_a_local_run(tiny_dir, tmp_path):
     local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     tasks = ("--task", "caption", "--task", "tags")
     assert subprocess.run(_cmd(root, local, tiny_dir, *tasks), timeout=300).returncode == 0
-    ray_cmd = _cmd(root, remote, tiny_dir, *tasks, "--ray", "--replicas", "2", "--replica-resources",
-                   '{"num_cpus": 1}')
+    ray_cmd = _cmd(
+        root,
+        remote,
+        tiny_dir,
+        *tasks,
+        "--ray",
+        "--replicas",
+        "2",
+        "--replica-resources",
+        '{"num_cpus": 1}',
+    )
     assert subprocess.run(ray_cmd, timeout=600, env=_env()).returncode == 0
     ours = {(r["key"], r["task"]): r["text"] for r in _records(remote)}
     assert len(ours) == len(_records(remote)) == 12

@@ -1,4 +1,5 @@
-"""Labels that survive failures: complete resume keys, one safe writer, disk errors, collisions, several roots."""
+"""Labels that survive failures: complete resume keys, one safe writer, disk errors, collisions,
+several roots."""
 
 import errno
 import json
@@ -18,7 +19,9 @@ from mmcli.jobs.scan import scan
 
 
 def _caption(*args, model):
-    return CliRunner().invoke(app, ["caption", *map(str, args), "--model", str(model), "--max-new-tokens", "3", "-q"])
+    return CliRunner().invoke(
+        app, ["caption", *map(str, args), "--model", str(model), "--max-new-tokens", "3", "-q"]
+    )
 
 
 def _records(path):
@@ -41,18 +44,25 @@ def model_copy(tiny_dir, tmp_path):
 def test_resume_redoes_items_when_precision_pixel_budget_or_weights_change(model_copy, tmp_path):
     root, out = _folder(tmp_path / "imgs"), tmp_path / "out.jsonl"
     assert _caption(root, "-o", out, model=model_copy).exit_code == 0
-    assert _caption(root, "-o", out, model=model_copy).exit_code == 0 and len(_records(out)) == 2  # nothing redone
+    # nothing redone
+    assert _caption(root, "-o", out, model=model_copy).exit_code == 0 and len(_records(out)) == 2
     assert _caption(root, "-o", out, "--dtype", "bfloat16", model=model_copy).exit_code == 0
     assert len(_records(out)) == 4  # a new precision: every label redone
     budget = tmp_path / "budget.yaml"
     budget.write_text("image:\n  max_pixels: 8192\n")
-    assert _caption(root, "-o", out, "--dtype", "bfloat16", "-c", budget, model=model_copy).exit_code == 0
+    assert (
+        _caption(root, "-o", out, "--dtype", "bfloat16", "-c", budget, model=model_copy).exit_code
+        == 0
+    )
     assert len(_records(out)) == 6  # a new pixel budget: redone
     weights = model_copy / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-8:] = bytes(8)  # other weight values behind the same directory name
     weights.write_bytes(bytes(data))
-    assert _caption(root, "-o", out, "--dtype", "bfloat16", "-c", budget, model=model_copy).exit_code == 0
+    assert (
+        _caption(root, "-o", out, "--dtype", "bfloat16", "-c", budget, model=model_copy).exit_code
+        == 0
+    )
     assert len(_records(out)) == 8
 
 
@@ -62,17 +72,33 @@ def test_a_changed_image_is_redone_unless_the_check_is_off(tiny_dir, tmp_path):
     os.utime(root / "im0.jpg", ns=(1, 1))  # a new mtime, the same bytes: the sha256 says unchanged
     assert _caption(root, "-o", out, model=tiny_dir).exit_code == 0 and len(_records(out)) == 2
     photo("rocket.jpg", (80, 60)).save(root / "im1.jpg")  # new content at the same path
-    assert _caption(root, "-o", out, "--no-check-changed", model=tiny_dir).exit_code == 0 and len(_records(out)) == 2
+    assert (
+        _caption(root, "-o", out, "--no-check-changed", model=tiny_dir).exit_code == 0
+        and len(_records(out)) == 2
+    )
     assert _caption(root, "-o", out, model=tiny_dir).exit_code == 0
     records = _records(out)
-    assert len(records) == 3 and records[-1]["key"] == "im1.jpg" and records[-1]["file_size"] == (root / "im1.jpg"
-                                                                                                  ).stat().st_size
+    assert (
+        len(records) == 3
+        and records[-1]["key"] == "im1.jpg"
+        and records[-1]["file_size"] == (root / "im1.jpg").stat().st_size
+    )
 
 
 def test_ask_output_takes_the_lock_and_sets_a_torn_line_aside(tiny_dir, tmp_path):
     out = tmp_path / "answers.jsonl"
-    args = ["ask", "--model", str(tiny_dir), "--image", str(SAMPLES / "coffee.jpg"), "--max-new-tokens", "2",
-            "-o", str(out), "What is this?"]
+    args = [
+        "ask",
+        "--model",
+        str(tiny_dir),
+        "--image",
+        str(SAMPLES / "coffee.jpg"),
+        "--max-new-tokens",
+        "2",
+        "-o",
+        str(out),
+        "What is this?",
+    ]
     holder = JsonlOutput(out).open()
     try:
         locked = CliRunner().invoke(app, args)
@@ -110,11 +136,17 @@ def _small_filesystem(path: Path, size: str) -> bool:
     path.mkdir()
     if os.geteuid() != 0:
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
-def test_full_disk_exits_3_keeps_whole_records_and_a_rerun_finishes(tiny_dir, tmp_path, monkeypatch):
+def test_full_disk_exits_3_keeps_whole_records_and_a_rerun_finishes(
+    tiny_dir, tmp_path, monkeypatch
+):
     root, disk = _folder(tmp_path / "imgs", 12), tmp_path / "disk"
     real = _small_filesystem(disk, "8k")  # two pages: the lock file and a few records
     try:
@@ -141,10 +173,13 @@ def test_full_disk_exits_3_keeps_whole_records_and_a_rerun_finishes(tiny_dir, tm
         else:
             monkeypatch.undo()
         assert _caption(root, "-o", out, model=tiny_dir).exit_code == 0
-        assert sorted(r["key"] for r in _records(out)) == [f"im{i}.jpg" for i in sorted(range(12), key=str)]
+        assert sorted(r["key"] for r in _records(out)) == [
+            f"im{i}.jpg" for i in sorted(range(12), key=str)
+        ]
     finally:
         if real:
-            subprocess.run(["umount", "--lazy", str(disk)], check=False)  # even if a failed run left a file open
+            # even if a failed run left a file open
+            subprocess.run(["umount", "--lazy", str(disk)], check=False)
 
 
 def test_a_sidecar_is_written_before_its_record_and_its_failure_exits_3(tiny_dir, tmp_path):
@@ -163,9 +198,14 @@ def test_two_images_with_one_sidecar_path(tiny_dir, tmp_path):
     photo("chelsea.jpg", (64, 64)).save(root / "im0.png")
     assert _caption(root, "-o", out, "--sidecar", ".txt", model=tiny_dir).exit_code == 1
     records = {r["key"]: r for r in _records(out)}
-    assert records["im0.jpg"]["status"] == "ok" and (root / "im0.txt").read_text() == records["im0.jpg"]["text"] + "\n"
-    assert records["im0.png"]["status"] == "error" and "is also the sidecar of im0.jpg" in \
-        records["im0.png"]["error"]["message"]
+    assert (
+        records["im0.jpg"]["status"] == "ok"
+        and (root / "im0.txt").read_text() == records["im0.jpg"]["text"] + "\n"
+    )
+    assert (
+        records["im0.png"]["status"] == "error"
+        and "is also the sidecar of im0.jpg" in records["im0.png"]["error"]["message"]
+    )
 
 
 def test_a_failed_open_releases_the_lock_and_the_torn_line_is_durable_first(tmp_path, monkeypatch):
@@ -173,13 +213,20 @@ def test_a_failed_open_releases_the_lock_and_the_torn_line_is_durable_first(tmp_
     out.write_text('{"key": "a"}\n{"key": "b", "tor')
     order = []
     real_fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (order.append((os.readlink(f"/proc/self/fd/{fd}"),
-                                                               out.stat().st_size)), real_fsync(fd)))
+    monkeypatch.setattr(
+        os,
+        "fsync",
+        lambda fd: (
+            order.append((os.readlink(f"/proc/self/fd/{fd}"), out.stat().st_size)),
+            real_fsync(fd),
+        ),
+    )
     monkeypatch.setattr(os, "replace", os.replace)
     first = JsonlOutput(out).open()
     first.close()
     side, size_then = order[0]
-    assert ".torn-" in side and size_then == len('{"key": "a"}\n{"key": "b", "tor')  # fsynced before the truncate
+    # fsynced before the truncate
+    assert ".torn-" in side and size_then == len('{"key": "a"}\n{"key": "b", "tor')
     out.write_text('{"key": "a"}\n{"key": "c", "tor')
 
     def broken_repair(self):
@@ -199,7 +246,9 @@ def test_several_roots_prefix_their_keys_and_a_clash_is_refused(tmp_path):
     twin = _folder(tmp_path / "elsewhere" / "a", 1)
     with pytest.raises(ConfigError, match="both give the key 'a/im0.jpg'"):
         scan([a, twin])
-    result = CliRunner().invoke(app, ["caption", str(a), str(twin), "--dry-run", "-o", str(tmp_path / "o.jsonl")])
+    result = CliRunner().invoke(
+        app, ["caption", str(a), str(twin), "--dry-run", "-o", str(tmp_path / "o.jsonl")]
+    )
     assert result.exit_code == 2 and "both give the key" in result.output
 
 
@@ -207,11 +256,20 @@ def test_the_compile_digest_covers_every_module_a_graph_runs(tmp_path, monkeypat
     import mmcli.compiled.graphs as compiled
     from mmcli.compiled.graphs import Bucket, CompiledGraphs
 
-    assert {"compiled/steps.py", "model/linear.py", "model/text.py", "model/vision.py",
-            "model/attention.py"} <= set(compiled.compiled_sources(compiled.PACKAGE_ROOT))
+    assert {
+        "compiled/steps.py",
+        "model/linear.py",
+        "model/text.py",
+        "model/vision.py",
+        "model/attention.py",
+    } <= set(compiled.compiled_sources(compiled.PACKAGE_ROOT))
     copy = Path(shutil.copytree(compiled.PACKAGE_ROOT, tmp_path / "pkg"))
-    graphs = CompiledGraphs("inductor", tmp_path / "cache", {"model_config": "m", "device": "cpu"},
-                            [Bucket("decode", (1, 64))])
+    graphs = CompiledGraphs(
+        "inductor",
+        tmp_path / "cache",
+        {"model_config": "m", "device": "cpu"},
+        [Bucket("decode", (1, 64))],
+    )
     artifact = graphs.cache_dir / "a"
     monkeypatch.setattr(graphs, "_artifacts", lambda: {"a"} if artifact.exists() else set())
     assert graphs.compile_bucket(graphs.buckets[0], lambda b: artifact.write_text("x"))[0] == "new"

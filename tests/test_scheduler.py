@@ -1,4 +1,5 @@
-"""The scheduler on its own: slots, admission, groups, the prefill budget and stop rules (no model)."""
+"""The scheduler on its own: slots, admission, groups, the prefill budget and stop rules (no
+model)."""
 
 from mmcli.config import SamplingParams, load_config
 from mmcli.engine.scheduler import Scheduler
@@ -7,8 +8,17 @@ from mmcli.engine.sequence import Request
 
 def request(key: str, tokens: int = 4, group: str | None = None, patches: int = 0, **sampling):
     grids = [(1, 2, patches // 2)] if patches else []
-    return Request(key, list(range(tokens)), None, 0, [], grids, SamplingParams(**sampling),
-                   frozenset({99}), group=group)
+    return Request(
+        key,
+        list(range(tokens)),
+        None,
+        0,
+        [],
+        grids,
+        SamplingParams(**sampling),
+        frozenset({99}),
+        group=group,
+    )
 
 
 def scheduler(max_seqs=2, max_len=64, budget=16384, lookahead=32, block_size=64, buckets=(1, 2)):

@@ -1,4 +1,5 @@
-"""Several labels per image in one pass: tasks, the shared prefix, JSON under a schema, boxes, templates, resume."""
+"""Several labels per image in one pass: tasks, the shared prefix, JSON under a schema, boxes,
+templates, resume."""
 
 import json
 from pathlib import Path
@@ -13,20 +14,38 @@ from typer.testing import CliRunner
 from mmcli.api.labeler import Labeler
 from mmcli.cli.app import app
 from mmcli.config import load_config
+from mmcli.engine.runner import Choice
 from mmcli.errors import ConfigError
 from mmcli.inputs.images import decode_image
-from mmcli.engine.runner import Choice
 from mmcli.tasks import boxes_in_pixels, resolve_tasks
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["kind", "count", "title", "tags"],
-          "properties": {"kind": {"enum": ["photo", "drawing", "screenshot"]},
-                         "count": {"type": "integer", "minimum": 0, "maximum": 20},
-                         "title": {"type": "string", "maxLength": 12},
-                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2}}}
-TASKS = {"short": {"prompt": "One short caption for {filename}.", "max_new_tokens": 6},
-         "fields": {"prompt": "Describe it as JSON.", "output": "json", "schema": SCHEMA, "max_new_tokens": 200},
-         "wrapped": {"prompt": "Name the main subject.", "max_new_tokens": 4, "prefix": "ohwx, ", "suffix": "."},
-         "refine": {"prompt": "Improve this caption: {sidecar}", "max_new_tokens": 4}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["kind", "count", "title", "tags"],
+    "properties": {
+        "kind": {"enum": ["photo", "drawing", "screenshot"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 20},
+        "title": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+    },
+}
+TASKS = {
+    "short": {"prompt": "One short caption for {filename}.", "max_new_tokens": 6},
+    "fields": {
+        "prompt": "Describe it as JSON.",
+        "output": "json",
+        "schema": SCHEMA,
+        "max_new_tokens": 200,
+    },
+    "wrapped": {
+        "prompt": "Name the main subject.",
+        "max_new_tokens": 4,
+        "prefix": "ohwx, ",
+        "suffix": ".",
+    },
+    "refine": {"prompt": "Improve this caption: {sidecar}", "max_new_tokens": 4},
+}
 NAMES = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"]
 
 
@@ -42,8 +61,21 @@ def setup(tmp_path):
 
 
 def _caption(root, out, model, settings, *tasks, extra=()):
-    args = ["caption", str(root), "-o", str(out), "--model", str(model), "-c", str(settings), "-q", "--dtype",
-            "float32", *[a for t in tasks for a in ("--task", t)], *extra]
+    args = [
+        "caption",
+        str(root),
+        "-o",
+        str(out),
+        "--model",
+        str(model),
+        "-c",
+        str(settings),
+        "-q",
+        "--dtype",
+        "float32",
+        *[a for t in tasks for a in ("--task", t)],
+        *extra,
+    ]
     return CliRunner().invoke(app, args)
 
 
@@ -54,7 +86,10 @@ def _records(path):
 def test_three_tasks_in_one_pass_equal_three_runs_and_share_the_work(tiny_dir, setup, tmp_path):
     root, settings = setup
     together = tmp_path / "together.jsonl"
-    assert _caption(root, together, tiny_dir, settings, "short", "fields", "wrapped").exit_code in (0, 1)
+    assert _caption(root, together, tiny_dir, settings, "short", "fields", "wrapped").exit_code in (
+        0,
+        1,
+    )
     texts = {(r["key"], r["task"]): (r["status"], r["text"]) for r in _records(together)}
     assert len(texts) == 24 and {r["schema"] for r in _records(together)} == {2}
     alone = {}
@@ -63,11 +98,16 @@ def test_three_tasks_in_one_pass_equal_three_runs_and_share_the_work(tiny_dir, s
         _caption(root, out, tiny_dir, settings, task)
         alone.update({(r["key"], r["task"]): (r["status"], r["text"]) for r in _records(out)})
     assert texts == alone
-    cap = Labeler.from_pretrained(str(tiny_dir), config=load_config(settings, {"dtype": "float32", "device": "cpu"}))
+    cap = Labeler.from_pretrained(
+        str(tiny_dir), config=load_config(settings, {"dtype": "float32", "device": "cpu"})
+    )
     items = [(p.name, p) for p in sorted(root.iterdir())]
     results = list(cap.label(items, tasks=["short", "fields", "wrapped"]))
-    assert len(results) == 24 and {(r.key, r.task): (r.text if r.ok else None) for r in results if r.ok}
-    assert cap.runner.images_encoded == 8 and cap.runner.prefixes_prefilled == 8  # once per image, not per task
+    assert len(results) == 24 and {
+        (r.key, r.task): (r.text if r.ok else None) for r in results if r.ok
+    }
+    # once per image, not per task
+    assert cap.runner.images_encoded == 8 and cap.runner.prefixes_prefilled == 8
 
 
 def test_json_answers_validate_and_a_cut_answer_is_an_error(tiny_dir, setup, tmp_path):
@@ -75,7 +115,8 @@ def test_json_answers_validate_and_a_cut_answer_is_an_error(tiny_dir, setup, tmp
     out = tmp_path / "fields.jsonl"
     _caption(root, out, tiny_dir, settings, "fields")
     records = _records(out)
-    assert len(records) == 8 and all(r["status"] == "ok" for r in records)  # the random model is held to the schema
+    # the random model is held to the schema
+    assert len(records) == 8 and all(r["status"] == "ok" for r in records)
     for record in records:
         assert record["json"] == json.loads(record["text"])
         jsonschema.validate(record["json"], SCHEMA)
@@ -83,15 +124,21 @@ def test_json_answers_validate_and_a_cut_answer_is_an_error(tiny_dir, setup, tmp
     cut.write_text(yaml.safe_dump({"tasks": {"fields": {**TASKS["fields"], "max_new_tokens": 3}}}))
     out2 = tmp_path / "cut.jsonl"
     assert _caption(root, out2, tiny_dir, cut, "fields").exit_code == 1
-    assert all(r["status"] == "error" and "did not close within max_new_tokens 3" in r["error"]["message"]
-               for r in _records(out2))
+    assert all(
+        r["status"] == "error" and "did not close within max_new_tokens 3" in r["error"]["message"]
+        for r in _records(out2)
+    )
 
 
-def test_unusable_schema_and_unknown_placeholder_are_configuration_errors(tiny_dir, setup, tmp_path):
+def test_unusable_schema_and_unknown_placeholder_are_configuration_errors(
+    tiny_dir, setup, tmp_path
+):
     root, _ = setup
     bad = tmp_path / "bad.yaml"
     schema = {"type": "object", "properties": {"a": {"type": 7}}}
-    bad.write_text(yaml.safe_dump({"tasks": {"odd": {"prompt": "x", "output": "json", "schema": schema}}}))
+    bad.write_text(
+        yaml.safe_dump({"tasks": {"odd": {"prompt": "x", "output": "json", "schema": schema}}})
+    )
     result = _caption(root, tmp_path / "o.jsonl", tiny_dir, bad, "odd")
     assert result.exit_code == 2 and "tasks.odd.schema" in result.output
     typo = tmp_path / "typo.yaml"
@@ -122,7 +169,9 @@ def test_adding_a_task_computes_only_that_task(tiny_dir, setup, tmp_path):
     records = _records(out)
     assert len(records) == 32 and {r["task"] for r in records[24:]} == {"refine"}
     changed = tmp_path / "changed.yaml"
-    changed.write_text(yaml.safe_dump({"tasks": {**TASKS, "short": {**TASKS["short"], "prompt": "Caption it."}}}))
+    changed.write_text(
+        yaml.safe_dump({"tasks": {**TASKS, "short": {**TASKS["short"], "prompt": "Caption it."}}})
+    )
     _caption(root, out, tiny_dir, changed, "short", "fields", "wrapped", "refine")
     assert {r["task"] for r in _records(out)[32:]} == {"short"} and len(_records(out)) == 40
 
@@ -139,28 +188,44 @@ def test_boxes_in_pixels_of_the_image_as_seen(tmp_path):
     seen = decode_image(_oriented_jpeg(tmp_path / "turned.jpg")).image
     assert seen.size == (100, 200)
     text = '```json\n[{"bbox_2d": [100, 250, 500, 1000], "label": "rocket"}]\n```'
-    assert boxes_in_pixels(text, *seen.size) == [{"label": "rocket", "bbox": [10.0, 50.0, 50.0, 200.0]}]
+    assert boxes_in_pixels(text, *seen.size) == [
+        {"label": "rocket", "bbox": [10.0, 50.0, 50.0, 200.0]}
+    ]
     assert boxes_in_pixels('{"bbox_2d": [0, 0, 1000, 500], "label": "a"}', 640, 480) == [
-        {"label": "a", "bbox": [0.0, 0.0, 640.0, 240.0]}]
+        {"label": "a", "bbox": [0.0, 0.0, 640.0, 240.0]}
+    ]
 
 
 def test_ask_detect_gives_boxes_in_the_record(tiny_dir, tmp_path, monkeypatch):
     cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
-    answer = iter(cap.prompts.tokenizer.encode('[{"bbox_2d": [100, 250, 500, 1000], "label": "x"}]').ids)
-    monkeypatch.setattr(cap.runner, "choose", lambda logits, params, *rest: [
-        Choice(next(answer, min(cap.stop_ids)), 0.0) for _ in params])
+    answer = iter(
+        cap.prompts.tokenizer.encode('[{"bbox_2d": [100, 250, 500, 1000], "label": "x"}]').ids
+    )
+    monkeypatch.setattr(
+        cap.runner,
+        "choose",
+        lambda logits, params, *rest: [
+            Choice(next(answer, min(cap.stop_ids)), 0.0) for _ in params
+        ],
+    )
     result = cap.ask([_oriented_jpeg(tmp_path / "turned.jpg")], task="detect", max_new_tokens=80)
-    assert result.ok and result.fields["boxes"] == [{"label": "x", "bbox": [10.0, 50.0, 50.0, 200.0]}]
+    assert result.ok and result.fields["boxes"] == [
+        {"label": "x", "bbox": [10.0, 50.0, 50.0, 200.0]}
+    ]
     assert result.prompt.startswith("Locate every distinct object") and "{" in result.prompt
 
 
 def test_presets_are_documented_and_resolve():
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "default.yaml")
     assert {"caption", "detailed", "tags", "ocr", "detect"} <= set(cfg.tasks)
-    assert [t.name for t in resolve_tasks(cfg)] == ["caption"] and resolve_tasks(cfg)[0].prompt == cfg.prompt
+    assert [t.name for t in resolve_tasks(cfg)] == ["caption"] and resolve_tasks(cfg)[
+        0
+    ].prompt == cfg.prompt
 
 
 def test_the_python_api_takes_tasks(tiny_dir):
     cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
-    results = list(cap.label([("a", SAMPLES / "coffee.jpg")], tasks=["caption", "tags"], max_new_tokens=3))
+    results = list(
+        cap.label([("a", SAMPLES / "coffee.jpg")], tasks=["caption", "tags"], max_new_tokens=3)
+    )
     assert sorted(r.task for r in results) == ["caption", "tags"] and all(r.ok for r in results)

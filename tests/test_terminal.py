@@ -1,4 +1,5 @@
-"""What a person at the terminal sees: failures named, load and labeling phases, answers streamed, --help."""
+"""What a person at the terminal sees: failures named, load and labeling phases, answers
+streamed, --help."""
 
 import io
 import json
@@ -27,7 +28,9 @@ def test_summary_names_the_failures_and_how_to_redo_them(terminal):
     progress.start()
     progress.update({"key": "fine.jpg", "status": "ok", "num_output_tokens": 5})
     for i in range(12):
-        progress.update(_error(f"bad{i:02d}.jpg", f"cannot decode (corrupt or truncated): case {i}"))
+        progress.update(
+            _error(f"bad{i:02d}.jpg", f"cannot decode (corrupt or truncated): case {i}")
+        )
     progress.finish()
     text = console.export_text() if terminal else console.file.getvalue()
     for i in range(10):
@@ -47,12 +50,25 @@ def test_caption_off_a_terminal_prints_a_line_per_phase_and_names_failures(tiny_
     photo("coffee.jpg", (64, 48)).save(root / "good.jpg")
     for name in ("broken1.jpg", "broken2.jpg", "broken3.jpg"):
         (root / name).write_bytes(b"\xff\xd8\xff not a jpeg")
-    result = CliRunner().invoke(app, ["caption", str(root), "-o", str(tmp_path / "o.jsonl"), "--model", str(tiny_dir),
-                                      "--max-new-tokens", "3"], terminal_width=100)
+    result = CliRunner().invoke(
+        app,
+        [
+            "caption",
+            str(root),
+            "-o",
+            str(tmp_path / "o.jsonl"),
+            "--model",
+            str(tiny_dir),
+            "--max-new-tokens",
+            "3",
+        ],
+        terminal_width=100,
+    )
     assert result.exit_code == 1
     lines = result.output.splitlines()
-    assert lines[0].startswith(f"mmcli: loading {tiny_dir} (") and lines[0].endswith("MB) on cpu, float32 weights,"
-                                                                             " float32 compute")
+    assert lines[0].startswith(f"mmcli: loading {tiny_dir} (") and lines[0].endswith(
+        "MB) on cpu, float32 weights, float32 compute"
+    )
     assert lines[1].startswith("mmcli: loaded in ") and lines[1].endswith("captioning 4 images")
     assert any("load s" in line and "labeling s" in line for line in lines)
     for name in ("broken1.jpg", "broken2.jpg", "broken3.jpg"):
@@ -66,7 +82,8 @@ def test_text_stream_emits_a_split_character_once_whole(tiny_dir):
     prompts = PromptBuilder.from_checkpoint(tiny_dir, _image_token_id(tiny_dir))
     text = "A café in 日本 🙂 done"
     ids = prompts.tokenizer.encode(text).ids
-    assert any("\ufffd" in prompts.decode(ids[:n]) for n in range(1, len(ids)))  # some character spans tokens
+    # some character spans tokens
+    assert any("\ufffd" in prompts.decode(ids[:n]) for n in range(1, len(ids)))
     stream = TextStream(prompts)
     pieces = [stream.push(i) for i in ids] + [stream.finish()]
     assert all("\ufffd" not in piece for piece in pieces)
@@ -82,7 +99,8 @@ def test_ask_streams_what_the_record_holds_even_across_split_characters(tiny_dir
     from mmcli.engine.runner import Choice
 
     cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
-    forced = iter(cap.prompts.tokenizer.encode("Voilà: 日本 🙂").ids)  # the model is made to say this
+    # the model is made to say this
+    forced = iter(cap.prompts.tokenizer.encode("Voilà: 日本 🙂").ids)
 
     def choose(logits, params, histories, seeds, constraints=None):
         return [Choice(next(forced, min(cap.stop_ids)), 0.0) for _ in params]
@@ -98,8 +116,22 @@ def test_ask_prints_the_record_text_streamed_or_not(tiny_dir, tmp_path):
     outputs = {}
     for flag in ("--stream", "--no-stream"):
         out = tmp_path / f"{flag}.jsonl"
-        result = CliRunner().invoke(app, ["ask", "--model", str(tiny_dir), "--image", str(SAMPLES / "rocket.jpg"),
-                                          "--max-new-tokens", "8", flag, "-o", str(out), "What is it?"])
+        result = CliRunner().invoke(
+            app,
+            [
+                "ask",
+                "--model",
+                str(tiny_dir),
+                "--image",
+                str(SAMPLES / "rocket.jpg"),
+                "--max-new-tokens",
+                "8",
+                flag,
+                "-o",
+                str(out),
+                "What is it?",
+            ],
+        )
         assert result.exit_code == 0
         outputs[flag] = result.output
         assert result.output == json.loads(out.read_text())["text"] + "\n"
@@ -107,7 +139,11 @@ def test_ask_prints_the_record_text_streamed_or_not(tiny_dir, tmp_path):
 
 
 def _examples(help_text: str) -> list[str]:
-    lines = help_text.split("Examples:")[1].split("\n\n")[0].splitlines() if "Examples:" in help_text else []
+    lines = (
+        help_text.split("Examples:")[1].split("\n\n")[0].splitlines()
+        if "Examples:" in help_text
+        else []
+    )
     return [line.strip() for line in lines if line.strip().startswith("mmcli ")]
 
 
@@ -117,10 +153,15 @@ def test_help_fits_80_columns_and_its_examples_parse(command, monkeypatch):
     assert result.exit_code == 0
     assert all(len(line) <= 80 for line in result.output.splitlines()), result.output
     if command == "caption":
-        assert "pip install 'mmcli[ray]'" in " ".join(result.output.split())  # the markup kept, wrapped or not
+        # the markup kept, wrapped or not
+        assert "pip install 'mmcli[ray]'" in " ".join(result.output.split())
     calls = []
-    for target in ("mmcli.cli.ask.run_ask", "mmcli.jobs.caption.run_caption_job", "mmcli.cli.report.compile_buckets",
-                   "mmcli.cli.report.print_plan"):
+    for target in (
+        "mmcli.cli.ask.run_ask",
+        "mmcli.jobs.caption.run_caption_job",
+        "mmcli.cli.compile.compile_buckets",
+        "mmcli.cli.plan.print_plan",
+    ):
         monkeypatch.setattr(target, lambda *a, **k: calls.append(a) or 0)
     monkeypatch.chdir(ROOT)
     examples = _examples(result.output)

@@ -1,4 +1,5 @@
-"""What the API gives back for one item and task: the answer, its tokens, timing and inputs, or the error."""
+"""What the API gives back for one item and task: the answer, its tokens, timing and inputs, or
+the error."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ class Result:
     task: str = ""  # the task's name, when the item ran tasks
     prompt: str = ""  # the question asked (a task's prompt with its placeholders filled)
     sampling: dict = field(default_factory=dict)  # the sampling it was answered with
-    fields: dict = field(default_factory=dict)  # the task's record fields: text as templated, json, boxes
+    # the task's record fields: text as templated, json, boxes
+    fields: dict = field(default_factory=dict)
 
     @property
     def num_output_tokens(self) -> int:

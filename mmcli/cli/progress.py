@@ -1,8 +1,9 @@
-"""What `mmcli caption` shows while it works: the loading phase, the progress bar and the summary.
+"""What `mmcli caption` shows while it works: the loading phase, the progress bar and the
+summary.
 
-On a terminal: a Rich status line while the model loads, then the bar. Not on a terminal (cron, a log file): one
-plain line per phase and per item. With --quiet: nothing but the errors that stop a run.
-"""
+On a terminal: a Rich status line while the model loads, then the bar. Not on a terminal (cron, a
+log file): one plain line per phase and per item. With --quiet: nothing but the errors that stop
+a run."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ SHOWN_FAILURES = 10
 
 
 class Progress:
-    def __init__(self, total: int, quiet: bool = False, console: Console | None = None):
+    def __init__(self, total: int = 0, quiet: bool = False, console: Console | None = None):
         self.total, self.quiet = total, quiet
         self.done = self.tokens = 0
         self.failures: list[tuple[str, str]] = []  # (key, one-line cause)
@@ -43,31 +44,49 @@ class Progress:
     def live(self) -> bool:
         return not self.quiet and self.console.is_terminal
 
-    def _say(self, line: str) -> None:
-        if not self.quiet:
+    def say(self, line: str | None) -> None:
+        """One line on stderr (none with --quiet, or without a line)."""
+        if line and not self.quiet:
             print(f"mmcli: {line}", file=self.console.file, flush=True)
 
     @contextlib.contextmanager
+    def status(self, what: str) -> Iterator[None]:
+        """A phase before loading (scanning the inputs): a status line on a terminal."""
+        if self.quiet:
+            yield
+            return
+        with status_line(self.console, what):
+            yield
+
+    @contextlib.contextmanager
     def loading(self, what: str) -> Iterator[None]:
-        """The load phase: a status line with elapsed time on a terminal, else a line before and after."""
+        """The load phase: a status line with elapsed time on a terminal, else a line before and
+        after."""
         started = time.perf_counter()
         if self.live:
             with status_line(self.console, f"loading {what}"):
                 yield
         else:
-            self._say(f"loading {what}")
+            self.say(f"loading {what}")
             yield
         self.load_seconds = time.perf_counter() - started
-        self._say(f"loaded in {self.load_seconds:.1f} s; captioning {self.total} images")
+        self.say(f"loaded in {self.load_seconds:.1f} s; captioning {self.total} images")
         self.start()
 
     def start(self) -> None:
         """Labeling starts now: its rate counts from here, not from the start of the load."""
         self.started = time.perf_counter()
         if self.live and self.bar is None:
-            self.bar = RichProgress(TextColumn("captioning"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[failed]}"),
-                                    TimeElapsedColumn(), TimeRemainingColumn(), console=self.console)
+            self.bar = RichProgress(
+                TextColumn("captioning"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"),
+                TextColumn("{task.fields[failed]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
             self.task = self.bar.add_task("caption", total=self.total, rate="", failed="")
             self.bar.start()
 
@@ -81,15 +100,23 @@ class Progress:
         if not ok:
             cause = " ".join(str(record["error"]["message"]).split())
             where, _, rest = cause.partition(": ")
-            self.failures.append((record["key"], rest if rest and where.endswith(record["key"]) else cause))
+            self.failures.append(
+                (record["key"], rest if rest and where.endswith(record["key"]) else cause)
+            )
         self.tokens += record.get("num_output_tokens") or 0
         _, images_s, tokens_s = self._rates()
         if self.bar is not None:
-            self.bar.update(self.task, completed=self.done, rate=f"{images_s:.2f} img/s {tokens_s:.1f} tok/s",
-                            failed=f"{self.failed} failed" if self.failed else "")
+            self.bar.update(
+                self.task,
+                completed=self.done,
+                rate=f"{images_s:.2f} img/s {tokens_s:.1f} tok/s",
+                failed=f"{self.failed} failed" if self.failed else "",
+            )
         else:
             status = "ok" if ok else f"error: {self.failures[-1][1]}"
-            self._say(f"[{self.done}/{self.total}] {record['key']}: {status} ({images_s:.2f} images/s)")
+            self.say(
+                f"[{self.done}/{self.total}] {record['key']}: {status} ({images_s:.2f} images/s)"
+            )
 
     def stop(self) -> None:
         if self.bar is not None:
@@ -102,10 +129,27 @@ class Progress:
             return
         elapsed, images_s, tokens_s = self._rates()
         table = Table(title="interrupted: finished items are saved" if interrupted else "done")
-        for col in ("images", "ok", "failed", "not done", "load s", "labeling s", "images/s", "tokens/s"):
+        for col in (
+            "images",
+            "ok",
+            "failed",
+            "not done",
+            "load s",
+            "labeling s",
+            "images/s",
+            "tokens/s",
+        ):
             table.add_column(col, justify="right")
-        table.add_row(str(self.done), str(self.done - self.failed), str(self.failed), str(self.total - self.done),
-                      f"{self.load_seconds:.1f}", f"{elapsed:.1f}", f"{images_s:.2f}", f"{tokens_s:.1f}")
+        table.add_row(
+            str(self.done),
+            str(self.done - self.failed),
+            str(self.failed),
+            str(self.total - self.done),
+            f"{self.load_seconds:.1f}",
+            f"{elapsed:.1f}",
+            f"{images_s:.2f}",
+            f"{tokens_s:.1f}",
+        )
         self.console.print(table)
         for line in failure_lines(self.failures):
             self.console.print(line, markup=False, highlight=False, soft_wrap=True)
@@ -113,12 +157,18 @@ class Progress:
 
 @contextlib.contextmanager
 def status_line(console: Console, what: str) -> Iterator[None]:
-    """A spinner, `what` and the elapsed time on one line of a terminal while the block runs (gone after)."""
+    """A spinner, `what` and the elapsed time on one line of a terminal while the block runs
+    (gone after)."""
     if not console.is_terminal:
         yield
         return
-    status = RichProgress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                          transient=True)
+    status = RichProgress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
     status.add_task(what, total=None)
     with status:
         yield
@@ -131,5 +181,7 @@ def failure_lines(failures: list[tuple[str, str]], shown: int = SHOWN_FAILURES) 
     lines = [f"failed: {key}: {cause}" for key, cause in failures[:shown]]
     if len(failures) > shown:
         lines.append(f"and {len(failures) - shown} more (their error records say why)")
-    lines.append(f"{len(failures)} failed; fix the files, then rerun with --retry-errors to redo them")
+    lines.append(
+        f"{len(failures)} failed; fix the files, then rerun with --retry-errors to redo them"
+    )
     return lines

@@ -21,22 +21,31 @@ class Bucket:
         return f"{self.component} {'x'.join(map(str, self.shape))}"
 
 
-def configured_buckets(vision_buckets, block_size, prefill_buckets, decode_batch_buckets,
-                       decode_context_buckets) -> list[Bucket]:
-    return ([Bucket("vision", (n, block_size)) for n in sorted(set(vision_buckets))]
-            + [Bucket("prefill", (t,)) for t in sorted(set(prefill_buckets))]
-            + [Bucket("decode", (b, c)) for b in sorted(set(decode_batch_buckets))
-               for c in sorted(set(decode_context_buckets))])
+def configured_buckets(
+    vision_buckets, block_size, prefill_buckets, decode_batch_buckets, decode_context_buckets
+) -> list[Bucket]:
+    return (
+        [Bucket("vision", (n, block_size)) for n in sorted(set(vision_buckets))]
+        + [Bucket("prefill", (t,)) for t in sorted(set(prefill_buckets))]
+        + [
+            Bucket("decode", (b, c))
+            for b in sorted(set(decode_batch_buckets))
+            for c in sorted(set(decode_context_buckets))
+        ]
+    )
 
 
 def parse_buckets(text: str, configured: list[Bucket]) -> list[Bucket]:
-    """'decode 8x1024, prefill 512' (or 'decode:8x1024') -> those configured buckets; anything else is refused."""
+    """'decode 8x1024, prefill 512' (or 'decode:8x1024') -> those configured buckets; anything
+    else is refused."""
     known = {b.label: b for b in configured}
     picked = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         label = " ".join(item.replace(":", " ").split())
         if label not in known:
-            raise ConfigError(f"--buckets {item!r}: not a configured bucket (configured: {', '.join(known)})")
+            raise ConfigError(
+                f"--buckets {item!r}: not a configured bucket (configured: {', '.join(known)})"
+            )
         picked.append(known[label])
     return picked
 

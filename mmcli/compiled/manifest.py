@@ -1,5 +1,6 @@
-"""The compile cache's manifest: cache_dir/manifest.json, one entry per compiled bucket with the key it was
-compiled under, its compile time and its artifacts; rewritten atomically, concurrent writers take turns."""
+"""The compile cache's manifest: cache_dir/manifest.json, one entry per compiled bucket with the
+key it was compiled under, its compile time and its artifacts; rewritten atomically, concurrent
+writers take turns."""
 
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ def open_cache_dir(path: str | Path) -> Path:
     cache = Path(path).expanduser()
     cache.mkdir(mode=0o700, parents=True, exist_ok=True)
     if cache.stat().st_uid != os.getuid():
-        raise ConfigError(f"config compile.cache_dir {cache}: owned by another user; compiled code is not loaded "
-                          "from it")
+        raise ConfigError(
+            f"config compile.cache_dir {cache}: owned by another user; compiled code is not loaded "
+            "from it"
+        )
     return cache
 
 
 class Manifest:
-    """cache_dir/manifest.json: {entry id: {key, seconds, artifacts, created_at}}, rewritten atomically under a lock."""
+    """cache_dir/manifest.json: {entry id: {key, seconds, artifacts, created_at}}, rewritten
+    atomically under a lock."""
 
     def __init__(self, cache_dir: Path):
         self.dir = cache_dir
@@ -53,13 +57,17 @@ class Manifest:
         os.replace(tmp, self.path)
 
     def artifacts_present(self, entry: dict) -> bool:
-        return bool(entry.get("artifacts")) and all((self.dir / a).exists() for a in entry["artifacts"])
+        return bool(entry.get("artifacts")) and all(
+            (self.dir / a).exists() for a in entry["artifacts"]
+        )
 
     def remove_artifacts(self, entry: dict, keep: set[str]) -> None:
         for rel in entry.get("artifacts", []):
             path = self.dir / rel
             if rel not in keep:
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(
+                    missing_ok=True
+                )
 
 
 def stale_fields(old: dict, new: dict) -> list[str]:

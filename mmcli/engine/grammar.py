@@ -1,10 +1,10 @@
-"""JSON answers under a schema: llguidance's matcher masks, per sequence, every token the schema does not allow.
+"""JSON answers under a schema: llguidance's matcher masks, per sequence, every token the schema
+does not allow.
 
-llguidance (the Rust library behind Guidance; no dependencies of its own) compiles a JSON Schema once per task and
-gives each sequence a matcher; at every step the runner masks that sequence's logits row, so a constrained row
-never changes another row's result. Whitespace between JSON tokens is not allowed (`whitespace_flexible` off):
-a model cannot spend its tokens on blanks.
-"""
+llguidance (the Rust library behind Guidance; no dependencies of its own) compiles a JSON Schema
+once per task and gives each sequence a matcher; at every step the runner masks that sequence's
+logits row, so a constrained row never changes another row's result. Whitespace between JSON
+tokens is not allowed (`whitespace_flexible` off): a model cannot spend its tokens on blanks."""
 
 from __future__ import annotations
 
@@ -19,22 +19,29 @@ class JsonGrammar:
     def __init__(self, task_name: str, schema: dict, tokenizer_json: str, eos_token: int):
         try:
             import llguidance
-            import llguidance.torch  # noqa: F401 - imported here, once (its first import takes seconds)
+
+            # noqa: F401 - imported here, once (its first import takes seconds)
+            import llguidance.torch
         except ImportError:
             raise ConfigError(f"task {task_name}: {INSTALL_HINT}") from None
         self.llguidance = llguidance
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=eos_token)
         try:
             self.grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema, overrides={"whitespace_flexible": False})
+                schema, overrides={"whitespace_flexible": False}
+            )
             error = llguidance.LLMatcher.validate_grammar(self.grammar, self.tokenizer)
         except (ValueError, TypeError, RuntimeError) as e:
             error = str(e)
         if error:
-            raise ConfigError(f"config tasks.{task_name}.schema: cannot be compiled to a grammar ({error[:200]})")
+            raise ConfigError(
+                f"config tasks.{task_name}.schema: cannot be compiled to a grammar ({error[:200]})"
+            )
 
     def start(self) -> SequenceConstraint:
-        return SequenceConstraint(self.llguidance.LLMatcher(self.tokenizer, self.grammar), self.tokenizer.vocab_size)
+        return SequenceConstraint(
+            self.llguidance.LLMatcher(self.tokenizer, self.grammar), self.tokenizer.vocab_size
+        )
 
 
 class SequenceConstraint:
@@ -47,16 +54,18 @@ class SequenceConstraint:
         self.bitmask = lt.allocate_token_bitmask(1, vocab_size)
 
     def mask(self, row) -> None:
-        """Set the logits of the tokens the grammar does not allow next to -inf, in place (row [V] of a batch)."""
+        """Set the logits of the tokens the grammar does not allow next to -inf, in place (row
+        [V] of a batch)."""
         import llguidance.torch as lt
         import torch
 
         bitmask = self.bitmask
         lt.fill_next_token_bitmask(self.matcher, bitmask, 0)
-        head = row[:self.vocab_size].unsqueeze(0)
+        head = row[: self.vocab_size].unsqueeze(0)
         lt.apply_token_bitmask_inplace(head, bitmask.to(row.device))
-        row[:self.vocab_size] = head[0]
-        row[self.vocab_size:] = -torch.inf  # ids past the tokenizer's (the model's padded vocabulary)
+        row[: self.vocab_size] = head[0]
+        # ids past the tokenizer's (the model's padded vocabulary)
+        row[self.vocab_size :] = -torch.inf
 
     def consume(self, token: int) -> None:
         self.matcher.consume_token(token)
@@ -64,3 +73,16 @@ class SequenceConstraint:
     @property
     def accepting(self) -> bool:
         return self.matcher.is_accepting()
+
+
+def compile_grammars(
+    tasks, tokenizer_json: str, stop_ids: frozenset[int]
+) -> dict[str, JsonGrammar]:
+    """Each json task's schema compiled once (one that cannot compile is a ConfigError naming
+    it)."""
+    eos = min(stop_ids) if stop_ids else 0
+    return {
+        t.name: JsonGrammar(t.name, t.schema, tokenizer_json, eos)
+        for t in tasks
+        if t.output == "json"
+    }

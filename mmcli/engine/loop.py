@@ -44,16 +44,21 @@ class Engine:
         """Prefill what the scheduler admits; with nothing admitted, decode the running ones."""
         admitted = scheduler.admit()
         if admitted:
-            self._choose(scheduler, admitted, self.runner.prefill([self._prefill_item(s) for s in admitted]))
+            self._choose(
+                scheduler, admitted, self.runner.prefill([self._prefill_item(s) for s in admitted])
+            )
             return
         live = scheduler.decoding()
         if live:
-            rows = [DecodeItem(s.slot, s.token_ids[-1], s.num_tokens - 1, s.request.rope_delta) for s in live]
+            rows = [
+                DecodeItem(s.slot, s.token_ids[-1], s.num_tokens - 1, s.request.rope_delta)
+                for s in live
+            ]
             self._choose(scheduler, live, self.runner.decode(rows))
 
     def _take(self, pending: Iterator[Request | None], scheduler: Scheduler) -> bool:
-        """Take ready requests up to the look-ahead; False once the requests are exhausted. With none
-        ready, the engine goes on with what it has, or waits (counted) when it has nothing."""
+        """Take ready requests up to the look-ahead; False once the requests are exhausted. With
+        none ready, the engine goes on with what it has, or waits (counted) when it has nothing."""
         while scheduler.wants_more:
             nxt = next(pending, _END)
             if nxt is _END:
@@ -73,11 +78,15 @@ class Engine:
         seeds = [step_seed(s.request.sampling.seed, s.request.key, len(s.token_ids)) for s in seqs]
         # Only the repetition penalty reads the history: skip building it otherwise.
         histories = [
-            s.request.input_ids + s.token_ids if s.request.sampling.repetition_penalty != 1.0 else []
+            s.request.input_ids + s.token_ids
+            if s.request.sampling.repetition_penalty != 1.0
+            else []
             for s in seqs
         ]
         constraints = [s.request.constraint for s in seqs]
-        for seq, choice in zip(seqs, self.runner.choose(logits, params, histories, seeds, constraints)):
+        for seq, choice in zip(
+            seqs, self.runner.choose(logits, params, histories, seeds, constraints)
+        ):
             if seq.request.constraint is not None:
                 seq.request.constraint.consume(choice.token_id)
             if self.on_token is not None:
@@ -97,4 +106,3 @@ class Engine:
             group=req.group,
             prefix_len=req.prefix_len,
         )
-

@@ -1,9 +1,9 @@
 """Vision block packing, as small pure functions over token counts.
 
-A wave of images is packed First-Fit-Decreasing into `num_blocks` blocks of `block_size` patches; each block is
-one batch row of the vision tower, and per-row bounds keep every query inside its own image (its own temporal
-patch). `num_blocks` comes from a configured list of buckets, one compiled shape each.
-"""
+A wave of images is packed First-Fit-Decreasing into `num_blocks` blocks of `block_size` patches;
+each block is one batch row of the vision tower, and per-row bounds keep every query inside its
+own image (its own temporal patch). `num_blocks` comes from a configured list of buckets, one
+compiled shape each."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from mmcli.compiled.buckets import choose_bucket
 
 @dataclass(frozen=True)
 class BlockLayout:
-    bins: tuple[tuple[int, ...], ...]  # image indices per block, ascending; len == num_blocks (empty = padding)
+    # image indices per block, ascending; len == num_blocks (empty = padding)
+    bins: tuple[tuple[int, ...], ...]
     block_size: int
     offsets: tuple[tuple[int, int], ...]  # per image: (block, start row inside the block)
 
@@ -24,10 +25,13 @@ class BlockLayout:
 
 
 def ffd_pack(tokens: list[int], block_size: int) -> list[list[int]]:
-    """First-Fit-Decreasing: image indices per block, fewest blocks FFD finds. An image over a block is an error."""
+    """First-Fit-Decreasing: image indices per block, fewest blocks FFD finds. An image over a
+    block is an error."""
     too_big = [i for i, t in enumerate(tokens) if t > block_size]
     if too_big:
-        raise ValueError(f"image {too_big[0]} has {tokens[too_big[0]]} patches, over block_size {block_size}")
+        raise ValueError(
+            f"image {too_big[0]} has {tokens[too_big[0]]} patches, over block_size {block_size}"
+        )
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
@@ -42,8 +46,11 @@ def ffd_pack(tokens: list[int], block_size: int) -> list[list[int]]:
     return bins
 
 
-def make_layout(tokens: list[int], bins: list[list[int]], num_blocks: int, block_size: int) -> BlockLayout:
-    """Images of a block sit in ascending index order from row 0; blocks past the packed ones are padding."""
+def make_layout(
+    tokens: list[int], bins: list[list[int]], num_blocks: int, block_size: int
+) -> BlockLayout:
+    """Images of a block sit in ascending index order from row 0; blocks past the packed ones are
+    padding."""
     if len(bins) > num_blocks:
         raise ValueError(f"{len(bins)} packed blocks do not fit {num_blocks}")
     padded = [tuple(sorted(b)) for b in bins] + [()] * (num_blocks - len(bins))
@@ -59,27 +66,28 @@ def make_layout(tokens: list[int], bins: list[list[int]], num_blocks: int, block
 
 
 def gather_index(tokens: list[int], layout: BlockLayout) -> list[int]:
-    """For each of the num_blocks * block_size rows, the flat (image-order) row it takes, or -1 for padding."""
+    """For each of the num_blocks * block_size rows, the flat (image-order) row it takes, or -1
+    for padding."""
     starts = [sum(tokens[:i]) for i in range(len(tokens))]
     index = [-1] * (layout.num_blocks * layout.block_size)
     for i, (block, start) in enumerate(layout.offsets):
         base = block * layout.block_size + start
-        index[base:base + tokens[i]] = range(starts[i], starts[i] + tokens[i])
+        index[base : base + tokens[i]] = range(starts[i], starts[i] + tokens[i])
     return index
 
 
 def block_bounds(frame_tokens: list[list[int]], layout: BlockLayout) -> tuple[list[int], list[int]]:
-    """Per row, block-local [bound_min, bound_max): the row's own temporal patch. Padding rows get 0/0.
+    """Per row, block-local [bound_min, bound_max): the row's own temporal patch. Padding rows
+    get 0/0.
 
-    frame_tokens[i] lists the patches of each temporal patch of image i (h*w repeated t times).
-    """
+    frame_tokens[i] lists the patches of each temporal patch of image i (h*w repeated t times)."""
     size = layout.num_blocks * layout.block_size
     bmin, bmax = [0] * size, [0] * size
     for i, (block, start) in enumerate(layout.offsets):
         for n in frame_tokens[i]:
             base = block * layout.block_size + start
-            bmin[base:base + n] = [start] * n
-            bmax[base:base + n] = [start + n] * n
+            bmin[base : base + n] = [start] * n
+            bmax[base : base + n] = [start + n] * n
             start += n
     return bmin, bmax
 
@@ -109,28 +117,37 @@ def padded_efficiency(tokens: list[int]) -> float:
     return sum(t * t for t in tokens) / (len(tokens) * max(tokens) ** 2)
 
 
-def vision_work(tokens: list[int], block_size: int, hidden: int = 1024, intermediate: int = 4096) -> float:
-    """Estimated FLOPs per vision layer when packed in blocks of `block_size` (fewest blocks, no bucket):
-    padded linear work (qkv, proj, MLP on every row) plus block attention (QK^T and AV over whole blocks)."""
+def vision_work(
+    tokens: list[int], block_size: int, hidden: int = 1024, intermediate: int = 4096
+) -> float:
+    """Estimated FLOPs per vision layer when packed in blocks of `block_size` (fewest blocks, no
+    bucket): padded linear work (qkv, proj, MLP on every row) plus block attention (QK^T and AV
+    over whole blocks)."""
     rows = len(ffd_pack(tokens, block_size)) * block_size
     return rows * (8 * hidden * hidden + 4 * hidden * intermediate) + rows * block_size * 4 * hidden
 
 
 def recommend_block_size(tokens: list[int], align: int = 128, **dims) -> int:
-    """Among multiples of `align` that hold the largest image (up to the whole wave), the least vision work."""
+    """Among multiples of `align` that hold the largest image (up to the whole wave), the least
+    vision work."""
     largest, total = max(tokens), sum(tokens)
     first = -(-largest // align) * align
-    last = max(first, min(-(-total // align) * align, 16384))  # beyond 16K patches blocks only get costlier
+    # beyond 16K patches blocks only get costlier
+    last = max(first, min(-(-total // align) * align, 16384))
     candidates = range(first, last + 1, align)
     return min(candidates, key=lambda bs: (vision_work(tokens, bs, **dims), bs))
 
 
-def choose_wave(request_tokens: list[list[int]], max_items: int, block_size: int, buckets: list[int]) -> list[int]:
-    """Which waiting requests (a look-ahead window, oldest first) to encode together, at most `max_items`.
+def choose_wave(
+    request_tokens: list[list[int]], max_items: int, block_size: int, buckets: list[int]
+) -> list[int]:
+    """Which waiting requests (a look-ahead window, oldest first) to encode together, at most
+    `max_items`.
 
-    The oldest always goes (no starvation); then, one at a time, the request whose addition leaves the fewest
-    padding rows in the bucket the wave needs. Arrival order would take the next ones whatever they cost.
-    """
+    The oldest always goes (no starvation); then, one at a time, the request whose addition
+    leaves the fewest padding rows in the bucket the wave needs. Arrival order would take the
+    next ones whatever they cost."""
+
     def padding(indices: list[int]) -> tuple[int, int]:
         patches = [t for i in indices for t in request_tokens[i]]
         if not patches:
@@ -141,8 +158,12 @@ def choose_wave(request_tokens: list[list[int]], max_items: int, block_size: int
     chosen = [0]
     rest = list(range(1, len(request_tokens)))
     while rest and len(chosen) < max_items:
-        fitting = [i for i in rest if len(ffd_pack([t for j in chosen + [i] for t in request_tokens[j]],
-                                                   block_size)) <= max(buckets)]
+        fitting = [
+            i
+            for i in rest
+            if len(ffd_pack([t for j in chosen + [i] for t in request_tokens[j]], block_size))
+            <= max(buckets)
+        ]
         if not fitting:
             break
         best = min(fitting, key=lambda i: (padding(chosen + [i]), i))

@@ -1,23 +1,27 @@
 """M-RoPE positions (Qwen3-VL's get_rope_index, interleaved frequency slots), as pure functions.
 
-Two position streams reach every forward pass: `positions` [T], sequential per sequence (KV-cache slots and
-the causal mask), and `rotary_position_ids` [3, T], the T/H/W ids that only the rotary embedding reads.
-"""
+Two position streams reach every forward pass: `positions` [T], sequential per sequence (KV-cache
+slots and the causal mask), and `rotary_position_ids` [3, T], the T/H/W ids that only the rotary
+embedding reads."""
 
 from __future__ import annotations
 
 import torch
 
 
-def rope_index(input_ids: list[int], vision_grids: list[tuple[int, int, int]], visual_token_ids: int | tuple[int, ...],
-               spatial_merge_size: int) -> tuple[torch.Tensor, int]:
+def rope_index(
+    input_ids: list[int],
+    vision_grids: list[tuple[int, int, int]],
+    visual_token_ids: int | tuple[int, ...],
+    spatial_merge_size: int,
+) -> tuple[torch.Tensor, int]:
     """[3, T] rotary position ids of one prompt and its delta (max + 1 - T).
 
-    Text: all three rows count up together. An image's tokens (t, h/m, w/m on the merged grid, row-major)
-    get T = start + ti, H = start + row, W = start + col; text after it resumes at max(so far) + 1. A video is one
-    grid (1, h, w) per temporal patch, each its own span between timestamp texts (as the reference splits
-    video_grid_thw), so time is carried by the text positions; `visual_token_ids` holds both pad ids then.
-    """
+    Text: all three rows count up together. An image's tokens (t, h/m, w/m on the merged grid,
+    row-major) get T = start + ti, H = start + row, W = start + col; text after it resumes at
+    max(so far) + 1. A video is one grid (1, h, w) per temporal patch, each its own span between
+    timestamp texts (as the reference splits video_grid_thw), so time is carried by the text
+    positions; `visual_token_ids` holds both pad ids then."""
     visual = {visual_token_ids} if isinstance(visual_token_ids, int) else set(visual_token_ids)
     grids = iter(vision_grids)
     rows: list[torch.Tensor] = []
@@ -38,9 +42,11 @@ def rope_index(input_ids: list[int], vision_grids: list[tuple[int, int, int]], v
             raise ValueError("more image tokens than image grids") from None
         gh, gw = h // spatial_merge_size, w // spatial_merge_size
         count = t * gh * gw
-        if sum(1 for token in input_ids[i:i + count] if token in visual) != count:
+        if sum(1 for token in input_ids[i : i + count] if token in visual) != count:
             raise ValueError(f"image grid {t}x{h}x{w} needs {count} consecutive image tokens")
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+        tt, hh, ww = torch.meshgrid(
+            torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij"
+        )
         rows.append(torch.stack([tt, hh, ww]).reshape(3, -1) + next_pos)
         next_pos += max(t, gh, gw)
         i += count
@@ -52,20 +58,22 @@ def rope_index(input_ids: list[int], vision_grids: list[tuple[int, int, int]], v
 
 
 def decode_rotary_position_ids(positions: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-    """Rotary ids [3, B] for generated tokens at sequential `positions` [B]: position + delta on every axis."""
+    """Rotary ids [3, B] for generated tokens at sequential `positions` [B]: position + delta on
+    every axis."""
     return (positions + deltas).unsqueeze(0).expand(3, -1)
 
 
 def mrope_slot_axes(mrope_section: tuple[int, ...] | list[int], head_dim: int) -> torch.Tensor:
-    """Which axis (0 T, 1 H, 2 W) drives each of the head_dim/2 frequency slots (interleaved layout).
+    """Which axis (0 T, 1 H, 2 W) drives each of the head_dim/2 frequency slots (interleaved
+    layout).
 
-    Slots cycle T H W T H W ... while every axis still has frequencies left; the remaining slots go to T.
-    For [24, 20, 20]: slot j is H when j % 3 == 1 and j < 60, W when j % 3 == 2 and j < 60, else T.
-    """
+    Slots cycle T H W T H W ... while every axis still has frequencies left; the remaining slots
+    go to T. For [24, 20, 20]: slot j is H when j % 3 == 1 and j < 60, W when j % 3 == 2 and j <
+    60, else T."""
     half = head_dim // 2
     axes = torch.zeros(half, dtype=torch.long)
     for axis in (1, 2):
-        axes[axis:3 * mrope_section[axis]:3] = axis
+        axes[axis : 3 * mrope_section[axis] : 3] = axis
     return axes
 
 
@@ -73,16 +81,21 @@ def text_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
-def mrope_angles(rotary_position_ids: torch.Tensor, inv_freq: torch.Tensor, slot_axes: torch.Tensor) -> torch.Tensor:
-    """Rotation angles [T, head_dim/2] (float32): slot j turns by position[axis of j] * inv_freq[j]."""
+def mrope_angles(
+    rotary_position_ids: torch.Tensor, inv_freq: torch.Tensor, slot_axes: torch.Tensor
+) -> torch.Tensor:
+    """Rotation angles [T, head_dim/2] (float32): slot j turns by position[axis of j] *
+    inv_freq[j]."""
     pos = rotary_position_ids.to(torch.float32)  # [3, T]
     slot_pos = pos[slot_axes.to(pos.device)]  # [half, T]: the position each slot rotates by
     return slot_pos.t() * inv_freq.to(pos.device)
 
 
-def mrope_cos_sin(rotary_position_ids: torch.Tensor, inv_freq: torch.Tensor,
-                  slot_axes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, head_dim] (float32) for rotary ids [3, T], halves duplicated (split-halves rotation)."""
+def mrope_cos_sin(
+    rotary_position_ids: torch.Tensor, inv_freq: torch.Tensor, slot_axes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim] (float32) for rotary ids [3, T], halves duplicated (split-halves
+    rotation)."""
     freqs = mrope_angles(rotary_position_ids, inv_freq, slot_axes)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()

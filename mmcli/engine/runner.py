@@ -1,4 +1,5 @@
-"""The runner owns tensors: device, dtype, weights, KV cache, vision encoding, prefill and decode calls."""
+"""The runner owns tensors: device, dtype, weights, KV cache, vision encoding, prefill and decode
+calls."""
 
 from __future__ import annotations
 
@@ -10,29 +11,38 @@ import torch
 import torch.nn.functional as F
 
 from mmcli.compiled.buckets import Bucket, choose_bucket
-from mmcli.compiled.graphs import CompiledGraphs
-from mmcli.config import Config, SamplingParams
 from mmcli.compiled.cuda_graphs import DecodeGraphs
-from mmcli.engine.vision_encoder import ImageEncoder, ImageFeatures
+from mmcli.compiled.graphs import CompiledGraphs
+from mmcli.compiled.steps import decode_step, prefill_step
+from mmcli.config import Config, SamplingParams
+from mmcli.engine.positions import (
+    decode_rotary_position_ids,
+    mrope_cos_sin,
+    mrope_slot_axes,
+    text_inv_freq,
+)
+from mmcli.engine.sampling import choose_tokens
+from mmcli.engine.vision_encoder import VisionEncoder, VisionFeatures
 from mmcli.errors import ConfigError
 from mmcli.model import cpu_kernel
-from mmcli.model.qwen3_vl import Qwen3VL
-from mmcli.model.text import AttentionBatch, KVCache
 from mmcli.model.attention import choose_block_attention
+from mmcli.model.config import ModelConfig
 from mmcli.model.linear import KERNEL_ROWS, can_quantize, pack_linears
 from mmcli.model.quantize import quantize_model
-from mmcli.model.config import ModelConfig
-from mmcli.engine.positions import decode_rotary_position_ids, mrope_cos_sin, mrope_slot_axes, text_inv_freq
-from mmcli.engine.sampling import choose_tokens
-from mmcli.compiled.steps import decode_step, prefill_step
+from mmcli.model.qwen3_vl import Qwen3VL
+from mmcli.model.text import AttentionBatch, KVCache
 
 
 def prepare_weights(model: Qwen3VL, device: torch.device, quantize: str, compiled: bool) -> str:
-    """Choose the linear kernels (see model/linear.py) and convert the weights for them; returns which."""
+    """Choose the linear kernels (see model/linear.py) and convert the weights for them; returns
+    which."""
     if quantize == "int8":
         if device.type != "cpu" or compiled or not can_quantize():
-            raise ConfigError("quantize int8 runs on the CPU with the eager backend and fbgemm (x86); this run has "
-                              f"device {device.type}, compiled {compiled}, fbgemm {can_quantize()}")
+            raise ConfigError(
+                "quantize int8 runs on the CPU with the eager backend and fbgemm (x86); this run "
+                "has "
+                f"device {device.type}, compiled {compiled}, fbgemm {can_quantize()}"
+            )
         return f"int8 ({quantize_model(model)} linears, fbgemm)"
     if compiled:
         return "plain (traced into the compiled graphs)"
@@ -40,19 +50,13 @@ def prepare_weights(model: Qwen3VL, device: torch.device, quantize: str, compile
         return "packed float32 (oneDNN)"
     if device.type != "cpu":
         return "plain"
-    library, reason = cpu_kernel.load()  # built now, at load, rather than inside the first decode step
+    # built now, at load, rather than inside the first decode step
+    library, reason = cpu_kernel.load()
     few_rows = "compiled bf16 kernel" if library is not None else f"chunks ({reason})"
-    return f"upcast: bfloat16 weights, float32 compute; up to {KERNEL_ROWS} rows {few_rows}, more rows chunks"
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' was asked for, but torch sees no CUDA device")
-    if name not in ("cpu", "cuda"):
-        raise ConfigError(f"device {name!r} is not one of auto, cpu, cuda")
-    return torch.device(name)
+    return (
+        f"upcast: bfloat16 weights, float32 compute; up to {KERNEL_ROWS} rows {few_rows}, "
+        "more rows chunks"
+    )
 
 
 @dataclass
@@ -64,9 +68,12 @@ class PrefillItem:
     rotary_position_ids: torch.Tensor  # [3, L]
     pixel_values: list[torch.Tensor]  # one [n_i, C*T*P*P] per image, in prompt order
     vision_grids: list[tuple[int, int, int]]
-    vision_hashes: list[str] = field(default_factory=list)  # content hashes; equal images are encoded once
-    max_tokens: int = 0  # prompt and output tokens the sequence may reach (KV cache columns to hold)
-    group: str | None = None  # items of one group share their first prefix_len tokens (prefilled once)
+    # content hashes; equal images are encoded once
+    vision_hashes: list[str] = field(default_factory=list)
+    # prompt and output tokens the sequence may reach (KV cache columns to hold)
+    max_tokens: int = 0
+    # items of one group share their first prefix_len tokens (prefilled once)
+    group: str | None = None
     prefix_len: int = 0
     start: int = 0  # the first token's position: its row already holds the tokens before it
 
@@ -86,76 +93,124 @@ class Choice:
 
 
 class ModelRunner:
-    """Owns the device, the weights, the KV cache and the compiled graphs; runs prefill and decode calls."""
+    """Owns the device, the weights, the KV cache and the compiled graphs; runs prefill and
+    decode calls."""
 
-    def __init__(self, model: Qwen3VL, device: torch.device, config: Config, graphs: CompiledGraphs | None = None):
+    def __init__(
+        self,
+        model: Qwen3VL,
+        device: torch.device,
+        config: Config,
+        graphs: CompiledGraphs | None = None,
+    ):
         self.model = model.to(device)
         self.cfg: ModelConfig = model.cfg
         self.device = device
-        self.dtype = model.language_model.norm.weight.dtype  # the compute dtype; matrices may be held lower
+        self.dtype = model.language_model.norm.weight.dtype  # compute dtype; matrices may be lower
         self.kernels = prepare_weights(model, device, config.quantize, compiled=graphs is not None)
-        model.visual.block_attention = choose_block_attention("eager" if graphs is None else graphs.backend,
-                                                              device.type)
+        backend = "eager" if graphs is None else graphs.backend
+        model.visual.block_attention = choose_block_attention(backend, device.type)
         text = self.cfg.text
         self.inv_freq = text_inv_freq(text.head_dim, text.rope_theta).to(device)
         self.slot_axes = mrope_slot_axes(text.mrope_section, text.head_dim).to(device)
-        # Compiled graphs: every call padded to a bucket; padding rows of a decode batch write to one scratch row.
-        self.graphs = graphs
         engine, buckets = config.engine, config.compile
+        # Padding rows of a bucketed decode batch write one scratch row, past the sequences' rows.
         self.scratch_slot, self.max_len = engine.max_seqs, engine.max_len
-        use_cuda_graphs = device.type == "cuda" and graphs is None and config.compile.cuda_graphs
-        # Compiled and CUDA graphs hold the cache's shape and addresses: the whole of it, allocated once. Other
-        # runs start small and grow to what the job uses.
-        self.fixed_cache = graphs is not None or use_cuda_graphs
-        rows, columns = (engine.max_seqs + 1, engine.max_len) if self.fixed_cache else (1, min(256, engine.max_len))
-        self.cache = KVCache(text, rows, columns, self.dtype, device)
-        self.cuda_graphs = DecodeGraphs(model, self.cache, engine.max_seqs + 1, engine.max_len, self.scratch_slot,
-                                        text.head_dim) if use_cuda_graphs else None
-        self._pinned: torch.Tensor | None = None
-        self.prefixes_prefilled = 0  # shared prefixes prefilled (one per group of tasks)
-        self.mask_seconds = 0.0  # time spent masking logits to grammars
         self.prefill_buckets = sorted(buckets.prefill_buckets)
         self.decode_batch_buckets = sorted(buckets.decode_batch_buckets)
         self.decode_context_buckets = sorted(buckets.decode_context_buckets)
-        self.encoder = ImageEncoder(model.visual, device, config.vision.block_size, config.vision.num_blocks_buckets,
-                                    fixed_shapes=graphs is not None, graphs=graphs)
+        self.graphs = graphs
+        use_cuda_graphs = device.type == "cuda" and graphs is None and buckets.cuda_graphs
+        # Compiled and CUDA graphs hold the cache's shape and addresses: all of it, allocated once.
+        # Other runs start small and grow to what the job uses.
+        self.fixed_cache = graphs is not None or use_cuda_graphs
+        rows, columns = (engine.max_seqs + 1, engine.max_len)
+        if not self.fixed_cache:
+            rows, columns = 1, min(256, engine.max_len)
+        self.cache = KVCache(text, rows, columns, self.dtype, device)
+        self.cuda_graphs = None
+        if use_cuda_graphs:
+            self.cuda_graphs = DecodeGraphs(
+                model,
+                self.cache,
+                self.scratch_slot,
+                text.head_dim,
+                _clipped(self.decode_batch_buckets, engine.max_seqs),
+                _clipped(self.decode_context_buckets, engine.max_len),
+            )
+        self._decode = self._decode_implementation()
+        self._pinned: torch.Tensor | None = None
+        self.prefixes_prefilled = 0  # shared prefixes prefilled (one per group of tasks)
+        self.mask_seconds = 0.0  # time spent masking logits to grammars
+        self.encoder = VisionEncoder(
+            model.visual,
+            device,
+            config.vision.block_size,
+            config.vision.num_blocks_buckets,
+            fixed_shapes=graphs is not None,
+            graphs=graphs,
+        )
+
+    def _decode_implementation(self):
+        """The decode step this runner uses, chosen once: compiled buckets, CUDA graphs, or
+        eager."""
+        if self.graphs is not None:
+            return self._decode_compiled
+        if self.cuda_graphs is not None:
+            return self._decode_cuda_graphs
+        return self._decode_eager
 
     @property
     def images_encoded(self) -> int:
         return self.encoder.images_encoded
 
     def _reserve(self, items: list[PrefillItem]) -> None:
-        """Grow the KV cache to hold these sequences' rows and every token they may reach (columns in steps of
-        256, never past engine.max_len)."""
+        """Grow the KV cache to hold these sequences' rows and every token they may reach
+        (columns in steps of 256, never past engine.max_len)."""
         if self.fixed_cache:
             return
         need = max(max(item.max_tokens, item.start + len(item.input_ids) + 1) for item in items)
-        self.cache.grow(max(item.slot for item in items) + 1, min(self.max_len, -(-need // 256) * 256))
+        self.cache.grow(
+            max(item.slot for item in items) + 1, min(self.max_len, -(-need // 256) * 256)
+        )
 
     def _embed_prompts(self, items: list[PrefillItem], image_features: list | None):
         ids = torch.tensor([i for item in items for i in item.input_ids], device=self.device)
         hidden = self.model.language_model.embed(ids)
-        visual_mask = (ids == self.cfg.image_token_id) | (ids == self.cfg.video_token_id)  # segments in prompt order
+        # segments in prompt order
+        visual_mask = (ids == self.cfg.image_token_id) | (ids == self.cfg.video_token_id)
         if not bool(visual_mask.any()):
             return hidden, None, None
         if image_features is None:
-            image_features = self.encoder.features([p for item in items for p in item.pixel_values],
-                                                   [g for item in items for g in item.vision_grids],
-                                                   [h for item in items for h in item.vision_hashes])
+            image_features = self.encoder.features(
+                [p for item in items for p in item.pixel_values],
+                [g for item in items for g in item.vision_grids],
+                [h for item in items for h in item.vision_hashes],
+            )
         merged = torch.cat([f for f, _ in image_features]).to(hidden.dtype)
         if merged.shape[0] != int(visual_mask.sum()):
-            raise ValueError(f"{int(visual_mask.sum())} image tokens but {merged.shape[0]} image features")
+            raise ValueError(
+                f"{int(visual_mask.sum())} image tokens but {merged.shape[0]} image features"
+            )
         hidden = hidden.index_put((visual_mask,), merged)
         levels = len(image_features[0][1])
-        # DeepStack levels as dense [T, H] (zero off the image tokens): one add per layer, the same shapes always.
-        deepstack = [torch.zeros_like(hidden).index_put((visual_mask,), torch.cat([ds[level] for _, ds in
-                     image_features]).to(hidden.dtype)) for level in range(levels)]
+        # DeepStack levels as dense [T, H] (zero off the image tokens): one add per layer, the same
+        # shapes always.
+        deepstack = [
+            torch.zeros_like(hidden).index_put(
+                (visual_mask,), torch.cat([ds[level] for _, ds in image_features]).to(hidden.dtype)
+            )
+            for level in range(levels)
+        ]
         return hidden, visual_mask, deepstack
 
     @torch.inference_mode()
-    def prefill(self, items: list[PrefillItem], image_features: list[ImageFeatures] | None = None) -> torch.Tensor:
-        """Prompts back to back (no padding), each filling its cache row -> logits of each last token [B, V].
-        Items of one group (an image's tasks) prefill their shared prefix once (eager backend)."""
+    def prefill(
+        self, items: list[PrefillItem], image_features: list[VisionFeatures] | None = None
+    ) -> torch.Tensor:
+        """Prompts back to back (no padding), each filling its cache row -> logits of each last
+        token [B, V]. Items of one group (an image's tasks) prefill their shared prefix once
+        (eager backend)."""
         if self.graphs is None and image_features is None:
             self._reserve(items)  # every member's row, before a prefix is copied into it
             items = self._share_prefixes(items)
@@ -163,16 +218,26 @@ class ModelRunner:
         self._reserve(items)
         if self.graphs is not None:
             hidden, _, deepstack = self._embed_prompts(items, image_features)
-            rows = zip(items, hidden.split(seqlens), zip(*[d.split(seqlens) for d in deepstack]) if deepstack
-                       else [[]] * len(items))
-            return torch.cat([self._prefill_padded(item.slot, h, list(ds), item.rotary_position_ids)
-                              for item, h, ds in rows])
+            rows = zip(
+                items,
+                hidden.split(seqlens),
+                zip(*[d.split(seqlens) for d in deepstack]) if deepstack else [[]] * len(items),
+            )
+            return torch.cat(
+                [
+                    self._prefill_padded(item.slot, h, list(ds), item.rotary_position_ids)
+                    for item, h, ds in rows
+                ]
+            )
         out = self.forward_prompts(items, image_features)
-        return self.model.lm_head(out[torch.tensor(seqlens, device=self.device).cumsum(0) - 1]).float()
+        return self.model.lm_head(
+            out[torch.tensor(seqlens, device=self.device).cumsum(0) - 1]
+        ).float()
 
     def _share_prefixes(self, items: list[PrefillItem]) -> list[PrefillItem]:
-        """Prefill each group's shared prefix once, in its first member's cache row, copy it to the other members'
-        rows, and return the items with only their own tokens left (starting after the prefix)."""
+        """Prefill each group's shared prefix once, in its first member's cache row, copy it to
+        the other members' rows, and return the items with only their own tokens left (starting
+        after the prefix)."""
         groups: dict[str, list[PrefillItem]] = {}
         for item in items:
             if item.group is not None and item.prefix_len > 0:
@@ -184,107 +249,176 @@ class ModelRunner:
         for members in shared.values():
             n = min(min(m.prefix_len for m in members), min(len(m.input_ids) for m in members) - 1)
             lead = members[0]
-            prefixes.append(PrefillItem(lead.slot, lead.input_ids[:n], lead.rotary_position_ids[:, :n],
-                                        lead.pixel_values, lead.vision_grids, lead.vision_hashes,
-                                        max(m.max_tokens for m in members)))
+            prefixes.append(
+                PrefillItem(
+                    lead.slot,
+                    lead.input_ids[:n],
+                    lead.rotary_position_ids[:, :n],
+                    lead.pixel_values,
+                    lead.vision_grids,
+                    lead.vision_hashes,
+                    max(m.max_tokens for m in members),
+                )
+            )
             for member in members:
                 copies.append((lead.slot, member.slot, n))
-                out[items.index(member)] = PrefillItem(member.slot, member.input_ids[n:],
-                                                       member.rotary_position_ids[:, n:], [], [], [],
-                                                       member.max_tokens, start=n)
-        self.forward_prompts(prefixes)  # every group's prefix in one pass: their images in one vision call
+                out[items.index(member)] = PrefillItem(
+                    member.slot,
+                    member.input_ids[n:],
+                    member.rotary_position_ids[:, n:],
+                    [],
+                    [],
+                    [],
+                    member.max_tokens,
+                    start=n,
+                )
+        # every group's prefix in one pass: their images in one vision call
+        self.forward_prompts(prefixes)
         self.prefixes_prefilled += len(prefixes)
         for source, target, n in copies:
             self.cache.copy_prefix(source, target, n)
         return out
 
     @torch.inference_mode()
-    def forward_prompts(self, items: list[PrefillItem], image_features: list[ImageFeatures] | None = None
-                        ) -> torch.Tensor:
-        """The text decoder over whole prompts (eager), filling their cache rows -> final hidden states [T, H]."""
+    def forward_prompts(
+        self, items: list[PrefillItem], image_features: list[VisionFeatures] | None = None
+    ) -> torch.Tensor:
+        """The text decoder over whole prompts (eager), filling their cache rows -> final hidden
+        states [T, H]."""
         self._reserve(items)
         hidden, _, deepstack = self._embed_prompts(items, image_features)
         seqlens = [len(item.input_ids) for item in items]
         rotary = torch.cat([item.rotary_position_ids for item in items], dim=1).to(self.device)
         cos, sin = mrope_cos_sin(rotary, self.inv_freq, self.slot_axes)
-        batch = AttentionBatch(slots=torch.tensor([item.slot for item in items], device=self.device),
-                               positions=torch.cat([torch.arange(i.start, i.start + n) for i, n in
-                                                    zip(items, seqlens)]).to(self.device),
-                               seqlens=seqlens, starts=[item.start for item in items])
+        batch = AttentionBatch(
+            slots=torch.tensor([item.slot for item in items], device=self.device),
+            positions=torch.cat(
+                [torch.arange(i.start, i.start + n) for i, n in zip(items, seqlens)]
+            ).to(self.device),
+            seqlens=seqlens,
+            starts=[item.start for item in items],
+        )
         return self.model.language_model(hidden, cos, sin, batch, self.cache, deepstack)
 
-    def _prefill_padded(self, slot: int, hidden: torch.Tensor, deepstack: list[torch.Tensor],
-                        rotary: torch.Tensor) -> torch.Tensor:
-        """One prompt through its prefill bucket's graph (padded at the end: causal attention never sees it)."""
+    def _prefill_padded(
+        self, slot: int, hidden: torch.Tensor, deepstack: list[torch.Tensor], rotary: torch.Tensor
+    ) -> torch.Tensor:
+        """One prompt through its prefill bucket's graph (padded at the end: causal attention
+        never sees it)."""
         n = hidden.shape[0]
-        if n > self.prefill_buckets[-1]:
-            raise ConfigError(f"prompt of {n} tokens is over the largest compile.prefill_buckets entry "
-                             f"{self.prefill_buckets[-1]}")
         size = choose_bucket(n, self.prefill_buckets)
         levels = len(self.cfg.vision.deepstack_visual_indexes)
-        deepstack = deepstack or [torch.zeros_like(hidden)] * levels  # text only: the same graph, adding zeros
+        # text only: the same graph, adding zeros
+        deepstack = deepstack or [torch.zeros_like(hidden)] * levels
         pad = (0, 0, 0, size - n)
-        cos, sin = mrope_cos_sin(F.pad(rotary.to(self.device), (0, size - n)), self.inv_freq, self.slot_axes)
-        return self.graphs.call(Bucket("prefill", (size,)), prefill_step, self.model, self.cache, F.pad(hidden, pad),
-                                cos, sin, torch.tensor([slot], device=self.device), [F.pad(d, pad) for d in deepstack],
-                                torch.tensor([n - 1], device=self.device))
+        cos, sin = mrope_cos_sin(
+            F.pad(rotary.to(self.device), (0, size - n)), self.inv_freq, self.slot_axes
+        )
+        return self.graphs.call(
+            Bucket("prefill", (size,)),
+            prefill_step,
+            self.model,
+            self.cache,
+            F.pad(hidden, pad),
+            cos,
+            sin,
+            torch.tensor([slot], device=self.device),
+            [F.pad(d, pad) for d in deepstack],
+            torch.tensor([n - 1], device=self.device),
+        )
 
     def _decode_inputs(self, rows: list[DecodeItem]) -> tuple[torch.Tensor, ...]:
-        """positions, deltas, ids, slots on the device, in one copy (pinned and asynchronous on CUDA: the step
-        before ended with the sampled tokens' copy, so the buffer is free)."""
-        host = torch.tensor([[r.position, r.rope_delta, r.token_id, r.slot] for r in rows], dtype=torch.long)
+        """positions, deltas, ids, slots on the device, in one copy (pinned and asynchronous on
+        CUDA: the step before ended with the sampled tokens' copy, so the buffer is free)."""
+        host = torch.tensor(
+            [[r.position, r.rope_delta, r.token_id, r.slot] for r in rows], dtype=torch.long
+        )
         if self.device.type != "cuda":
             return tuple(column.contiguous() for column in host.to(self.device).unbind(1))
         if self._pinned is None or self._pinned.shape[0] < len(rows):
-            self._pinned = torch.empty((max(len(rows), self.scratch_slot + 1), 4), dtype=torch.long).pin_memory()
-        self._pinned[:len(rows)].copy_(host)
-        device = self._pinned[:len(rows)].to(self.device, non_blocking=True)
+            self._pinned = torch.empty(
+                (max(len(rows), self.scratch_slot + 1), 4), dtype=torch.long
+            ).pin_memory()
+        self._pinned[: len(rows)].copy_(host)
+        device = self._pinned[: len(rows)].to(self.device, non_blocking=True)
         return tuple(column.contiguous() for column in device.unbind(1))
 
     @torch.inference_mode()
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:
-        """One new token per sequence, all in one forward pass -> logits [B, V]. With compiled graphs the batch is
-        padded to its (batch, context) bucket; padding rows write the scratch row at column 0. On CUDA the step
-        replays a CUDA graph of its bucket (see cuda_graphs.py)."""
-        rows, context = items, max(item.position for item in items) + 1
-        if self.graphs is not None:
-            batch = choose_bucket(len(items), self.decode_batch_buckets)
-            context = choose_bucket(context, self.decode_context_buckets)
-            rows = items + [DecodeItem(self.scratch_slot, 0, 0, 0)] * (batch - len(items))
+        """One new token per sequence, all in one forward pass -> logits [B, V]."""
+        return self._decode(items)
+
+    def _decode_args(self, rows: list[DecodeItem], context: int) -> tuple:
         positions, deltas, ids, slots = self._decode_inputs(rows)
-        cos, sin = mrope_cos_sin(decode_rotary_position_ids(positions, deltas), self.inv_freq, self.slot_axes)
-        if self.cuda_graphs is not None:
-            try:
-                return self.cuda_graphs.run(ids, cos, sin, slots, positions, context)
-            except RuntimeError as e:  # a capture this torch or driver refuses: decode eagerly, and say so once
-                print(f"mmcli: CUDA graphs off for this run ({str(e).splitlines()[0][:200]})", file=sys.stderr)
-                self.cuda_graphs = None
-        args = (self.model, self.cache, ids, cos, sin, slots, positions, context)
-        if self.graphs is None:
-            contiguous = [r.slot for r in rows] == list(range(len(rows)))
-            return decode_step(*args, fixed_shapes=False, contiguous=contiguous)
-        return self.graphs.call(Bucket("decode", (len(rows), context)), decode_step, *args)[:len(items)]
+        rotary = decode_rotary_position_ids(positions, deltas)
+        cos, sin = mrope_cos_sin(rotary, self.inv_freq, self.slot_axes)
+        return self.model, self.cache, ids, cos, sin, slots, positions, context
+
+    def _decode_eager(self, items: list[DecodeItem]) -> torch.Tensor:
+        context = max(item.position for item in items) + 1
+        contiguous = [r.slot for r in items] == list(range(len(items)))
+        return decode_step(
+            *self._decode_args(items, context), fixed_shapes=False, contiguous=contiguous
+        )
+
+    def _decode_compiled(self, items: list[DecodeItem]) -> torch.Tensor:
+        """The batch padded to its (batch, context) bucket, through that bucket's graph."""
+        batch = choose_bucket(len(items), self.decode_batch_buckets)
+        context = choose_bucket(
+            max(item.position for item in items) + 1, self.decode_context_buckets
+        )
+        rows = items + [DecodeItem(self.scratch_slot, 0, 0, 0)] * (batch - len(items))
+        args = self._decode_args(rows, context)
+        return self.graphs.call(Bucket("decode", (batch, context)), decode_step, *args)[
+            : len(items)
+        ]
+
+    def _decode_cuda_graphs(self, items: list[DecodeItem]) -> torch.Tensor:
+        """A CUDA graph of the step's bucket, replayed; a shape past the buckets decodes eagerly. A
+        capture this torch or driver refuses turns CUDA graphs off for the run, said once."""
+        context = max(item.position for item in items) + 1
+        if not self.cuda_graphs.fits(len(items), context):
+            return self._decode_eager(items)
+        _, _, ids, cos, sin, slots, positions, _ = self._decode_args(items, context)
+        try:
+            return self.cuda_graphs.run(ids, cos, sin, slots, positions, context)
+        except RuntimeError as e:
+            print(
+                f"mmcli: CUDA graphs off for this run ({str(e).splitlines()[0][:200]})",
+                file=sys.stderr,
+            )
+            self._decode = self._decode_eager
+            return self._decode_eager(items)
 
     @torch.inference_mode()
     def run_bucket(self, bucket: Bucket) -> None:
-        """Run one bucket's call once on synthetic inputs of its shape (with a compiled backend, the first run
-        compiles it); writes only the scratch row of the KV cache."""
+        """Run one bucket's call once on synthetic inputs of its shape (with a compiled backend,
+        the first run compiles it); writes only the scratch row of the KV cache."""
         if bucket.component == "vision":
-            pixels = torch.zeros(4, self.model.visual.patch_embed.proj.weight[0].numel())  # one 2x2-patch image
+            # one 2x2-patch image
+            pixels = torch.zeros(4, self.model.visual.patch_embed.proj.weight[0].numel())
             self.encoder.encode_packed([pixels], [(1, 2, 2)], [[0]], num_blocks=bucket.shape[0])
         elif bucket.component == "prefill":
             (size,) = bucket.shape
-            hidden = torch.zeros(size, self.cfg.text.hidden_size, dtype=self.dtype, device=self.device)
+            hidden = torch.zeros(
+                size, self.cfg.text.hidden_size, dtype=self.dtype, device=self.device
+            )
             rotary = torch.arange(size).expand(3, size)
             self._prefill_padded(self.scratch_slot, hidden, [], rotary)
         else:
             batch, context = bucket.shape
             self.decode([DecodeItem(self.scratch_slot, 0, context - 1, 0)] * batch)
 
-    def choose(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-               seeds: list[int], constraints: list | None = None) -> list[Choice]:
-        """Next tokens; a row with a grammar constraint chooses among the tokens it allows (its log-probability
-        is still the model's own)."""
+    def choose(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        histories: list[list[int]],
+        seeds: list[int],
+        constraints: list | None = None,
+    ) -> list[Choice]:
+        """Next tokens; a row with a grammar constraint chooses among the tokens it allows (its
+        log-probability is still the model's own)."""
         scores = logits
         if constraints and any(c is not None for c in constraints):
             started = time.perf_counter()
@@ -295,3 +429,8 @@ class ModelRunner:
             self.mask_seconds += time.perf_counter() - started
         tokens, logprobs = choose_tokens(scores, params, histories, seeds, model_logits=logits)
         return [Choice(t, lp) for t, lp in zip(tokens, logprobs)]
+
+
+def _clipped(buckets: list[int], limit: int) -> list[int]:
+    """Configured sizes, none past `limit` (the largest becomes `limit` itself)."""
+    return sorted({min(b, limit) for b in buckets})

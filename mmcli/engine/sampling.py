@@ -1,4 +1,5 @@
-"""Next-token choice per sequence: repetition penalty, temperature, top-k, top-p, seeded per (seed, key, step)."""
+"""Next-token choice per sequence: repetition penalty, temperature, top-k, top-p, seeded per
+(seed, key, step)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from mmcli.config import SamplingParams
 
 
 def step_seed(seed: int, key: str, step: int) -> int:
-    """A seed that depends only on the run seed, the item and the step, never on batch neighbours."""
+    """A seed that depends only on the run seed, the item and the step, never on batch
+    neighbours."""
     digest = hashlib.blake2b(f"{seed}\0{key}\0{step}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
@@ -28,14 +30,22 @@ def _filter_top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch
     return scores
 
 
-def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-                  seeds: list[int], model_logits: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
-    """One token per row of `logits` [B, V], and its log-probability under the model (`model_logits`, default
-    `logits`: unprocessed by penalties, temperature or a grammar's mask). Greedy
-    rows without a penalty are chosen together on the device; the tokens and log-probabilities come back to the
-    host in one copy (on CUDA, the decode loop's one synchronisation)."""
+def choose_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[list[int]],
+    seeds: list[int],
+    model_logits: torch.Tensor | None = None,
+) -> tuple[list[int], list[float]]:
+    """One token per row of `logits` [B, V], and its log-probability under the model
+    (`model_logits`, default `logits`: unprocessed by penalties, temperature or a grammar's
+    mask). Greedy rows without a penalty are chosen together on the device; the tokens and
+    log-probabilities come back to the host in one copy (on CUDA, the decode loop's one
+    synchronisation)."""
     logits = logits.float()
-    logprobs = torch.log_softmax(model_logits.float() if model_logits is not None else logits, dim=-1)
+    logprobs = torch.log_softmax(
+        model_logits.float() if model_logits is not None else logits, dim=-1
+    )
     chosen = logits.argmax(-1)
     for i, (row, p, history, seed) in enumerate(zip(logits, params, histories, seeds)):
         if p.temperature == 0.0 and (p.repetition_penalty == 1.0 or not history):
@@ -45,7 +55,9 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], histories:
             seen = torch.tensor(sorted(set(history)), device=row.device)
             picked = scores[seen]
             scores = scores.clone()
-            scores[seen] = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
+            scores[seen] = torch.where(
+                picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty
+            )
         if p.temperature == 0.0:
             chosen[i] = torch.argmax(scores)
             continue

@@ -1,9 +1,9 @@
 """The scheduler: waiting and running sequences, free slots and admission, in plain Python.
 
-Waiting requests are admitted as running ones finish. With vision inputs, a look-ahead window picks the
-wave that packs into vision blocks with least padding; an input's tasks (a group) are admitted together
-so that they share their prompt prefix; newly admitted prompts share a token budget.
-"""
+Waiting requests are admitted as running ones finish. With vision inputs, a look-ahead window
+picks the wave that packs into vision blocks with least padding; an input's tasks (a group) are
+admitted together so that they share their prompt prefix; newly admitted prompts share a token
+budget."""
 
 from __future__ import annotations
 

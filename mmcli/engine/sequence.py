@@ -1,4 +1,5 @@
-"""Request state: what a request asks for, a running sequence's progress, and a finished one's result."""
+"""Request state: what a request asks for, a running sequence's progress, and a finished one's
+result."""
 
 from __future__ import annotations
 

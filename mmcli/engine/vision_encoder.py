@@ -1,7 +1,8 @@
-"""The vision tower over a wave of images: packed into blocks, padded to a bucket, and recent images cached.
+"""The vision tower over a wave of images: packed into blocks, padded to a bucket, and recent
+images cached.
 
-The runner hands it pixel values and grids; it returns each image's merged features and DeepStack levels.
-"""
+The runner hands it pixel values and grids; it returns each image's merged features and DeepStack
+levels."""
 
 from __future__ import annotations
 
@@ -9,24 +10,34 @@ from collections import OrderedDict
 
 import torch
 
-from mmcli.compiled.graphs import CompiledGraphs
-from mmcli.model.vision import VisionTower
 from mmcli.compiled.buckets import Bucket, choose_bucket
+from mmcli.compiled.graphs import CompiledGraphs
 from mmcli.engine.packing import block_bounds, ffd_pack, gather_index, make_layout, unpack_index
+from mmcli.model.vision import VisionTower
 
-ImageFeatures = tuple[torch.Tensor, tuple[torch.Tensor, ...]]  # merged [n, out], DeepStack levels [n, out] each
+# merged [n, out], DeepStack levels [n, out] each
+VisionFeatures = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
 
 
-class ImageEncoder:
-    def __init__(self, visual: VisionTower, device: torch.device, block_size: int | None,
-                 num_blocks_buckets: tuple[int, ...], fixed_shapes: bool, graphs: CompiledGraphs | None = None,
-                 cache_size: int = 64):
-        """block_size None: the per-image reference path. fixed_shapes: pad every call to its configured bucket
-        (compiled graphs need it); otherwise eager calls trim padding blocks and block tails."""
+class VisionEncoder:
+    def __init__(
+        self,
+        visual: VisionTower,
+        device: torch.device,
+        block_size: int | None,
+        num_blocks_buckets: tuple[int, ...],
+        fixed_shapes: bool,
+        graphs: CompiledGraphs | None = None,
+        cache_size: int = 64,
+    ):
+        """block_size None: the per-image reference path. fixed_shapes: pad every call to its
+        configured bucket (compiled graphs need it); otherwise eager calls trim padding blocks
+        and block tails."""
         self.visual, self.device, self.graphs = visual, device, graphs
         self.block_size, self.num_blocks_buckets = block_size, tuple(sorted(num_blocks_buckets))
         self.fixed_shapes = fixed_shapes
-        self.cache: OrderedDict[str, ImageFeatures] = OrderedDict()  # recent encoded images by content hash
+        # recent encoded images by content hash
+        self.cache: OrderedDict[str, VisionFeatures] = OrderedDict()
         self.cache_size = cache_size
         self.images_encoded = 0
 
@@ -34,17 +45,20 @@ class ImageEncoder:
     def merge_unit(self) -> int:
         return self.visual.cfg.spatial_merge_size**2
 
-    def features(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]],
-                 hashes: list[str]) -> list[ImageFeatures]:
-        """Features of every image, in order; each distinct image not seen recently is encoded once, all of them
-        in one wave. Without a hash per image, every image is encoded."""
+    def features(
+        self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]], hashes: list[str]
+    ) -> list[VisionFeatures]:
+        """Features of every image, in order; each distinct image not seen recently is encoded
+        once, all of them in one wave. Without a hash per image, every image is encoded."""
         if len(hashes) != len(pixel_values):
             self.images_encoded += len(pixel_values)
             return self.encode(pixel_values, grids)
         todo = {h: n for n, h in enumerate(hashes) if h not in self.cache}
         if todo:
             self.images_encoded += len(todo)
-            fresh = self.encode([pixel_values[n] for n in todo.values()], [grids[n] for n in todo.values()])
+            fresh = self.encode(
+                [pixel_values[n] for n in todo.values()], [grids[n] for n in todo.values()]
+            )
             self.cache.update(zip(todo, fresh))
         out = []
         for h in hashes:
@@ -55,47 +69,70 @@ class ImageEncoder:
         return out
 
     @torch.inference_mode()
-    def encode(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> list[ImageFeatures]:
-        """Vision tower over several images at once: packed into blocks (as many calls as the largest bucket
-        needs), or without a block size the per-image reference path."""
+    def encode(
+        self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]
+    ) -> list[VisionFeatures]:
+        """Vision tower over several images at once: packed into blocks (as many calls as the
+        largest bucket needs), or without a block size the per-image reference path."""
         sizes = [t * h * w // self.merge_unit for t, h, w in grids]
         if self.block_size is None:
             merged, deepstack = self.visual(torch.cat(pixel_values).to(self.device), grids)
-            return list(zip(merged.split(sizes), zip(*[d.split(sizes) for d in deepstack]) if deepstack
-                            else [()] * len(sizes)))
+            return list(
+                zip(
+                    merged.split(sizes),
+                    zip(*[d.split(sizes) for d in deepstack]) if deepstack else [()] * len(sizes),
+                )
+            )
         features: list = [None] * len(grids)
         bins = ffd_pack([t * h * w for t, h, w in grids], self.block_size)
         largest = self.num_blocks_buckets[-1]
-        for start in range(0, len(bins), largest):  # a wave larger than the largest bucket: several calls
-            group = bins[start:start + largest]
+        # a wave larger than the largest bucket: several calls
+        for start in range(0, len(bins), largest):
+            group = bins[start : start + largest]
             images = sorted(i for b in group for i in b)
             local = {i: n for n, i in enumerate(images)}
-            merged, deepstack = self.encode_packed([pixel_values[i] for i in images], [grids[i] for i in images],
-                                                   [[local[i] for i in b] for b in group])
+            merged, deepstack = self.encode_packed(
+                [pixel_values[i] for i in images],
+                [grids[i] for i in images],
+                [[local[i] for i in b] for b in group],
+            )
             split = [sizes[i] for i in images]
-            levels = list(zip(*[d.split(split) for d in deepstack])) if deepstack else [()] * len(images)
+            levels = (
+                list(zip(*[d.split(split) for d in deepstack])) if deepstack else [()] * len(images)
+            )
             for i, f, ds in zip(images, merged.split(split), levels):
                 features[i] = (f, ds)
         return features
 
-    def packed_inputs(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]],
-                      bins: list[list[int]], num_blocks: int | None = None
-                      ) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """Scatter per-patch inputs into [num_blocks, block_size, ...] and build the bounds and unpack index."""
+    def packed_inputs(
+        self,
+        pixel_values: list[torch.Tensor],
+        grids: list[tuple[int, int, int]],
+        bins: list[list[int]],
+        num_blocks: int | None = None,
+    ) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Scatter per-patch inputs into [num_blocks, block_size, ...] and build the bounds and
+        unpack index."""
         patches = [t * h * w for t, h, w in grids]
         if self.fixed_shapes:
             num_blocks = num_blocks or choose_bucket(len(bins), list(self.num_blocks_buckets))
             layout = make_layout(patches, bins, num_blocks, self.block_size)
         else:
             used = max(sum(patches[i] for i in b) for b in bins)
-            layout = make_layout(patches, bins, len(bins), min(self.block_size, -(-used // 128) * 128))
+            layout = make_layout(
+                patches, bins, len(bins), min(self.block_size, -(-used // 128) * 128)
+            )
         flat = self.visual.patch_inputs(grids)
         flat["pixels"] = torch.cat(pixel_values)
         index = torch.tensor(gather_index(patches, layout))
         real = index >= 0
         shape = (layout.num_blocks, layout.block_size)
         packed = {}
-        for name, value in flat.items():  # padding rows stay zero: no pixels, zero pos weights, cos = sin = 0
+        # padding rows stay zero: no pixels, zero pos weights, cos = sin = 0
+        for (
+            name,
+            value,
+        ) in flat.items():
             out = value.new_zeros((index.numel(), *value.shape[1:]))
             out[real] = value[index[real]]
             packed[name] = out.view(*shape, *value.shape[1:]).to(self.device)
@@ -104,14 +141,26 @@ class ImageEncoder:
         packed["bound_max"] = torch.tensor(bmax).view(shape).to(self.device)
         return packed, unpack_index(patches, layout, self.merge_unit)
 
-    def encode_packed(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]],
-                      bins: list[list[int]], num_blocks: int | None = None):
-        """One vision call over the blocks `bins` -> merged features and DeepStack levels, in image order."""
+    def encode_packed(
+        self,
+        pixel_values: list[torch.Tensor],
+        grids: list[tuple[int, int, int]],
+        bins: list[list[int]],
+        num_blocks: int | None = None,
+    ):
+        """One vision call over the blocks `bins` -> merged features and DeepStack levels, in
+        image order."""
         inputs, unpack = self.packed_inputs(pixel_values, grids, bins, num_blocks)
-        args = [inputs[k] for k in ("pixels", "pos_idx", "pos_weights", "cos", "sin", "bound_min", "bound_max")]
+        args = [
+            inputs[k]
+            for k in ("pixels", "pos_idx", "pos_weights", "cos", "sin", "bound_min", "bound_max")
+        ]
         if self.graphs is not None:
-            merged, deepstack = self.graphs.call(Bucket("vision", tuple(inputs["pixels"].shape[:2])),
-                                                 self.visual.forward_packed, *args)
+            merged, deepstack = self.graphs.call(
+                Bucket("vision", tuple(inputs["pixels"].shape[:2])),
+                self.visual.forward_packed,
+                *args,
+            )
         else:
             merged, deepstack = self.visual.forward_packed(*args)
         index = torch.tensor(unpack, device=self.device)

@@ -1,7 +1,7 @@
-"""Images in, without torch: decode with Pillow (orientation, modes, guards), the pixel budget and smart_resize.
+"""Images in, without torch: decode with Pillow (orientation, modes, guards), the pixel budget
+and smart_resize.
 
-`caption`, `ask` and `plan` all size images here, so a plan cannot disagree with a run.
-"""
+`caption`, `ask` and `plan` all size images here, so a plan cannot disagree with a run."""
 
 from __future__ import annotations
 
@@ -17,12 +17,20 @@ from PIL import Image, ImageOps
 from mmcli.errors import ImageError
 from mmcli.model.config import QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, QWEN_TEMPORAL_PATCH_SIZE
 
-_RESAMPLE = {0: Image.NEAREST, 1: Image.LANCZOS, 2: Image.BILINEAR, 3: Image.BICUBIC, 4: Image.BOX, 5: Image.HAMMING}
+_RESAMPLE = {
+    0: Image.NEAREST,
+    1: Image.LANCZOS,
+    2: Image.BILINEAR,
+    3: Image.BICUBIC,
+    4: Image.BOX,
+    5: Image.HAMMING,
+}
 
 
 @dataclass(frozen=True)
 class ImageProcessorConfig:
-    """The fields of preprocessor_config.json that decide the pixels (Qwen3-VL values as defaults)."""
+    """The fields of preprocessor_config.json that decide the pixels (Qwen3-VL values as
+    defaults)."""
 
     min_pixels: int = 256 * 256
     max_pixels: int = 4096 * 4096
@@ -46,8 +54,20 @@ class ImageProcessorConfig:
         file = path / "preprocessor_config.json"
         raw = json.loads(file.read_text()) if file.is_file() else {}
         size = raw.get("size") or {}
-        fields = {k: raw[k] for k in ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor",
-                                      "resample", "do_resize", "do_rescale", "do_normalize") if k in raw}
+        fields = {
+            k: raw[k]
+            for k in (
+                "patch_size",
+                "temporal_patch_size",
+                "merge_size",
+                "rescale_factor",
+                "resample",
+                "do_resize",
+                "do_rescale",
+                "do_normalize",
+            )
+            if k in raw
+        }
         for k in ("image_mean", "image_std"):
             if k in raw:
                 fields[k] = tuple(raw[k])
@@ -62,10 +82,15 @@ class DecodedImage:
     note: str | None = None  # e.g. "first frame of 12 used"
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Target (height, width): multiples of `factor`, pixel count within bounds, aspect ratio kept."""
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Target (height, width): multiples of `factor`, pixel count within bounds, aspect ratio
+    kept."""
     if max(height, width) / min(height, width) > 200:
-        raise ImageError(f"aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1")
+        raise ImageError(
+            f"aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1"
+        )
     h_bar = round(height / factor) * factor  # Python round: half to even, as the reference does
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -81,12 +106,15 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 def _to_rgb(im: Image.Image) -> Image.Image:
     if im.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-        # 16-bit and float greys: Pillow's convert("L") clips instead of scaling; scale to 8 bits ourselves.
+        # 16-bit and float greys: Pillow's convert("L") clips instead of scaling; scale to 8 bits
+        # ourselves.
         arr = np.asarray(im).astype(np.float64)
         peak = 65535.0 if im.mode.startswith("I;16") or arr.max(initial=0) > 255 else 255.0
         if im.mode == "F" and arr.max(initial=0) <= 1.0:
             peak = 1.0
-        im = Image.fromarray(np.clip(np.round(arr * (255.0 / peak)), 0, 255).astype(np.uint8), mode="L")
+        im = Image.fromarray(
+            np.clip(np.round(arr * (255.0 / peak)), 0, 255).astype(np.uint8), mode="L"
+        )
     has_alpha = "A" in im.getbands() or im.info.get("transparency") is not None
     if has_alpha:  # composite onto white, as the reference's convert_to_rgb does
         rgba = im.convert("RGBA")
@@ -95,20 +123,27 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
+def check_readable(path: Path) -> None:
+    """Raise ImageError when the file cannot be read or is empty (before any decoder sees it)."""
+    if not os.access(path, os.R_OK):
+        why = "permission denied" if path.exists() else "no such file or broken link"
+        raise ImageError(f"unreadable file ({why})")
+    if path.is_file() and path.stat().st_size == 0:
+        raise ImageError("empty file (0 bytes)")
+
+
 def decode_image(path: str | Path, max_decode_pixels: int = 128 * 1024 * 1024) -> DecodedImage:
     """Open one image file as RGB, or raise ImageError naming what is wrong with it."""
     path = Path(path)
     try:
-        if not os.access(path, os.R_OK):
-            why = "permission denied" if path.exists() else "no such file or broken link"
-            raise ImageError(f"unreadable file ({why})")
-        if path.stat().st_size == 0:
-            raise ImageError("empty file (0 bytes)")
+        check_readable(path)
         with Image.open(path) as im:
             width, height = im.size
             if width * height > max_decode_pixels:
-                raise ImageError(f"{width}x{height} pixels is over the decode limit of {max_decode_pixels} "
-                                 "(image.max_decode_pixels); refusing a possible decompression bomb")
+                raise ImageError(
+                    f"{width}x{height} pixels is over the decode limit of {max_decode_pixels} "
+                    "(image.max_decode_pixels); refusing a possible decompression bomb"
+                )
             frames = getattr(im, "n_frames", 1)
             im.seek(0)
             im.load()
@@ -125,11 +160,18 @@ def decode_image(path: str | Path, max_decode_pixels: int = 128 * 1024 * 1024) -
     return DecodedImage(rgb, f"first frame of {frames} used" if frames > 1 else None)
 
 
-def image_processor_config(path: Path | None, min_pixels: int | None, max_pixels: int) -> ImageProcessorConfig:
-    """The checkpoint's preprocessor settings (Qwen3-VL's own without a checkpoint directory), with the pixel
-    budget the settings give: image.min_pixels replaces the checkpoint's, image.max_pixels caps it."""
-    base = ImageProcessorConfig.from_checkpoint(path) if path is not None else ImageProcessorConfig()
-    return replace(base, max_pixels=min(base.max_pixels, max_pixels), min_pixels=min_pixels or base.min_pixels)
+def image_processor_config(
+    path: Path | None, min_pixels: int | None, max_pixels: int
+) -> ImageProcessorConfig:
+    """The checkpoint's preprocessor settings (Qwen3-VL's own without a checkpoint directory),
+    with the pixel budget the settings give: image.min_pixels replaces the checkpoint's,
+    image.max_pixels caps it."""
+    base = (
+        ImageProcessorConfig.from_checkpoint(path) if path is not None else ImageProcessorConfig()
+    )
+    return replace(
+        base, max_pixels=min(base.max_pixels, max_pixels), min_pixels=min_pixels or base.min_pixels
+    )
 
 
 def resized_size(image: Image.Image, cfg: ImageProcessorConfig) -> tuple[int, int]:

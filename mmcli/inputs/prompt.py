@@ -1,4 +1,5 @@
-"""Prompts: the checkpoint's chat template in jinja2's sandbox, `tokenizers` BPE, image and video pad expansion."""
+"""Prompts: the checkpoint's chat template in jinja2's sandbox, `tokenizers` BPE, image and video
+pad expansion."""
 
 from __future__ import annotations
 
@@ -24,11 +25,14 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # jinja's own tojson escapes HTML characters, which chat templates do not expect
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def load_chat_template(path: Path) -> str:
-    """chat_template.jinja, chat_template.json, or tokenizer_config.json's chat_template, in that order."""
+    """chat_template.jinja, chat_template.json, or tokenizer_config.json's chat_template, in that
+    order."""
     if (path / "chat_template.jinja").is_file():
         return (path / "chat_template.jinja").read_text()
     for name in ("chat_template.json", "tokenizer_config.json"):
@@ -42,7 +46,8 @@ def load_chat_template(path: Path) -> str:
 
 @dataclass
 class PromptBuilder:
-    """Renders messages with the checkpoint's template and tokenizes them, expanding image placeholders."""
+    """Renders messages with the checkpoint's template and tokenizes them, expanding image
+    placeholders."""
 
     tokenizer: Tokenizer
     template: jinja2.Template
@@ -54,11 +59,13 @@ class PromptBuilder:
         if not (path / "tokenizer.json").is_file():
             raise CheckpointError(f"{path}: tokenizer.json is missing")
         tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = _tojson
-        env.globals.update(raise_exception=_raise_exception,
-                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        env.globals.update(
+            raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt)
+        )
         try:
             template = env.from_string(load_chat_template(path))
         except jinja2.TemplateSyntaxError as e:
@@ -67,42 +74,63 @@ class PromptBuilder:
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         special = {k: v for k, v in cfg.items() if k.endswith("_token") and isinstance(v, str)}
         if tokenizer.token_to_id(IMAGE_PAD) != image_token_id:
-            raise CheckpointError(f"{path}: tokenizer id of {IMAGE_PAD} is {tokenizer.token_to_id(IMAGE_PAD)}, "
-                                  f"config.json says image_token_id {image_token_id}")
+            raise CheckpointError(
+                f"{path}: tokenizer id of {IMAGE_PAD} is {tokenizer.token_to_id(IMAGE_PAD)}, "
+                f"config.json says image_token_id {image_token_id}"
+            )
         return cls(tokenizer, template, image_token_id, special)
 
     def render(self, question: str, kinds: list[str]) -> str:
-        """The chat template over one user turn: the inputs ("image" or "video", in order), then the question."""
+        """The chat template over one user turn: the inputs ("image" or "video", in order), then
+        the question."""
         content = [{"type": kind} for kind in kinds] + [{"type": "text", "text": question}]
         messages = [{"role": "user", "content": content}]
-        return self.template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+        return self.template.render(
+            messages=messages, add_generation_prompt=True, **self.special_tokens
+        )
 
     def encode(self, question: str, layout: list) -> list[int]:
-        """Token ids of the prompt about these inputs. `layout` has per input an image's token count, or a video's
-        [(seconds, tokens)] per temporal patch. An image's `<|image_pad|>` is repeated to its count; a video's
-        `<|vision_start|><|video_pad|><|vision_end|>` becomes, per temporal patch, "<t seconds>" and its own
-        vision start, pads and end (as Qwen3-VL's processor expands it; the time formatted with one decimal)."""
+        """Token ids of the prompt about these inputs. `layout` has per input an image's token
+        count, or a video's [(seconds, tokens)] per temporal patch. An image's `<|image_pad|>` is
+        repeated to its count; a video's `<|vision_start|><|video_pad|><|vision_end|>` becomes,
+        per temporal patch, "<t seconds>" and its own vision start, pads and end (as Qwen3-VL's
+        processor expands it; the time formatted with one decimal)."""
         videos = [entry for entry in layout if isinstance(entry, list)]
         images = [entry for entry in layout if not isinstance(entry, list)]
-        parts = self.render(question, ["video" if isinstance(e, list) else "image" for e in layout]).split(VIDEO_SPAN)
+        parts = self.render(
+            question, ["video" if isinstance(e, list) else "image" for e in layout]
+        ).split(VIDEO_SPAN)
         text = parts[0]
         for groups, part in zip(videos, parts[1:]):
             text += "".join(f"<{seconds:.1f} seconds>{VIDEO_SPAN}" for seconds, _ in groups) + part
-        text += "".join(VIDEO_SPAN + part for part in parts[len(videos) + 1:])  # spans in the question: the check
+        # spans in the question: the check
+        text += "".join(VIDEO_SPAN + part for part in parts[len(videos) + 1 :])
         ids = self.tokenizer.encode(text).ids
         video_id = self.tokenizer.token_to_id(VIDEO_PAD)
-        found = sum(1 for i in ids if i == self.image_token_id), sum(1 for i in ids if i == video_id)
+        found = (
+            sum(1 for i in ids if i == self.image_token_id),
+            sum(1 for i in ids if i == video_id),
+        )
         expected = len(images), sum(len(groups) for groups in videos)
         if found != expected:
-            raise ItemError(f"the prompt holds {found[0]} image and {found[1]} video placeholders for {expected[0]} "
-                            f"images and {expected[1]} video frame groups (does the question contain {IMAGE_PAD} "
-                            f"or {VIDEO_PAD}?)")
+            raise ItemError(
+                f"the prompt holds {found[0]} image and {found[1]} video placeholders for "
+                f"{expected[0]} "
+                f"images and {expected[1]} video frame groups (does the question contain "
+                f"{IMAGE_PAD} "
+                f"or {VIDEO_PAD}?)"
+            )
         image_counts = iter(images)
         group_counts = iter(tokens for groups in videos for _, tokens in groups)
         out: list[int] = []
         for i in ids:
-            out.extend([i] * next(image_counts) if i == self.image_token_id else
-                       [i] * next(group_counts) if i == video_id else (i,))
+            out.extend(
+                [i] * next(image_counts)
+                if i == self.image_token_id
+                else [i] * next(group_counts)
+                if i == video_id
+                else (i,)
+            )
         return out
 
     def decode(self, ids: list[int]) -> str:
@@ -110,9 +138,10 @@ class PromptBuilder:
 
 
 class TextStream:
-    """Text of a growing token sequence, piece by piece, as it is generated: each piece is what the decoded text
-    gained, held back while it ends in an incomplete UTF-8 character (a character split over two byte-level
-    tokens is emitted once, whole). The pieces join to `decode(all ids)`."""
+    """Text of a growing token sequence, piece by piece, as it is generated: each piece is what
+    the decoded text gained, held back while it ends in an incomplete UTF-8 character (a
+    character split over two byte-level tokens is emitted once, whole). The pieces join to
+    `decode(all ids)`."""
 
     def __init__(self, prompts: PromptBuilder):
         self.prompts, self.ids, self.emitted = prompts, [], ""
@@ -122,12 +151,13 @@ class TextStream:
         text = self.prompts.decode(self.ids)
         if text.endswith("\ufffd") or not text.startswith(self.emitted):
             return ""  # an unfinished character (or a re-spelled tail): wait for the next token
-        piece, self.emitted = text[len(self.emitted):], text
+        piece, self.emitted = text[len(self.emitted) :], text
         return piece
 
     def finish(self) -> str:
-        """What is left once generation stops (a character never completed stays as the decoder spells it)."""
+        """What is left once generation stops (a character never completed stays as the decoder
+        spells it)."""
         text = self.prompts.decode(self.ids)
-        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        piece = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
         self.emitted = text
         return piece

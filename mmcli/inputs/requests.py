@@ -1,8 +1,9 @@
-"""Files and questions into engine requests: images and videos decoded and patchified once, one prompt per task.
+"""Files and questions into engine requests: images and videos decoded and patchified once, one
+prompt per task.
 
-An image's tasks become one group of requests: their prompts agree up to the first token that differs (the
-chat template's opening, the image, the vision end), and the runner prefills that shared prefix once.
-"""
+An image's tasks become one group of requests: their prompts agree up to the first token that
+differs (the chat template's opening, the image, the vision end), and the runner prefills that
+shared prefix once."""
 
 from __future__ import annotations
 
@@ -13,26 +14,27 @@ from pathlib import Path
 from PIL import Image
 
 from mmcli.config import Config, SamplingParams
+from mmcli.engine.positions import rope_index
 from mmcli.engine.sequence import Request
 from mmcli.errors import ImageError, ItemError
 from mmcli.inputs.images import ImageProcessorConfig
-from mmcli.engine.positions import rope_index
 from mmcli.inputs.preprocess import decode_image, preprocess, preprocess_video
 from mmcli.inputs.prompt import PromptBuilder
-from mmcli.tasks import Task, render_prompt
 from mmcli.inputs.video import VideoSampling, decode_video
+from mmcli.tasks import Task, render_prompt
 
 
 @dataclass
 class PreparedImages:
-    """Decoded and patchified inputs: vision segments (an image, or one temporal patch of a video) in prompt order,
-    and per input its record facts and its prompt layout."""
+    """Decoded and patchified inputs: vision segments (an image, or one temporal patch of a
+    video) in prompt order, and per input its record facts and its prompt layout."""
 
     pixels: list
     grids: list[tuple[int, int, int]]
     infos: list[dict]  # width, height (as the user sees it), note; a video's facts under "video"
     hashes: list[str]
-    layout: list = field(default_factory=list)  # per input: an image's token count, or a video's [(seconds, tokens)]
+    # per input: an image's token count, or a video's [(seconds, tokens)]
+    layout: list = field(default_factory=list)
 
     def add(self, pixels, grid: tuple[int, int, int]) -> None:
         self.pixels.append(pixels)
@@ -41,9 +43,16 @@ class PreparedImages:
 
 
 class RequestBuilder:
-    def __init__(self, prompts: PromptBuilder, image_cfg: ImageProcessorConfig, config: Config,
-                 visual_token_ids: tuple[int, int], stop_ids: frozenset[int], compiled: bool,
-                 video_sampling: VideoSampling | None = None):
+    def __init__(
+        self,
+        prompts: PromptBuilder,
+        image_cfg: ImageProcessorConfig,
+        config: Config,
+        visual_token_ids: tuple[int, int],
+        stop_ids: frozenset[int],
+        compiled: bool,
+        video_sampling: VideoSampling | None = None,
+    ):
         self.prompts, self.image_cfg, self.config = prompts, image_cfg, config
         self.visual_token_ids, self.stop_ids, self.compiled = visual_token_ids, stop_ids, compiled
         self.video_sampling = video_sampling or VideoSampling()
@@ -52,8 +61,8 @@ class RequestBuilder:
         return isinstance(path, (str, Path)) and self.config.scan.is_video(path)
 
     def images(self, images: list, videos: list = ()) -> PreparedImages:
-        """Decode and preprocess (files with a video extension as videos, after the images); raises ImageError
-        naming the file for a bad input."""
+        """Decode and preprocess (files with a video extension as videos, after the images);
+        raises ImageError naming the file for a bad input."""
         out = PreparedImages([], [], [], [])
         videos = [i for i in images if self.is_video(i)] + list(videos)
         for image in [i for i in images if not self.is_video(i)]:
@@ -61,7 +70,9 @@ class RequestBuilder:
             try:
                 pv, grid = preprocess(rgb, self.image_cfg)
             except ImageError as e:
-                raise ImageError(f"{image if not isinstance(image, Image.Image) else 'image'}: {e}") from None
+                raise ImageError(
+                    f"{image if not isinstance(image, Image.Image) else 'image'}: {e}"
+                ) from None
             self._check_block(image, pv.shape[0])
             out.add(pv, grid)
             out.infos.append({"width": rgb.width, "height": rgb.height, "note": note})
@@ -81,49 +92,93 @@ class RequestBuilder:
 
     def _check_block(self, source, patches: int) -> None:
         if patches > self.config.vision.block_size:  # only extreme aspect ratios under tiny budgets
-            raise ImageError(f"{source}: {patches} patches do not fit vision.block_size "
-                             f"{self.config.vision.block_size}")
+            raise ImageError(
+                f"{source}: {patches} patches do not fit vision.block_size "
+                f"{self.config.vision.block_size}"
+            )
 
     def _add_video(self, out: PreparedImages, path) -> None:
         try:
-            video = decode_video(path, self.video_sampling, self.image_cfg.resample)  # frames resized as decoded
+            # frames resized as decoded
+            video = decode_video(path, self.video_sampling, self.image_cfg.resample)
             first = video.frames[0]
             patches = preprocess_video(video.frames, (first.height, first.width), self.image_cfg)
         except ImageError as e:
             raise ImageError(f"{path}: {e}") from None
         groups = []
-        for (pv, grid), seconds in zip(patches, video.group_times(self.image_cfg.temporal_patch_size)):
+        for (pv, grid), seconds in zip(
+            patches, video.group_times(self.image_cfg.temporal_patch_size)
+        ):
             self._check_block(path, pv.shape[0])
             out.add(pv, grid)
             groups.append((seconds, grid[1] * grid[2] // self.image_cfg.merge_size**2))
         out.layout.append(groups)
-        out.infos.append({"width": video.size[0], "height": video.size[1], "note": "; ".join(video.notes) or None,
-                          "video": {"duration": round(video.duration, 3), "source_fps": round(video.source_fps, 3),
-                                    "frame_times": [round(t, 3) for t in video.times],
-                                    "num_frames": len(video.frames)}})
+        out.infos.append(
+            {
+                "width": video.size[0],
+                "height": video.size[1],
+                "note": "; ".join(video.notes) or None,
+                "video": {
+                    "duration": round(video.duration, 3),
+                    "source_fps": round(video.source_fps, 3),
+                    "frame_times": [round(t, 3) for t in video.times],
+                    "num_frames": len(video.frames),
+                },
+            }
+        )
 
-    def build(self, key: str, prepared: PreparedImages, question: str, sampling: SamplingParams,
-              **extra) -> Request:
-        """One request for `question` about the prepared images; raises ItemError when the prompt cannot run."""
+    def build(
+        self, key: str, prepared: PreparedImages, question: str, sampling: SamplingParams, **extra
+    ) -> Request:
+        """One request for `question` about the prepared images; raises ItemError when the prompt
+        cannot run."""
         ids = self.prompts.encode(question, prepared.layout)
         max_len = self.config.engine.max_len
         if len(ids) >= max_len:
-            raise ItemError(f"{key}: prompt of {len(ids)} tokens does not fit engine.max_len {max_len}")
+            raise ItemError(
+                f"{key}: prompt of {len(ids)} tokens does not fit engine.max_len {max_len}"
+            )
         largest = max(self.config.compile.prefill_buckets)
         if self.compiled and len(ids) > largest:
-            raise ItemError(f"{key}: prompt of {len(ids)} tokens is over the largest compile.prefill_buckets entry "
-                            f"{largest}")
-        rotary, delta = rope_index(ids, prepared.grids, self.visual_token_ids, self.image_cfg.merge_size)
+            raise ItemError(
+                f"{key}: prompt of {len(ids)} tokens is over the largest compile.prefill_buckets "
+                "entry "
+                f"{largest}"
+            )
+        rotary, delta = rope_index(
+            ids, prepared.grids, self.visual_token_ids, self.image_cfg.merge_size
+        )
         visual_tokens = sum(t * h * w for t, h, w in prepared.grids) // self.image_cfg.merge_size**2
-        return Request(key, ids, rotary, delta, prepared.pixels, prepared.grids, sampling, self.stop_ids,
-                       visual_tokens, prepared.hashes, **extra)
+        return Request(
+            key,
+            ids,
+            rotary,
+            delta,
+            prepared.pixels,
+            prepared.grids,
+            sampling,
+            self.stop_ids,
+            visual_tokens,
+            prepared.hashes,
+            **extra,
+        )
 
-    def for_tasks(self, key: str, path: str | Path, tasks: list[Task], grammars: dict) -> tuple[list[Request], list]:
+    def for_tasks(
+        self, key: str, path: str | Path, tasks: list[Task], grammars: dict
+    ) -> tuple[list[Request], list]:
         """One request per task about the image at `path`, grouped to share their prompt prefix."""
         prepared = self.images([path])
-        requests = [self.build(key, prepared, render_prompt(task, path), task.sampling, task=task.name,
-                               constraint=grammars[task.name].start() if task.name in grammars else None)
-                    for task in tasks]
+        requests = [
+            self.build(
+                key,
+                prepared,
+                render_prompt(task, path),
+                task.sampling,
+                task=task.name,
+                constraint=grammars[task.name].start() if task.name in grammars else None,
+            )
+            for task in tasks
+        ]
         if len(requests) > 1:
             first = requests[0].input_ids
             shared = min(_common_prefix(first, r.input_ids) for r in requests[1:])

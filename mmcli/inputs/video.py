@@ -1,21 +1,22 @@
-"""Videos in, without torch: frames sampled as Qwen3-VL's video processor samples them, decoded with PyAV (FFmpeg).
+"""Videos in, without torch: frames sampled as Qwen3-VL's video processor samples them, decoded
+with PyAV (FFmpeg).
 
 Sampling (the reference's `sample_frames`): n = int(total_frames / source_fps * fps), clamped to
-[min_frames, max_frames] and to the frame count, or exactly `num_frames`; indices round(linspace(0, total - 1, n)).
-Each index is a time (index / average fps); the decoder seeks to the keyframe before it when it is far ahead and
-decodes forward to the first frame shown at that time, so a long file is not decoded whole. A frame's time is its
-own presentation time: for a constant-rate file exactly index / fps, as the reference computes it; a
-variable-rate file is sampled by time the same way (documented fallback, noted in the record).
-A stream that ends before its header says (a truncated file) is an error, not a label of the part that decoded.
-Sizing (the reference's video smart_resize): one (height, width) for every frame, the pixel budget counted over
-all frames of the video. The prompt stamps each pair of frames (one temporal patch) with the mean of their times.
-"""
+[min_frames, max_frames] and to the frame count, or exactly `num_frames`; indices
+round(linspace(0, total - 1, n)). Each index is a time (index / average fps); the decoder seeks
+to the keyframe before it when it is far ahead and decodes forward to the first frame shown at
+that time, so a long file is not decoded whole. A frame's time is its own presentation time: for
+a constant-rate file exactly index / fps, as the reference computes it; a variable-rate file is
+sampled by time the same way (documented fallback, noted in the record). A stream that ends
+before its header says (a truncated file) is an error, not a label of the part that decoded.
+Sizing (the reference's video smart_resize): one (height, width) for every frame, the pixel
+budget counted over all frames of the video. The prompt stamps each pair of frames (one temporal
+patch) with the mean of their times."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -24,14 +25,17 @@ import numpy as np
 from PIL import Image
 
 from mmcli.errors import ImageError
+from mmcli.inputs.images import check_readable
 from mmcli.model.config import QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, QWEN_TEMPORAL_PATCH_SIZE
 
-SEEK_AHEAD = 2.0  # seconds: a target further ahead than this is reached by seeking, nearer ones by decoding on
+# seconds: a target further ahead than this is reached by seeking, nearer ones by decoding on
+SEEK_AHEAD = 2.0
 
 
 @dataclass(frozen=True)
 class VideoSampling:
-    """How frames are chosen and sized: the checkpoint's video_preprocessor_config.json under the settings."""
+    """How frames are chosen and sized: the checkpoint's video_preprocessor_config.json under the
+    settings."""
 
     fps: float | None = 2.0
     num_frames: int | None = None
@@ -40,31 +44,46 @@ class VideoSampling:
     min_pixels: int = 4096  # over all frames of one video
     max_pixels: int = 25_165_824
     max_decode_pixels: int = 67_108_864  # a frame larger than this is refused before decoding
-    max_frame_pixels: int | None = None  # each frame also held to an image's budget (a frame pair fits a block)
+    # each frame also held to an image's budget (a frame pair fits a block)
+    max_frame_pixels: int | None = None
     factor: int = QWEN_PATCH_SIZE * QWEN_MERGE_SIZE
     temporal_patch_size: int = QWEN_TEMPORAL_PATCH_SIZE
 
     @classmethod
-    def from_checkpoint(cls, path: Path | None, settings, max_frame_pixels: int | None = None) -> VideoSampling:
-        """`settings` is the `video` config section; its set values win over the checkpoint's, and max_pixels
-        caps the checkpoint's budget (as image.max_pixels does)."""
+    def from_checkpoint(
+        cls, path: Path | None, settings, max_frame_pixels: int | None = None
+    ) -> VideoSampling:
+        """`settings` is the `video` config section; its set values win over the checkpoint's,
+        and max_pixels caps the checkpoint's budget (as image.max_pixels does)."""
         file = path / "video_preprocessor_config.json" if path is not None else None
         raw = json.loads(file.read_text()) if file is not None and file.is_file() else {}
         size = raw.get("size") or {}
-        base = cls(fps=raw.get("fps", cls.fps), num_frames=raw.get("num_frames"),
-                   min_frames=raw.get("min_frames", cls.min_frames), max_frames=raw.get("max_frames", cls.max_frames),
-                   min_pixels=size.get("shortest_edge", cls.min_pixels),
-                   max_pixels=size.get("longest_edge", cls.max_pixels),
-                   factor=raw.get("patch_size", QWEN_PATCH_SIZE) * raw.get("merge_size", QWEN_MERGE_SIZE),
-                   temporal_patch_size=raw.get("temporal_patch_size", QWEN_TEMPORAL_PATCH_SIZE))
-        given = settings.num_frames is not None or settings.fps is not None  # the settings' choice wins, either way
+        base = cls(
+            fps=raw.get("fps", cls.fps),
+            num_frames=raw.get("num_frames"),
+            min_frames=raw.get("min_frames", cls.min_frames),
+            max_frames=raw.get("max_frames", cls.max_frames),
+            min_pixels=size.get("shortest_edge", cls.min_pixels),
+            max_pixels=size.get("longest_edge", cls.max_pixels),
+            factor=raw.get("patch_size", QWEN_PATCH_SIZE) * raw.get("merge_size", QWEN_MERGE_SIZE),
+            temporal_patch_size=raw.get("temporal_patch_size", QWEN_TEMPORAL_PATCH_SIZE),
+        )
+        # the settings' choice wins, either way
+        given = settings.num_frames is not None or settings.fps is not None
         num_frames = settings.num_frames if given else base.num_frames
         fps = None if num_frames is not None else (settings.fps or base.fps or 2.0)
-        return cls(fps=fps, num_frames=num_frames, min_frames=settings.min_frames or base.min_frames,
-                   max_frames=settings.max_frames or base.max_frames,
-                   min_pixels=settings.min_pixels or base.min_pixels,
-                   max_pixels=min(base.max_pixels, settings.max_pixels), max_decode_pixels=settings.max_decode_pixels,
-                   max_frame_pixels=max_frame_pixels, factor=base.factor, temporal_patch_size=base.temporal_patch_size)
+        return cls(
+            fps=fps,
+            num_frames=num_frames,
+            min_frames=settings.min_frames or base.min_frames,
+            max_frames=settings.max_frames or base.max_frames,
+            min_pixels=settings.min_pixels or base.min_pixels,
+            max_pixels=min(base.max_pixels, settings.max_pixels),
+            max_decode_pixels=settings.max_decode_pixels,
+            max_frame_pixels=max_frame_pixels,
+            factor=base.factor,
+            temporal_patch_size=base.temporal_patch_size,
+        )
 
 
 @dataclass
@@ -77,7 +96,8 @@ class DecodedVideo:
     total_frames: int
     size: tuple[int, int]  # (width, height) of a frame as shown (upright), before any resize
     notes: list[str] = field(default_factory=list)
-    frames_decoded: int = 0  # frames the decoder produced to reach the sampled ones (seeking keeps this low)
+    # frames the decoder produced to reach the sampled ones (seeking keeps this low)
+    frames_decoded: int = 0
 
     def group_times(self, temporal_patch_size: int = QWEN_TEMPORAL_PATCH_SIZE) -> list[float]:
         return group_timestamps(self.times, temporal_patch_size)
@@ -93,22 +113,35 @@ def sample_indices(total_frames: int, source_fps: float, sampling: VideoSampling
     return [int(i) for i in np.linspace(0, total_frames - 1, count).round().astype(int)]
 
 
-def group_timestamps(times: list[float], temporal_patch_size: int = QWEN_TEMPORAL_PATCH_SIZE) -> list[float]:
-    """One time per temporal patch: the list padded with its last time to a multiple of the patch, then the mean
-    of each patch's first and last frame (the reference's _calculate_timestamps)."""
+def group_timestamps(
+    times: list[float], temporal_patch_size: int = QWEN_TEMPORAL_PATCH_SIZE
+) -> list[float]:
+    """One time per temporal patch: the list padded with its last time to a multiple of the
+    patch, then the mean of each patch's first and last frame (the reference's
+    _calculate_timestamps)."""
     times = list(times) + [times[-1]] * (-len(times) % temporal_patch_size)
-    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
+    return [
+        (times[i] + times[i + temporal_patch_size - 1]) / 2
+        for i in range(0, len(times), temporal_patch_size)
+    ]
 
 
-def video_smart_resize(num_frames: int, height: int, width: int, sampling: VideoSampling) -> tuple[int, int]:
-    """(height, width) for every frame: multiples of the factor, the budget counted over all frames."""
+def video_smart_resize(
+    num_frames: int, height: int, width: int, sampling: VideoSampling
+) -> tuple[int, int]:
+    """(height, width) for every frame: multiples of the factor, the budget counted over all
+    frames."""
     factor, tf = sampling.factor, sampling.temporal_patch_size
-    max_pixels = min(sampling.max_pixels, (sampling.max_frame_pixels or sampling.max_pixels) * num_frames)
+    max_pixels = min(
+        sampling.max_pixels, (sampling.max_frame_pixels or sampling.max_pixels) * num_frames
+    )
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
-        raise ImageError(f"aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1")
+        raise ImageError(
+            f"aspect ratio {max(height, width) / min(height, width):.0f}:1 is over 200:1"
+        )
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     t_bar = round(num_frames / tf) * tf
     if t_bar * h_bar * w_bar > max_pixels:
@@ -117,39 +150,47 @@ def video_smart_resize(num_frames: int, height: int, width: int, sampling: Video
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
     elif t_bar * h_bar * w_bar < sampling.min_pixels:
         beta = math.sqrt(sampling.min_pixels / (num_frames * height * width))
-        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+        h_bar, w_bar = (
+            math.ceil(height * beta / factor) * factor,
+            math.ceil(width * beta / factor) * factor,
+        )
     return h_bar, w_bar
 
 
 def _upright(frame) -> Image.Image:
     image = frame.to_image()
-    rotation = getattr(frame, "rotation", 0) or 0  # counterclockwise degrees from the display matrix
+    # counterclockwise degrees from the display matrix
+    rotation = getattr(frame, "rotation", 0) or 0
     return image.rotate(rotation, expand=True) if rotation % 360 else image
 
 
-def decode_video(path: str | Path, sampling: VideoSampling, resample: int | None = None) -> DecodedVideo:
-    """Sample and decode one video file, or raise ImageError naming what is wrong with it. With `resample` (a
-    Pillow filter) each frame is resized to the run's size as it is decoded, so a long high-resolution video never
-    holds its full-size frames."""
+def decode_video(
+    path: str | Path, sampling: VideoSampling, resample: int | None = None
+) -> DecodedVideo:
+    """Sample and decode one video file, or raise ImageError naming what is wrong with it. With
+    `resample` (a Pillow filter) each frame is resized to the run's size as it is decoded, so a
+    long high-resolution video never holds its full-size frames."""
     import av  # PyAV: imported here so that `plan` and image-only runs never load FFmpeg
 
     path = Path(path)
-    if not os.access(path, os.R_OK):
-        raise ImageError(f"unreadable file ({'permission denied' if path.exists() else 'no such file or broken link'})")
-    if path.is_file() and path.stat().st_size == 0:
-        raise ImageError("empty file (0 bytes)")
+    check_readable(path)
     try:
         with av.open(str(path)) as container:
             if not container.streams.video:
                 kinds = sorted({s.type for s in container.streams})
-                raise ImageError(f"no video stream ({', '.join(kinds)} streams only)" if kinds else
-                                 "no video stream: the file holds no streams (zero frames)")
+                raise ImageError(
+                    f"no video stream ({', '.join(kinds)} streams only)"
+                    if kinds
+                    else "no video stream: the file holds no streams (zero frames)"
+                )
             return _decode(container, container.streams.video[0], sampling, resample)
     except ImageError:
         raise
     except av.error.InvalidDataError as e:
         if _looks_like_mp4(path):  # an MP4/MOV whose index (the moov box, written last) is missing
-            raise ImageError("truncated or corrupt MP4/MOV: FFmpeg finds no readable index (moov box) in it") from None
+            raise ImageError(
+                "truncated or corrupt MP4/MOV: FFmpeg finds no readable index (moov box) in it"
+            ) from None
         raise ImageError(f"not a video FFmpeg can read (corrupt or unknown format): {e}") from None
     except (av.error.FFmpegError, OSError, ValueError) as e:
         raise ImageError(f"cannot decode video (corrupt or truncated): {e}") from None
@@ -164,7 +205,8 @@ def _looks_like_mp4(path: Path) -> bool:
 
 
 def probe_video(path: str | Path, sampling: VideoSampling) -> tuple[int, int, int]:
-    """(frames sampled, height, width as stored) from the headers alone, for `plan`; raises ImageError."""
+    """(frames sampled, height, width as stored) from the headers alone, for `plan`; raises
+    ImageError."""
     import av
 
     try:
@@ -175,7 +217,11 @@ def probe_video(path: str | Path, sampling: VideoSampling) -> tuple[int, int, in
             _, fps, total = _stream_facts(container, stream)
             if total <= 0 or fps <= 0:
                 raise ImageError("no frames (the video stream is empty or its length is unknown)")
-            return len(sample_indices(total, fps, sampling)), stream.codec_context.height, stream.codec_context.width
+            return (
+                len(sample_indices(total, fps, sampling)),
+                stream.codec_context.height,
+                stream.codec_context.width,
+            )
     except av.error.FFmpegError as e:
         raise ImageError(f"not a video FFmpeg can read: {e}") from None
 
@@ -201,22 +247,33 @@ def _decode(container, stream, sampling: VideoSampling, resample: int | None) ->
         raise ImageError("video stream with an unknown codec (FFmpeg has no decoder for it)")
     width, height = codec.width, codec.height
     if width * height > sampling.max_decode_pixels:
-        raise ImageError(f"{width}x{height} pixels a frame is over the decode limit of {sampling.max_decode_pixels} "
-                         "(video.max_decode_pixels)")
+        raise ImageError(
+            f"{width}x{height} pixels a frame is over the decode limit of "
+            f"{sampling.max_decode_pixels} "
+            "(video.max_decode_pixels)"
+        )
     duration, fps, total = _stream_facts(container, stream)
     if total <= 0 or fps <= 0:
         raise ImageError("no frames (the video stream is empty or its length is unknown)")
     indices = sample_indices(total, fps, sampling)
     start = stream.start_time or 0
     base = stream.time_base
-    sized = None if resample is None else (lambda h, w: video_smart_resize(len(indices), h, w, sampling), resample)
-    frames, times, decoded, shown = _frames_at(container, stream, [i / fps for i in indices], start, base,
-                                               0.5 / fps, sized)
+    sized = (
+        None
+        if resample is None
+        else (lambda h, w: video_smart_resize(len(indices), h, w, sampling), resample)
+    )
+    frames, times, decoded, shown = _frames_at(
+        container, stream, [i / fps for i in indices], start, base, 0.5 / fps, sized
+    )
     if not frames:
         raise ImageError("no frames could be decoded (truncated or corrupt stream)")
     if len(frames) < len(indices):
-        raise ImageError(f"truncated: the stream ends at {times[-1]:.1f} s of the {duration:.1f} s its header gives "
-                         f"({len(frames)} of {len(indices)} sampled frames decoded)")
+        raise ImageError(
+            f"truncated: the stream ends at {times[-1]:.1f} s of the {duration:.1f} s its header "
+            "gives "
+            f"({len(frames)} of {len(indices)} sampled frames decoded)"
+        )
     notes = []
     if stream.average_rate and stream.guessed_rate and stream.average_rate != stream.guessed_rate:
         notes.append("variable frame rate: frames sampled by time, stamped with their own times")
@@ -224,8 +281,8 @@ def _decode(container, stream, sampling: VideoSampling, resample: int | None) ->
 
 
 def _frames_at(container, stream, targets: list[float], start: int, base, tolerance: float, sized):
-    """The first frame shown at or after each target time (seconds from `start`), seeking only when far ahead;
-    with `sized` = (size of (height, width), Pillow filter), resized as decoded."""
+    """The first frame shown at or after each target time (seconds from `start`), seeking only
+    when far ahead; with `sized` = (size of (height, width), Pillow filter), resized as decoded."""
     frames: list[Image.Image] = []
     shown, target_size = (0, 0), None
     times: list[float] = []
@@ -233,7 +290,9 @@ def _frames_at(container, stream, targets: list[float], start: int, base, tolera
     pending = None  # a decoded frame not yet used (it lies beyond the previous target)
     for target in targets:
         if decoder is None or target - last_time > SEEK_AHEAD:
-            container.seek(start + int(target / base), stream=stream, backward=True, any_frame=False)
+            container.seek(
+                start + int(target / base), stream=stream, backward=True, any_frame=False
+            )
             decoder, pending = container.decode(stream), None
         found = None
         while found is None:

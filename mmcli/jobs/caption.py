@@ -1,8 +1,7 @@
 """The caption job: scan, shard, resume filter, run (in this process or on Ray), write records.
 
-The CLI parses options into a `CaptionJob` and calls `run_caption_job`; local and Ray runs share the scan, the
-resume filter, the output and `caption_record`.
-"""
+The CLI parses options into a `CaptionJob` and calls `run_caption_job`; local and Ray runs share
+the scan, the resume filter, the output and `caption_record`."""
 
 from __future__ import annotations
 
@@ -15,21 +14,15 @@ from pathlib import Path
 
 from mmcli.config import Config
 from mmcli.errors import ConfigError, MmcliError
-from mmcli.api.result import Result
-from mmcli.jobs.records import JsonlOutput, append_record, make_record, sidecar_path, write_sidecar
-from mmcli.jobs.resume import file_changed, load_description, settings_hash
+from mmcli.jobs.distributed import RayOptions
+from mmcli.jobs.labeling import Item, error_record, label_records
+from mmcli.jobs.records import JsonlOutput, append_record, sidecar_path, write_sidecar
+from mmcli.jobs.resume import file_changed, label_settings, settings_hash
 from mmcli.jobs.scan import parse_shard, scan, shard_of
-from mmcli.tasks import Task, render_prompt, resolve_tasks
+from mmcli.tasks import Task, resolve_tasks
 
 
-@dataclass
-class RayOptions:
-    address: str | None = None
-    replicas: int = 1
-    resources: dict = field(default_factory=lambda: {"num_cpus": 1})
-
-
-@dataclass
+@dataclass(kw_only=True)
 class CaptionJob:
     paths: list[Path]
     config: Config
@@ -45,14 +38,16 @@ class CaptionJob:
     dry_run: bool = False
     quiet: bool = False
     logprobs: bool = False
-    ray: RayOptions | None = None
+    ray: RayOptions | None = None  # run on a Ray cluster
     check_changed: bool = True  # redo an item whose image changed since its record
-    settings: dict[str, str] = field(default_factory=dict)  # task name -> its label settings' hash; set at start
-    sampling: dict = field(default_factory=dict)  # sampling given on the command line: wins over tasks' own
+    # task name -> its label settings' hash; set at start
+    settings: dict[str, str] = field(default_factory=dict)
+    # sampling given on the command line: wins over tasks' own
+    sampling: dict = field(default_factory=dict)
 
     @cached_property
     def tasks(self) -> list[Task]:
-        return resolve_tasks(self.config, overrides_given=self.sampling)
+        return resolve_tasks(self.config, given=self.sampling)
 
     def sidecar_ext(self, task: Task) -> str | None:
         """A task's own sidecar extension, or --sidecar for the first task."""
@@ -63,24 +58,9 @@ class CaptionJob:
         self.settings = {t.name: settings_hash({**base, "task": t.definition}) for t in self.tasks}
 
 
-def caption_record(result, captioner, task: Task, settings: str, path: str | Path, logprobs: bool) -> dict:
-    """The record of one item's task (local and Ray runs alike)."""
-    return make_record(key=result.key, task=task.name, prompt=render_prompt(task, path), result=result,
-                       model=captioner.model_name, model_revision=captioner.revision,
-                       sampling=task.sampling.as_dict(), path=path, logprobs=logprobs,
-                       extra={"precision": captioner.precision, "settings": settings})
-
-
-def error_record(key: str, path: Path, task: Task, config: Config, settings: str, error: MmcliError) -> dict:
-    """The record of an item's task refused before it ran."""
-    result = Result(key, error={"type": type(error).__name__, "message": str(error)})
-    return make_record(key=key, task=task.name, prompt=render_prompt(task, path), result=result, model=config.model,
-                       model_revision=None, sampling=task.sampling.as_dict(), path=path,
-                       extra={"settings": settings})
-
-
 def sidecar_clashes(items: list[tuple[str, Path]], ext: str | None) -> dict[str, str]:
-    """{key: earlier key} for every item whose sidecar path an earlier item (in key order) already takes."""
+    """{key: earlier key} for every item whose sidecar path an earlier item (in key order)
+    already takes."""
     if not ext:
         return {}
     owners: dict[Path, str] = {}
@@ -96,22 +76,32 @@ def sidecar_clashes(items: list[tuple[str, Path]], ext: str | None) -> dict[str,
 
 def select_items(job: CaptionJob) -> list[tuple[str, Path]]:
     """The scanned (key, path) items of this shard."""
-    items = scan(job.paths, job.config.scan.extensions + job.config.scan.video_extensions, recursive=job.recursive,
-                 include=job.include, exclude=job.exclude)
+    items = scan(
+        job.paths,
+        job.config.scan.extensions + job.config.scan.video_extensions,
+        recursive=job.recursive,
+        include=job.include,
+        exclude=job.exclude,
+    )
     if job.shard:
         index, count = parse_shard(job.shard)
         items = [(k, p) for k, p in items if shard_of(k, count) == index]
     return items
 
 
-def pending(items: list[tuple[str, Path]], out: JsonlOutput | None, job: CaptionJob) -> list[tuple[str, Path, list]]:
-    """(key, path, task names) for the tasks of each item the output does not hold as done under their settings
-    (errors too, unless --retry-errors); with check_changed, also those whose image changed since its record."""
+def pending(items: list[tuple[str, Path]], out: JsonlOutput | None, job: CaptionJob) -> list[Item]:
+    """(key, path, task names) for the tasks of each item the output does not hold as done under
+    their settings (errors too, unless --retry-errors); with check_changed, also those whose
+    image changed since its record."""
     names = [t.name for t in job.tasks]
     if job.overwrite or out is None:
         return [(k, p, names) for k, p in items]
     wanted = {job.settings[n]: n for n in names}
-    recorded = {(r.get("key"), wanted[r["settings"]]): r for r in out.records() if r.get("settings") in wanted}
+    recorded = {
+        (r.get("key"), wanted[r["settings"]]): r
+        for r in out.records()
+        if r.get("settings") in wanted
+    }
 
     def todo(key: str, path: Path, name: str) -> bool:
         record = recorded.get((key, name))
@@ -125,48 +115,60 @@ def pending(items: list[tuple[str, Path]], out: JsonlOutput | None, job: Caption
     return [entry for entry in left if entry[2]]
 
 
-def run_caption_job(job: CaptionJob) -> int:
-    """Run the job; returns the exit code (0 done, 1 an item failed, 130 interrupted). Raises MmcliError for
-    what stops it before or during the work."""
-    from rich.console import Console
-
-    from mmcli.cli.progress import status_line
+def run_caption_job(job: CaptionJob, progress) -> int:
+    """Run the job, reporting to `progress` (the command line's Progress); returns the exit code
+    (0 done, 1 an item failed, 130 interrupted). Raises MmcliError for what stops it before or
+    during the work."""
     from mmcli.jobs.resume import planned_settings
 
-    with status_line(Console(stderr=True, quiet=job.quiet), "finding the images and what is done"):
-        everything = select_items(job)  # scanned once: the work, and the sidecar clashes among all images
+    with progress.status("finding the images and what is done"):
+        # scanned once: the work, and the sidecar clashes among all images
+        everything = select_items(job)
         job.settle(planned_settings(job.config))
         out = JsonlOutput(Path(job.output)).open() if job.output != "-" else None
     try:
         items = pending(everything, out, job)
         if out is not None and out.set_aside and not job.quiet:
-            print(f"mmcli: {job.output}: a torn last line from an interrupted run was moved to {out.set_aside}",
-                  file=sys.stderr)
-        items = items[:job.limit] if job.limit is not None else items
+            print(
+                f"mmcli: {job.output}: a torn last line from an interrupted run was moved to "
+                f"{out.set_aside}",
+                file=sys.stderr,
+            )
+        items = items[: job.limit] if job.limit is not None else items
         if job.dry_run or not items:
             if not job.quiet:
                 print("".join(f"{key}\n" for key, *_ in items), end="")
                 print(f"mmcli: {len(items)} images to caption", file=sys.stderr)
             return 0
-        clashes = {t.name: sidecar_clashes(everything, job.sidecar_ext(t)) for t in job.tasks if job.sidecar_ext(t)}
-        return _run(job, items, out, clashes)
+        clashes = {
+            t.name: sidecar_clashes(everything, job.sidecar_ext(t))
+            for t in job.tasks
+            if job.sidecar_ext(t)
+        }
+        return _run(job, items, out, clashes, progress)
     finally:
         if out is not None:
             out.close()
 
 
-def _run(job: CaptionJob, items: list[tuple[str, Path, list]], out: JsonlOutput | None,
-         clashes: dict[str, dict[str, str]]) -> int:
+def _run(
+    job: CaptionJob,
+    items: list[Item],
+    out: JsonlOutput | None,
+    clashes: dict[str, dict[str, str]],
+    progress,
+) -> int:
     from mmcli.api.labeler import Labeler
-    from mmcli.cli.progress import Progress
+    from mmcli.api.loader import load_description
 
-    captioner = None
-    progress = Progress(sum(len(names) for *_, names in items), quiet=job.quiet)
+    labeler = None
+    progress.total = sum(len(names) for *_, names in items)
     if job.ray is None:
         with progress.loading(load_description(job.config)):
-            captioner = Labeler.from_pretrained(config=job.config)
-        captioner.report_compile_cache()
-        job.settle(captioner.label_settings)  # the same, unless the model was fetched just now
+            labeler = Labeler.from_pretrained(config=job.config)
+        progress.say(labeler.compile_cache_report())
+        # The same settings, unless the model was fetched just now.
+        job.settle(label_settings(job.config, labeler.path, labeler.precision))
     else:
         progress.start()
     paths = {key: path for key, path, _ in items}
@@ -176,10 +178,14 @@ def _run(job: CaptionJob, items: list[tuple[str, Path, list]], out: JsonlOutput 
         ext = job.sidecar_ext(tasks[record["task"]])
         if ext and record["status"] == "ok":
             write_sidecar(paths[record["key"]], ext, record["text"])
-        out.append(record) if out is not None else append_record(sys.stdout, record)
+        if out is not None:
+            out.append(record)
+        else:
+            append_record(sys.stdout, record)
         progress.update(record)
 
-    def on_term(signum, frame):  # SIGTERM ends the run like Ctrl-C: what finished is already on disk
+    # SIGTERM ends the run like Ctrl-C: what finished is already on disk
+    def on_term(signum, frame):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
@@ -190,7 +196,7 @@ def _run(job: CaptionJob, items: list[tuple[str, Path, list]], out: JsonlOutput 
 
             caption_on_ray(items, job.config, job.tasks, job.settings, write, job.ray, job.logprobs)
         else:
-            _caption_here(captioner, job, items, write)
+            _label_here(labeler, job, items, write, progress)
         progress.finish()
         return 1 if progress.failed else 0
     except KeyboardInterrupt:
@@ -203,16 +209,23 @@ def _run(job: CaptionJob, items: list[tuple[str, Path, list]], out: JsonlOutput 
         signal.signal(signal.SIGTERM, previous)
 
 
-def _refuse_clashes(job: CaptionJob, items: list[tuple[str, Path, list]], clashes: dict[str, dict[str, str]],
-                    write: Callable[[dict], None]) -> list[tuple[str, Path, list]]:
-    """An error record for each task whose sidecar another image already takes; the items without those tasks."""
+def _refuse_clashes(
+    job: CaptionJob,
+    items: list[Item],
+    clashes: dict[str, dict[str, str]],
+    write: Callable[[dict], None],
+) -> list[Item]:
+    """An error record for each task whose sidecar another image already takes; the items without
+    those tasks."""
     tasks = {t.name: t for t in job.tasks}
     left = []
     for key, path, names in items:
         for name in [n for n in names if key in clashes.get(n, {})]:
             target = sidecar_path(path, job.sidecar_ext(tasks[name]))
-            error = ConfigError(f"{path}: its sidecar {target} is also the sidecar of {clashes[name][key]}; rename "
-                                "one of the two")
+            error = ConfigError(
+                f"{path}: its sidecar {target} is also the sidecar of {clashes[name][key]}; rename "
+                "one of the two"
+            )
             write(error_record(key, path, tasks[name], job.config, job.settings[name], error))
         names = [n for n in names if key not in clashes.get(n, {})]
         if names:
@@ -220,13 +233,12 @@ def _refuse_clashes(job: CaptionJob, items: list[tuple[str, Path, list]], clashe
     return left
 
 
-def _caption_here(captioner, job: CaptionJob, items: list[tuple[str, Path, list]],
-                  write: Callable[[dict], None]) -> None:
-    paths = {key: path for key, path, _ in items}
+def _label_here(
+    labeler, job: CaptionJob, items: list[Item], write: Callable[[dict], None], progress
+) -> None:
     tasks = {t.name: t for t in job.tasks}
     try:
-        for result in captioner.label(items, tasks=list(tasks.values())):
-            write(caption_record(result, captioner, tasks[result.task], job.settings[result.task],
-                                 paths[result.key], job.logprobs))
+        for record in label_records(labeler, items, tasks, job.settings, job.logprobs):
+            write(record)
     finally:
-        captioner.report_compile_use()
+        progress.say(labeler.compile_use_report())

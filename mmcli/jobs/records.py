@@ -13,7 +13,8 @@ from typing import IO
 
 from mmcli.errors import OutputError, OutputLocked
 
-SCHEMA = 2  # 2: tasks (the task name in `task`; `json`, `boxes`, `raw_text` where a task gives them)
+# 2: tasks (the task name in `task`; `json`, `boxes`, `raw_text` where a task gives them)
+SCHEMA = 2
 
 
 def file_sha256(path: str | Path) -> str | None:
@@ -28,32 +29,59 @@ def file_sha256(path: str | Path) -> str | None:
 
 
 def file_facts(path: str | Path | None) -> dict:
-    """sha256, size and mtime of the input file: what resume checks to see whether an image changed."""
+    """sha256, size and mtime of the input file: what resume checks to see whether an image
+    changed."""
     try:
         st = os.stat(path) if path is not None else None
     except OSError:
         st = None
-    return {"sha256": file_sha256(path) if st else None, "file_size": st.st_size if st else None,
-            "file_mtime_ns": st.st_mtime_ns if st else None}
+    return {
+        "sha256": file_sha256(path) if st else None,
+        "file_size": st.st_size if st else None,
+        "file_mtime_ns": st.st_mtime_ns if st else None,
+    }
 
 
-def make_record(*, key: str, task: str, prompt: str, result, model: str, model_revision: str | None,
-                sampling: dict, path: str | Path | None = None, logprobs: bool = False,
-                extra: dict | None = None) -> dict:
-    """One record; `result` is a captioner.Result (ok or failed), `path` the input file."""
+def make_record(
+    *,
+    key: str,
+    task: str,
+    prompt: str,
+    result,
+    model: str,
+    model_revision: str | None,
+    sampling: dict,
+    path: str | Path | None = None,
+    logprobs: bool = False,
+    extra: dict | None = None,
+) -> dict:
+    """One record; `result` is an api.result.Result (ok or failed), `path` the input file."""
     first = result.images[0] if result.images else {}
     record = {
-        "schema": SCHEMA, "key": key, **file_facts(path), "width": first.get("width"), "height": first.get("height"),
-        "task": task, "prompt": prompt, "text": result.text if result.ok else None,
-        "status": "ok" if result.ok else "error", "error": result.error,
-        "finish_reason": result.finish_reason, "num_input_tokens": result.num_input_tokens,
-        "num_image_tokens": result.num_image_tokens, "num_output_tokens": result.num_output_tokens,
-        "latency_ms": result.latency_ms, "model": model, "model_revision": model_revision,
-        "sampling": sampling, "seed": sampling.get("seed"),
+        "schema": SCHEMA,
+        "key": key,
+        **file_facts(path),
+        "width": first.get("width"),
+        "height": first.get("height"),
+        "task": task,
+        "prompt": prompt,
+        "text": result.text if result.ok else None,
+        "status": "ok" if result.ok else "error",
+        "error": result.error,
+        "finish_reason": result.finish_reason,
+        "num_input_tokens": result.num_input_tokens,
+        "num_image_tokens": result.num_image_tokens,
+        "num_output_tokens": result.num_output_tokens,
+        "latency_ms": result.latency_ms,
+        "model": model,
+        "model_revision": model_revision,
+        "sampling": sampling,
+        "seed": sampling.get("seed"),
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
     }
     videos = [i["video"] for i in result.images if "video" in i]
-    if videos:  # duration, source fps, the sampled frames' times and their count (the first video's)
+    # duration, source fps, the sampled frames' times and their count (the first video's)
+    if videos:
         record["video"] = videos[0]
     notes = [i["note"] for i in result.images if i.get("note")]
     if notes:
@@ -68,8 +96,8 @@ def make_record(*, key: str, task: str, prompt: str, result, model: str, model_r
 
 
 def append_record(stream: IO[str], record: dict) -> None:
-    """Write one line to a stream (stdout, a pipe) and flush it; a regular file is fsynced too, and a failing
-    fsync there is an error (an EIO must not go unnoticed)."""
+    """Write one line to a stream (stdout, a pipe) and flush it; a regular file is fsynced too,
+    and a failing fsync there is an error (an EIO must not go unnoticed)."""
     stream.write(json.dumps(record, ensure_ascii=False) + "\n")
     stream.flush()
     try:
@@ -81,7 +109,8 @@ def append_record(stream: IO[str], record: dict) -> None:
 
 
 class JsonlOutput:
-    """An output JSONL file owned by one run: an exclusive lock, a torn last line set aside, appends fsynced."""
+    """An output JSONL file owned by one run: an exclusive lock, a torn last line set aside,
+    appends fsynced."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -108,19 +137,23 @@ class JsonlOutput:
             lock.seek(0)
             other = lock.read().strip() or "?"
             lock.close()
-            raise OutputLocked(f"{self.path}: another mmcli run (pid {other}) is writing this output; "
-                               f"wait for it or choose another -o") from None
+            raise OutputLocked(
+                f"{self.path}: another mmcli run (pid {other}) is writing this output; "
+                f"wait for it or choose another -o"
+            ) from None
         lock.seek(0)
         lock.truncate()
         lock.write(str(os.getpid()))
         lock.flush()
         self._lock = lock
         self._repair_torn_tail()
-        self._file = open(self.path, "ab", buffering=0)  # unbuffered: a failed write leaves nothing queued
+        # unbuffered: a failed write leaves nothing queued
+        self._file = open(self.path, "ab", buffering=0)
         return self
 
     def _repair_torn_tail(self) -> None:
-        """A crash mid-write can leave a last line without its newline: move it to a side file, never merge it."""
+        """A crash mid-write can leave a last line without its newline: move it to a side file,
+        never merge it."""
         if not self.path.exists():
             return
         with open(self.path, "rb+") as f:
@@ -164,8 +197,8 @@ class JsonlOutput:
                     continue
 
     def append(self, record: dict) -> None:
-        """One whole line, fsynced; on a write error (a full disk, EIO) the partial line is cut off again and
-        OutputError names the file and the cause."""
+        """One whole line, fsynced; on a write error (a full disk, EIO) the partial line is cut
+        off again and OutputError names the file and the cause."""
         data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
         fd = self._file.fileno()
         start = os.lseek(fd, 0, os.SEEK_END)
@@ -176,9 +209,12 @@ class JsonlOutput:
             os.fsync(fd)
         except OSError as e:
             with contextlib.suppress(OSError):
-                os.ftruncate(fd, start)  # whole records only; if even this fails, the next run sets the tail aside
-            raise OutputError(f"{self.path}: cannot write ({e.strerror or e}); the records before this one are "
-                              "kept, and a rerun continues from them") from None
+                # whole records only; if even this fails, the next run sets the tail aside
+                os.ftruncate(fd, start)
+            raise OutputError(
+                f"{self.path}: cannot write ({e.strerror or e}); the records before this one are "
+                "kept, and a rerun continues from them"
+            ) from None
 
     def close(self) -> None:
         if self._file:
@@ -193,8 +229,8 @@ def sidecar_path(image: Path, ext: str) -> Path:
 
 
 def write_sidecar(image: Path, ext: str, text: str) -> None:
-    """The caption next to the image, written whole through a temporary file, fsync and a rename; a failure is
-    OutputError naming the sidecar."""
+    """The caption next to the image, written whole through a temporary file, fsync and a rename;
+    a failure is OutputError naming the sidecar."""
     target = sidecar_path(image, ext)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:

@@ -1,4 +1,5 @@
-"""Folders -> sorted (key, path) items: extensions, include/exclude globs, hidden files, symlink loops, shards."""
+"""Folders -> sorted (key, path) items: extensions, include/exclude globs, hidden files, symlink
+loops, shards."""
 
 from __future__ import annotations
 
@@ -21,20 +22,28 @@ def _wanted(key: str, extensions: tuple[str, ...], include: list[str], exclude: 
     return not any(fnmatch.fnmatch(key, g) for g in exclude)
 
 
-def scan(roots: list[Path], extensions: tuple[str, ...] = IMAGE_EXTENSIONS, recursive: bool = True,
-         include: list[str] | None = None, exclude: list[str] | None = None) -> list[tuple[str, Path]]:
-    """Image files under `roots`, keyed by their path relative to their root (a file given directly is keyed by
-    its name); with several roots, each folder's keys start with the folder's name (`a/img.jpg`, `b/img.jpg`), and
-    two roots that would give one key are refused, naming both. Hidden files and folders are skipped; a folder
-    reached twice through symlinks is walked once."""
+def scan(
+    roots: list[Path],
+    extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
+    recursive: bool = True,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+) -> list[tuple[str, Path]]:
+    """Image files under `roots`, keyed by their path relative to their root (a file given
+    directly is keyed by its name); with several roots, each folder's keys start with the
+    folder's name (`a/img.jpg`, `b/img.jpg`), and two roots that would give one key are refused,
+    naming both. Hidden files and folders are skipped; a folder reached twice through symlinks is
+    walked once."""
     include, exclude = include or [], exclude or []
     extensions = tuple(e.lower() for e in extensions)
     items: dict[str, Path] = {}
 
     def add(key: str, path: Path) -> None:
         if key in items and items[key] != path:
-            raise ConfigError(f"{items[key]} and {path} both give the key {key!r}; caption them in separate runs "
-                              "(or give their folders other names)")
+            raise ConfigError(
+                f"{items[key]} and {path} both give the key {key!r}; caption them in separate runs "
+                "(or give their folders other names)"
+            )
         items[key] = path
 
     for root in roots:

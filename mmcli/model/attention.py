@@ -1,8 +1,8 @@
 """Attention kernels for the packed vision blocks, and the one place that chooses among them.
 
-Every kernel computes what `bounded_attention` defines: per batch row (one block), query row r attends to the
-keys [bound_min[r], bound_max[r]) (its own image's temporal patch) and a padding row (empty range) gives zeros.
-"""
+Every kernel computes what `bounded_attention` defines: per batch row (one block), query row r
+attends to the keys [bound_min[r], bound_max[r]) (its own image's temporal patch) and a padding
+row (empty range) gives zeros."""
 
 from __future__ import annotations
 
@@ -11,16 +11,23 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-BlockAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+BlockAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 
 
-def bounded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_min: torch.Tensor,
-                      bound_max: torch.Tensor) -> torch.Tensor:
-    """Reference for the Neuron kernel's bounded attention (attention_cte with bound_min / bound_max).
+def bounded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bound_min: torch.Tensor,
+    bound_max: torch.Tensor,
+) -> torch.Tensor:
+    """Reference for the Neuron kernel's bounded attention (attention_cte with bound_min /
+    bound_max).
 
-    q, k, v [B, heads, S, d]; bounds [B, S]: query row r sees keys in [bound_min[r], bound_max[r]). A row with
-    an empty range (padding) attends to nothing and outputs zeros.
-    """
+    q, k, v [B, heads, S, d]; bounds [B, S]: query row r sees keys in [bound_min[r],
+    bound_max[r]). A row with an empty range (padding) attends to nothing and outputs zeros."""
     keys = torch.arange(q.shape[-2], device=q.device)
     allowed = (keys >= bound_min[..., None]) & (keys < bound_max[..., None])  # [B, S, S]
     empty = bound_max <= bound_min
@@ -29,11 +36,17 @@ def bounded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_m
     return out.masked_fill(empty[:, None, :, None], 0.0)
 
 
-def nki_bounded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_min: torch.Tensor,
-                          bound_max: torch.Tensor) -> torch.Tensor:
-    """`bounded_attention` on Trainium: the NKI library's attention_cte kernel with its sequence-packing bounds
-    (query row r sees keys [bound_min[r], bound_max[r])). Heads fold into the kernel's batch, q is pre-scaled
-    (the kernel's bounded path needs scale 1.0). Written against the documented API; not run here (no Trainium2)."""
+def nki_bounded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bound_min: torch.Tensor,
+    bound_max: torch.Tensor,
+) -> torch.Tensor:
+    """`bounded_attention` on Trainium: the NKI library's attention_cte kernel with its
+    sequence-packing bounds (query row r sees keys [bound_min[r], bound_max[r])). Heads fold into
+    the kernel's batch, q is pre-scaled (the kernel's bounded path needs scale 1.0). Written
+    against the documented API; not run here (no Trainium2)."""
     from nkilib.core.attention.attention_cte import attention_cte
     from torch_neuronx import wrap_nki
     from torch_neuronx.utils import get_logical_neuron_cores
@@ -43,17 +56,34 @@ def nki_bounded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bou
     bmin = bound_min.repeat_interleave(heads, 0).unsqueeze(-1).to(torch.int32)  # [B*heads, S, 1]
     bmax = bound_max.repeat_interleave(heads, 0).unsqueeze(-1).to(torch.int32)
     out = wrap_nki(attention_cte)[(int(get_logical_neuron_cores()),)](
-        (q * d**-0.5).reshape(fold), k.reshape(fold), v.reshape(fold), scale=1.0, causal_mask=False,
-        tp_q=True, tp_k=True, tp_out=False, softmax_dtype=torch.float32, bound_min=bmin, bound_max=bmax)
-    empty = (bound_max <= bound_min)[:, None, :, None]  # padding rows: zeros, as the reference defines
+        (q * d**-0.5).reshape(fold),
+        k.reshape(fold),
+        v.reshape(fold),
+        scale=1.0,
+        causal_mask=False,
+        tp_q=True,
+        tp_k=True,
+        tp_out=False,
+        softmax_dtype=torch.float32,
+        bound_min=bmin,
+        bound_max=bmax,
+    )
+    # padding rows: zeros, as the reference defines
+    empty = (bound_max <= bound_min)[:, None, :, None]
     return out.reshape(b, heads, s, d).masked_fill(empty, 0.0)
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_min: torch.Tensor,
-                      bound_max: torch.Tensor) -> torch.Tensor:
-    """The same result as `bounded_attention`, computing only inside the bounds: each run of rows that share a
-    [bound_min, bound_max) range attends to that range alone (what a bounds-aware kernel skips, we skip too).
-    For eager execution; compiled graphs keep the fixed-shape reference."""
+def segment_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bound_min: torch.Tensor,
+    bound_max: torch.Tensor,
+) -> torch.Tensor:
+    """The same result as `bounded_attention`, computing only inside the bounds: each run of rows
+    that share a [bound_min, bound_max) range attends to that range alone (what a bounds-aware
+    kernel skips, we skip too). For eager execution; compiled graphs keep the fixed-shape
+    reference."""
     out = torch.zeros_like(q)
     bmin, bmax = bound_min.tolist(), bound_max.tolist()
     for b, (lo_row, hi_row) in enumerate(zip(bmin, bmax)):
@@ -64,16 +94,18 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound_m
             while end < len(lo_row) and lo_row[end] == lo and hi_row[end] == hi:
                 end += 1
             if hi > lo:
-                out[b, :, r:end] = F.scaled_dot_product_attention(q[b:b + 1, :, r:end], k[b:b + 1, :, lo:hi],
-                                                                  v[b:b + 1, :, lo:hi])[0]
+                out[b, :, r:end] = F.scaled_dot_product_attention(
+                    q[b : b + 1, :, r:end], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi]
+                )[0]
             r = end
     return out
 
 
 def choose_block_attention(backend: str, device_type: str = "cpu") -> BlockAttention:
-    """The kernel for a runner's backend: Trainium's NKI kernel; the fixed-shape reference inside other compiled
-    graphs (its shapes do not depend on the bounds' values) and on CUDA (one masked SDPA call a layer, no host
-    round trip); eager execution on the CPU computes only inside the bounds."""
+    """The kernel for a runner's backend: Trainium's NKI kernel; the fixed-shape reference inside
+    other compiled graphs (its shapes do not depend on the bounds' values) and on CUDA (one
+    masked SDPA call a layer, no host round trip); eager execution on the CPU computes only
+    inside the bounds."""
     if backend == "neuron":
         return nki_bounded_attention
     if backend == "eager" and device_type == "cpu":

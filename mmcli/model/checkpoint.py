@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from mmcli.errors import CheckpointError, ConfigError
-from mmcli.model.config import DEFAULT_MODEL, ModelConfig, parse_config
+from mmcli.model.config import ModelConfig, parse_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,53 +22,42 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str, device_type: str) -> str:
-    """dtype as run. auto: the checkpoint's dtype on accelerators; float32 on the CPU, where bfloat16 matmuls
-    mostly lack fast kernels (measured 11 vs 58 GFLOP/s on an AVX2 server)."""
+    """dtype as run. auto: the checkpoint's dtype on accelerators; float32 on the CPU, where
+    bfloat16 matmuls mostly lack fast kernels (measured 11 vs 58 GFLOP/s on an AVX2 server)."""
     if name != "auto":
         return name
     return "float32" if device_type == "cpu" else checkpoint_dtype
 
 
-def resolve_weights_dtype(weights: str, compute: str, dtype_setting: str, checkpoint_dtype: str,
-                          device_type: str) -> str:
-    """weights_dtype as run. auto: as stored when the computation is float32 on the CPU by default (`dtype: auto`;
-    a stored bfloat16 or float16 value converts to float32 exactly), else the compute dtype (so an explicit
-    `dtype: float32` holds float32 weights)."""
+def resolve_weights_dtype(
+    weights: str, compute: str, dtype_setting: str, checkpoint_dtype: str, device_type: str
+) -> str:
+    """weights_dtype as run. auto: as stored when the computation is float32 on the CPU by
+    default (`dtype: auto`; a stored bfloat16 or float16 value converts to float32 exactly), else
+    the compute dtype (so an explicit `dtype: float32` holds float32 weights)."""
     if weights != "auto":
         return weights
     stored_lower = checkpoint_dtype in ("bfloat16", "float16")
-    return checkpoint_dtype if dtype_setting == "auto" and device_type == "cpu" and stored_lower else compute
+    return (
+        checkpoint_dtype
+        if dtype_setting == "auto" and device_type == "cpu" and stored_lower
+        else compute
+    )
 
 
-def run_precision(dtype: str, weights_dtype: str, quantize: str, checkpoint_dtype: str, device_type: str) -> dict:
-    """The precisions a run holds and computes in, as records name them: weights (as loaded; `int8` once
-    quantized), compute (activations and accumulation) and the quantization."""
+def run_precision(
+    dtype: str, weights_dtype: str, quantize: str, checkpoint_dtype: str, device_type: str
+) -> dict:
+    """The precisions a run holds and computes in, as records name them: weights (as loaded;
+    `int8` once quantized), compute (activations and accumulation) and the quantization."""
     compute = resolve_dtype(dtype, checkpoint_dtype, device_type)
     loaded = resolve_weights_dtype(weights_dtype, compute, dtype, checkpoint_dtype, device_type)
-    return {"weights": "int8" if quantize == "int8" else loaded, "loaded": loaded, "compute": compute,
-            "quantize": quantize}
-
-
-def resolve_model(model: str) -> Path:
-    """A local checkpoint directory, or a hub id fetched (once) with huggingface_hub."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise CheckpointError(f"{path}: no config.json; not a Hugging Face checkpoint directory")
-        return path
-    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise CheckpointError(f"{model}: no such checkpoint directory (and not a hub id like {DEFAULT_MODEL})")
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.jinja", "*.safetensors", "*.txt"]
-    try:
-        return Path(snapshot_download(model, allow_patterns=patterns))
-    except Exception as e:  # noqa: BLE001 - any hub failure ends the same way for the user
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(
-            f"{model}: cannot fetch from the Hugging Face hub ({reason[:160]}); download it elsewhere and pass "
-            f"the local directory with --model /path/to/checkpoint (or set HF_HUB_OFFLINE=1 to use the cache)"
-        ) from None
+    return {
+        "weights": "int8" if quantize == "int8" else loaded,
+        "loaded": loaded,
+        "compute": compute,
+        "quantize": quantize,
+    }
 
 
 def read_model_config(path: Path) -> ModelConfig:
@@ -88,20 +76,26 @@ def _meta_model(cfg: ModelConfig):
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of the released layout and its shape: the model's own state dict, built on the meta
-    device (no memory), so it cannot drift from the module tree."""
+    """Every tensor name of the released layout and its shape: the model's own state dict, built
+    on the meta device (no memory), so it cannot drift from the module tree."""
     return {name: tuple(t.shape) for name, t in _meta_model(cfg).state_dict().items()}
 
 
 def matrix_weight_names(cfg: ModelConfig) -> set[str]:
-    """The matrices (every linear layer's weight, the token and vision position embeddings, the patch embedding):
-    what `weights_dtype` applies to. Norms and biases are held in the compute dtype."""
+    """The matrices (every linear layer's weight, the token and vision position embeddings, the
+    patch embedding): what `weights_dtype` applies to. Norms and biases are held in the compute
+    dtype."""
     from mmcli.model.linear import Linear
 
     model = _meta_model(cfg)
-    names = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear)}
-    return names | {"model.language_model.embed_tokens.weight", "model.visual.pos_embed.weight",
-                    "model.visual.patch_embed.proj.weight"}
+    names = {
+        f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear)
+    }
+    return names | {
+        "model.language_model.embed_tokens.weight",
+        "model.visual.pos_embed.weight",
+        "model.visual.patch_embed.proj.weight",
+    }
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -116,14 +110,18 @@ def _weight_files(path: Path) -> list[Path]:
         files = sorted(path.glob("*.safetensors"))
     missing = [f.name for f in files if not f.is_file()]
     if not files or missing:
-        raise CheckpointError(f"{path}: weight files missing: {', '.join(missing) or 'no *.safetensors'}")
+        raise CheckpointError(
+            f"{path}: weight files missing: {', '.join(missing) or 'no *.safetensors'}"
+        )
     return files
 
 
-def load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype,
-                 weights_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """All tensors, checked by name and shape against the config (safetensors only): the matrices in
-    `weights_dtype` (default `dtype`), the rest in `dtype`. A tensor already in its dtype is not copied again."""
+def load_weights(
+    path: Path, cfg: ModelConfig, dtype: torch.dtype, weights_dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """All tensors, checked by name and shape against the config (safetensors only): the matrices
+    in `weights_dtype` (default `dtype`), the rest in `dtype`. A tensor already in its dtype is
+    not copied again."""
     expected = expected_shapes(cfg)
     matrices = matrix_weight_names(cfg) if weights_dtype not in (None, dtype) else set()
     tensors: dict[str, torch.Tensor] = {}
@@ -132,8 +130,10 @@ def load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype,
             with safe_open(str(file), framework="pt") as f:
                 names = list(f.keys())
             while names:
-                # Reopen every ~512 MB: closing unmaps the file, so its pages stop counting as resident memory
-                # while the copies in `dtype` are made (peak stays near the loaded weights, not weights + file).
+                # Reopen every ~512 MB: closing unmaps the file, so its pages stop counting as
+                # resident memory
+                # while the copies in `dtype` are made (peak stays near the loaded weights, not
+                # weights + file).
                 with safe_open(str(file), framework="pt") as f:
                     read = 0
                     while names and read < 512 << 20:
@@ -147,19 +147,20 @@ def load_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype,
         tensors["lm_head.weight"] = tensors.get("model.language_model.embed_tokens.weight")
     missing = sorted(n for n in expected if tensors.get(n) is None)
     unexpected = sorted(n for n in tensors if n not in expected)
-    wrong = [f"{n} {tuple(tensors[n].shape)} != {expected[n]}" for n in expected
-             if tensors.get(n) is not None and tuple(tensors[n].shape) != expected[n]]
+    wrong = [
+        f"{n} {tuple(tensors[n].shape)} != {expected[n]}"
+        for n in expected
+        if tensors.get(n) is not None and tuple(tensors[n].shape) != expected[n]
+    ]
     problems = []
-    for label, names in (("missing tensors", missing), ("unexpected tensors", unexpected), ("wrong shapes", wrong)):
+    for label, names in (
+        ("missing tensors", missing),
+        ("unexpected tensors", unexpected),
+        ("wrong shapes", wrong),
+    ):
         if names:
             more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
             problems.append(f"{label}: {', '.join(names[:3])}{more}")
     if problems:
         raise CheckpointError(f"{path}: {'; '.join(problems)}")
     return tensors
-
-
-def checkpoint_revision(path: Path) -> str | None:
-    """The hub snapshot hash when `path` is a huggingface_hub snapshot, else None."""
-    parts = Path(os.path.realpath(path)).parts
-    return parts[-1] if len(parts) > 2 and parts[-2] == "snapshots" else None

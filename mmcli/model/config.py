@@ -1,7 +1,7 @@
-"""The model's shape, read from a checkpoint's config.json (Qwen3-VL: text decoder and vision tower).
+"""The model's shape, read from a checkpoint's config.json (Qwen3-VL: text decoder and vision
+tower).
 
-Torch-free, so that settings, plans and `--help` never load torch.
-"""
+Torch-free, so that settings, plans and `--help` never load torch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from mmcli.errors import CheckpointError
 
 DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
-# Qwen3-VL's vision geometry (preprocessor_config.json and vision_config of the released checkpoints): 16-pixel
+# Qwen3-VL's vision geometry (preprocessor_config.json and vision_config of the released
+# checkpoints): 16-pixel
 # patches, 2x2 of them merged into one language-model token, two frames per temporal patch.
 QWEN_PATCH_SIZE = 16
 QWEN_MERGE_SIZE = 2
@@ -70,12 +71,14 @@ def _pick(d: dict, cls) -> dict:
 
 
 def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
-    """Read a Qwen3-VL config.json; accepts both `rope_scaling` (released) and `rope_parameters` (v5)."""
+    """Read a Qwen3-VL config.json; accepts both `rope_scaling` (released) and `rope_parameters`
+    (v5)."""
     model_type = raw.get("model_type")
     if model_type != "qwen3_vl":
         archs = ",".join(raw.get("architectures") or []) or "?"
         raise CheckpointError(
-            f"{where}: model_type {model_type!r} ({archs}) is not Qwen3-VL; mmcli needs a 'qwen3_vl' checkpoint"
+            f"{where}: model_type {model_type!r} ({archs}) is not Qwen3-VL; mmcli needs a "
+            "'qwen3_vl' checkpoint"
         )
     try:
         text_raw = dict(raw["text_config"])
@@ -85,7 +88,9 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     rope = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise CheckpointError(f"{where}: text_config rope_type {rope_type!r} is not supported (only 'default')")
+        raise CheckpointError(
+            f"{where}: text_config rope_type {rope_type!r} is not supported (only 'default')"
+        )
     text_raw["rope_theta"] = rope.get("rope_theta", text_raw.get("rope_theta", 5_000_000.0))
     text_raw["mrope_section"] = rope.get("mrope_section", [24, 20, 20])
     text_raw.setdefault("head_dim", text_raw["hidden_size"] // text_raw["num_attention_heads"])
@@ -93,9 +98,25 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     vision = VisionConfig(**_pick(vision_raw, VisionConfig))
     if 2 * sum(text.mrope_section) != text.head_dim:
         raise CheckpointError(
-            f"{where}: mrope_section {list(text.mrope_section)} does not fill head_dim {text.head_dim}")
+            f"{where}: mrope_section {list(text.mrope_section)} does not fill head_dim "
+            f"{text.head_dim}"
+        )
     tie = raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False))
-    top = {k: raw[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-           if k in raw}
-    return ModelConfig(text=text, vision=vision, tie_word_embeddings=bool(tie),
-                       torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"), raw=raw, **top)
+    top = {
+        k: raw[k]
+        for k in (
+            "image_token_id",
+            "video_token_id",
+            "vision_start_token_id",
+            "vision_end_token_id",
+        )
+        if k in raw
+    }
+    return ModelConfig(
+        text=text,
+        vision=vision,
+        tie_word_embeddings=bool(tie),
+        torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
+        raw=raw,
+        **top,
+    )

@@ -1,16 +1,19 @@
-"""The bfloat16-weight, float32-activation linear for few rows (decode), built from `bf16_linear.c` on first use.
+"""The bfloat16-weight, float32-activation linear for few rows (decode), built from
+`bf16_linear.c` on first use.
 
-PyTorch has no such kernel on AVX2 CPUs: its bfloat16 GEMM rounds the activations and runs at 15-30 GFLOP/s, and
-converting weights in one call and multiplying in another costs as much as reading float32 weights. This kernel
-widens each 8-value group of weights in registers (a bfloat16 is the top half of a float32: exact) and feeds it to
-FMAs for up to 3 rows at once, so decode reads 2 bytes a parameter and computes in float32. Measured on a 2-core
-AVX2 server against oneDNN's packed float32 (ms for a 6144x2048 weight): 1 row 1.9 vs 3.9, 8 rows 3.6 vs 6.2,
-16 rows 6.4 vs 7.0; against the converted-chunk path it wins up to 24 rows and ties at 32 (see linear.py).
+PyTorch has no such kernel on AVX2 CPUs: its bfloat16 GEMM rounds the activations and runs at
+15-30 GFLOP/s, and converting weights in one call and multiplying in another costs as much as
+reading float32 weights. This kernel widens each 8-value group of weights in registers (a
+bfloat16 is the top half of a float32: exact) and feeds it to FMAs for up to 3 rows at once, so
+decode reads 2 bytes a parameter and computes in float32. Measured on a 2-core AVX2 server
+against oneDNN's packed float32 (ms for a 6144x2048 weight): 1 row 1.9 vs 3.9, 8 rows 3.6 vs 6.2,
+16 rows 6.4 vs 7.0; against the converted-chunk path it wins up to 24 rows and ties at 32 (see
+linear.py).
 
-It is compiled with the system C compiler (as Inductor compiles its CPU kernels) into ~/.cache/mmcli/kernels,
-linked to the OpenMP runtime torch itself loaded so that both share one thread pool. Where the CPU lacks AVX2/FMA,
-no compiler is found or the build fails, `load` returns None with the reason and the caller keeps the portable path.
-"""
+It is compiled with the system C compiler (as Inductor compiles its CPU kernels) into
+~/.cache/mmcli/kernels, linked to the OpenMP runtime torch itself loaded so that both share one
+thread pool. Where the CPU lacks AVX2/FMA, no compiler is found or the build fails, `load`
+returns None with the reason and the caller keeps the portable path."""
 
 from __future__ import annotations
 
@@ -46,15 +49,19 @@ def why_unavailable() -> str | None:
 
 def _build(compiler: str, torch_lib: Path) -> Path:
     command = [compiler, *FLAGS, str(SOURCE)]
-    if (torch_lib / "libgomp.so.1").exists():  # torch's own OpenMP runtime, already loaded: one thread pool
+    # torch's own OpenMP runtime, already loaded: one thread pool
+    if (torch_lib / "libgomp.so.1").exists():
         command += [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(command).encode()).hexdigest()[:16]
     target = cache_dir() / f"bf16_linear-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: concurrent runs are safe
+        # built aside, renamed: concurrent runs are safe
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            subprocess.run([*command, "-o", str(built)], check=True, capture_output=True, timeout=120)
+            subprocess.run(
+                [*command, "-o", str(built)], check=True, capture_output=True, timeout=120
+            )
             os.replace(built, target)
     return target
 
@@ -66,22 +73,36 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     if reason:
         return None, reason
     try:
-        library = ctypes.CDLL(str(_build(os.environ.get("CC", "cc"), Path(torch.__file__).parent / "lib")))
+        library = ctypes.CDLL(
+            str(_build(os.environ.get("CC", "cc"), Path(torch.__file__).parent / "lib"))
+        )
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", b"") or b""
-        return None, f"building {SOURCE.name} failed: {error} {detail.decode(errors='replace')[:300]}".strip()
+        return (
+            None,
+            f"building {SOURCE.name} failed: {error} "
+            f"{detail.decode(errors='replace')[:300]}".strip(),
+        )
     library.bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     library.bf16_linear.restype = None
     return library, ""
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (rows, K) float32 @ weight.T with weight (N, K) bfloat16, both contiguous on the CPU; float32 out."""
+    """x (rows, K) float32 @ weight.T with weight (N, K) bfloat16, both contiguous on the CPU;
+    float32 out."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
     rows, width = x.shape
     out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    library.bf16_linear(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], width,
-                        torch.get_num_threads())
+    library.bf16_linear(
+        x.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        weight.shape[0],
+        width,
+        torch.get_num_threads(),
+    )
     return out

@@ -1,21 +1,25 @@
-"""The linear layer of both towers, and the CPU kernels it runs with (`prepare_linears` picks one per layer).
+"""The linear layer of both towers, and the CPU kernels it runs with (`prepare_linears` picks one
+per layer).
 
-- packed: float32 weights reordered once into oneDNN's blocked layout (`torch.ops.mkldnn`, the ops Inductor emits
-  for CPU linears). Measured on a 2-core AVX2 server (a stack of 2B text weights, 2.9 GB): 73 GFLOP/s at 256 rows
-  against MKL's 58, 52 against 35 at 16 rows; `dtype: float32` runs this, as before.
-- upcast: weights resident in the checkpoint's bfloat16 (2 bytes a parameter) and computed in float32. Up to
-  KERNEL_ROWS rows (decode), a compiled kernel that widens the weights in registers (cpu_kernel.py: 8 rows of a
-  6144x2048 weight in 3.6 ms against 6.2 for packed float32). More rows (prefill, vision), or no kernel: each chunk
-  of output rows is converted to float32 in a reused buffer that stays in cache, then multiplied (MKL). A bfloat16
-  value converts to float32 exactly, so the numbers are those of the float32 path. Measured on 6144x2048 weights,
-  250 MB of them (ms per weight, this kernel against packed float32): 1 row 3.0 vs 3.9, 4 rows 6.8 vs 4.2,
-  16 rows 5.2 vs 6.1, 64 rows 13.3 vs 13.0, 256 rows 48 vs 42. MKL's kernel choice depends on the orientation, so
-  the product is taken as x @ chunk.T or (chunk @ x.T).T by row count, as measured.
-- int8: 8-bit weights with a scale per output channel (fbgemm's packed weights, about 1 byte a parameter) and
-  dynamic 8-bit activations with a scale per token: each row is divided by its own largest magnitude before
-  fbgemm's dynamic quantization (which takes one scale per call) and the output row multiplied back, so a token
-  with large values never coarsens the others. Same weights: 6.1 ms at 64 rows against 13.0 for packed float32.
-"""
+- packed: float32 weights reordered once into oneDNN's blocked layout (`torch.ops.mkldnn`, the
+  ops Inductor emits for CPU linears). Measured on a 2-core AVX2 server (a stack of 2B text
+  weights, 2.9 GB): 73 GFLOP/s at 256 rows against MKL's 58, 52 against 35 at 16 rows; `dtype:
+  float32` runs this, as before.
+- upcast: weights resident in the checkpoint's bfloat16 (2 bytes a parameter) and computed in
+  float32. Up to KERNEL_ROWS rows (decode), a compiled kernel that widens the weights in
+  registers (cpu_kernel.py: 8 rows of a 6144x2048 weight in 3.6 ms against 6.2 for packed
+  float32). More rows (prefill, vision), or no kernel: each chunk of output rows is converted to
+  float32 in a reused buffer that stays in cache, then multiplied (MKL). A bfloat16 value
+  converts to float32 exactly, so the numbers are those of the float32 path. Measured on
+  6144x2048 weights, 250 MB of them (ms per weight, this kernel against packed float32): 1 row
+  3.0 vs 3.9, 4 rows 6.8 vs 4.2, 16 rows 5.2 vs 6.1, 64 rows 13.3 vs 13.0, 256 rows 48 vs 42.
+  MKL's kernel choice depends on the orientation, so the product is taken as x @ chunk.T or
+  (chunk @ x.T).T by row count, as measured.
+- int8: 8-bit weights with a scale per output channel (fbgemm's packed weights, about 1 byte a
+  parameter) and dynamic 8-bit activations with a scale per token: each row is divided by its own
+  largest magnitude before fbgemm's dynamic quantization (which takes one scale per call) and the
+  output row multiplied back, so a token with large values never coarsens the others. Same
+  weights: 6.1 ms at 64 rows against 13.0 for packed float32."""
 
 from __future__ import annotations
 
@@ -26,42 +30,63 @@ from torch import nn
 
 from mmcli.model import cpu_kernel
 
-KERNEL_ROWS = 24  # measured crossover with the chunked path: the kernel wins up to 24 rows, ties at 32, loses at 48
-UPCAST_ROWS = 512  # output rows converted per chunk: 4 MB of float32 for a 2048-wide layer, cache resident
+# measured crossover with the chunked path: the kernel wins up to 24 rows, ties at 32, loses at 48
+KERNEL_ROWS = 24
+# output rows converted per chunk: 4 MB of float32 for a 2048-wide layer, cache resident
+UPCAST_ROWS = 512
 _scratch: dict[tuple, torch.Tensor] = {}
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    # The ops torch's own Inductor emits for CPU linears; checked, not assumed (a build without oneDNN lacks them).
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    # The ops torch's own Inductor emits for CPU linears; checked, not assumed (a build without
+    # oneDNN lacks them).
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 def can_quantize() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+        torch.ops.quantized, "linear_dynamic"
+    )
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (float32) @ weight.T with a lower-precision weight: up to KERNEL_ROWS rows of a bfloat16 weight by the
-    compiled kernel (cpu_kernel.py), where it loads; otherwise converted chunk by chunk into a reused buffer."""
+    """x (float32) @ weight.T with a lower-precision weight: up to KERNEL_ROWS rows of a bfloat16
+    weight by the compiled kernel (cpu_kernel.py), where it loads; otherwise converted chunk by
+    chunk into a reused buffer."""
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
-    if (rows <= KERNEL_ROWS and weight.dtype == torch.bfloat16 and x.dtype == torch.float32
-            and weight.is_contiguous() and x.device.type == "cpu" and cpu_kernel.load()[0] is not None):
+    if (
+        rows <= KERNEL_ROWS
+        and weight.dtype == torch.bfloat16
+        and x.dtype == torch.float32
+        and weight.is_contiguous()
+        and x.device.type == "cpu"
+        and cpu_kernel.load()[0] is not None
+    ):
         y = cpu_kernel.bf16_linear(x2.contiguous(), weight)
         y = y if bias is None else y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])
     key = (weight.shape[1], x.dtype, x.device)
     if key not in _scratch:
-        with torch.inference_mode(False):  # a normal tensor: writable inside inference mode and out of it
-            _scratch[key] = torch.empty(UPCAST_ROWS, weight.shape[1], dtype=x.dtype, device=x.device)
+        # a normal tensor: writable inside inference mode and out of it
+        with torch.inference_mode(False):
+            _scratch[key] = torch.empty(
+                UPCAST_ROWS, weight.shape[1], dtype=x.dtype, device=x.device
+            )
     buffer = _scratch[key]
-    transposed = rows == 1 or 16 <= rows < 128  # measured: MKL is faster as (chunk @ x.T).T for these
+    # measured: MKL is faster as (chunk @ x.T).T for these
+    transposed = rows == 1 or 16 <= rows < 128
     xt = x2.t().contiguous() if transposed else x2
     outs = []
     for start in range(0, weight.shape[0], UPCAST_ROWS):
-        chunk = buffer[:min(UPCAST_ROWS, weight.shape[0] - start)]
-        chunk.copy_(weight[start:start + UPCAST_ROWS])
+        chunk = buffer[: min(UPCAST_ROWS, weight.shape[0] - start)]
+        chunk.copy_(weight[start : start + UPCAST_ROWS])
         outs.append(chunk @ xt if transposed else x2 @ chunk.t())
     y = torch.cat(outs, 0).t() if transposed else torch.cat(outs, 1)
     if bias is not None:
@@ -70,18 +95,24 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def quantize_int8(weight: torch.Tensor):
-    """fbgemm's packed int8 weight with one scale per output channel (symmetric: largest magnitude -> 127)."""
+    """fbgemm's packed int8 weight with one scale per output channel (symmetric: largest
+    magnitude -> 127)."""
     w = weight.detach().float()
     scale = (w.abs().amax(1) / 127).clamp_min(1e-12).double()
-    with warnings.catch_warnings():  # deprecated for new code, but fbgemm's prepack takes only a quantized tensor
+    # deprecated for new code, but fbgemm's prepack takes only a quantized tensor
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        q = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+        q = torch.quantize_per_channel(
+            w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8
+        )
     return torch.ops.quantized.linear_prepack(q, None)
 
 
-def int8_linear(x: torch.Tensor, packed, out_features: int, bias: torch.Tensor | None,
-                per_token: bool = True) -> torch.Tensor:
-    """x @ W.T with fbgemm's dynamic int8 GEMM; with per_token each row gets its own activation scale."""
+def int8_linear(
+    x: torch.Tensor, packed, out_features: int, bias: torch.Tensor | None, per_token: bool = True
+) -> torch.Tensor:
+    """x @ W.T with fbgemm's dynamic int8 GEMM; with per_token each row gets its own activation
+    scale."""
     x2 = x.reshape(-1, x.shape[-1]).float()
     if per_token:
         scale = x2.abs().amax(1, keepdim=True).clamp_min(1e-12)
@@ -94,58 +125,77 @@ def int8_linear(x: torch.Tensor, packed, out_features: int, bias: torch.Tensor |
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose kernel `prepare_linears` chooses: packed (oneDNN float32), upcast (bfloat16 weight, float32
-    compute), int8 (fbgemm), or plain (PyTorch's; on the CPU in float32, 2-16 rows as weight @ x.T, where MKL takes
-    a GEMV-like kernel)."""
+    """nn.Linear whose kernel `prepare_linears` chooses: packed (oneDNN float32), upcast
+    (bfloat16 weight, float32 compute), int8 (fbgemm), or plain (PyTorch's; on the CPU in
+    float32, 2-16 rows as weight @ x.T, where MKL takes a GEMV-like kernel)."""
 
     kernel = "plain"
     packed_weight = None  # oneDNN's blocked float32 weight, or fbgemm's packed int8 one
     per_token = True
 
     def pack(self) -> None:
-        """Reorder the weight into oneDNN's blocked layout (the hint of 16 rows measured as good as any from 2 rows
-        to 1000s) and drop this module's plain weight: it is freed unless shared (a tied lm_head's is the
-        embedding's)."""
+        """Reorder the weight into oneDNN's blocked layout (the hint of 16 rows measured as good
+        as any from 2 rows to 1000s) and drop this module's plain weight: it is freed unless
+        shared (a tied lm_head's is the embedding's)."""
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
         self.weight, self.kernel = None, "packed"
 
     def quantize(self) -> None:
-        """int8 weights, quantized from this layer's weight alone (no float32 copy of the model is made)."""
+        """int8 weights, quantized from this layer's weight alone (no float32 copy of the model
+        is made)."""
         self.packed_weight = quantize_int8(self.weight)
         self.weight, self.kernel = None, "int8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "packed":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.packed_weight, self.bias, "none", [], ""
+            )
         if self.kernel == "int8":
             return int8_linear(x, self.packed_weight, self.out_features, self.bias, self.per_token)
         if self.weight.dtype != x.dtype:
             return upcast_linear(x, self.weight, self.bias)
-        if x.device.type != "cpu" or x.dim() != 2 or not 1 < x.shape[0] <= 16 or x.dtype != torch.float32:
+        if (
+            x.device.type != "cpu"
+            or x.dim() != 2
+            or not 1 < x.shape[0] <= 16
+            or x.dtype != torch.float32
+        ):
             return super().forward(x)
         y = (self.weight @ x.t()).t()
         return y if self.bias is None else y + self.bias
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack every Linear of `model` that can be (CPU, float32, oneDNN present); returns how many were."""
-    layers = [m for m in model.modules() if isinstance(m, Linear) and m.weight is not None and can_pack(m.weight)]
+    """Pack every Linear of `model` that can be (CPU, float32, oneDNN present); returns how many
+    were."""
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, Linear) and m.weight is not None and can_pack(m.weight)
+    ]
     for layer in layers:
         layer.pack()
     return len(layers)
 
 
 def quantize_linears(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
-    """int8 for every Linear of `model` but those in `keep` (a tied lm_head stays the embedding's bfloat16)."""
-    layers = [m for m in model.modules() if isinstance(m, Linear) and m.weight is not None and m not in keep]
+    """int8 for every Linear of `model` but those in `keep` (a tied lm_head stays the embedding's
+    bfloat16)."""
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, Linear) and m.weight is not None and m not in keep
+    ]
     for layer in layers:
         layer.quantize()
     return len(layers)
 
 
 def held_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights take as held: every tensor's storage once (a tied weight is shared), plus the
-    packed oneDNN and fbgemm weights (int8 values, and a float64 scale and int64 zero point per output channel)."""
+    """Bytes the model's weights take as held: every tensor's storage once (a tied weight is
+    shared), plus the packed oneDNN and fbgemm weights (int8 values, and a float64 scale and
+    int64 zero point per output channel)."""
     storages = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         if tensor.device.type != "meta":

@@ -1,10 +1,11 @@
-"""int8 for both towers: norm scales folded into the linear layers that read them, then every linear quantized.
+"""int8 for both towers: norm scales folded into the linear layers that read them, then every
+linear quantized.
 
-A norm's per-channel scale makes channel outliers (a few channels many times larger than the rest, as large
-language models show); folding it into the next linear's weight columns (W' = W diag(g), b' = b + W beta) takes
-those channels out of the activations before they are quantized, exactly in real arithmetic. The weights then get
-a scale per output channel, so a large column costs only its own rows' precision.
-"""
+A norm's per-channel scale makes channel outliers (a few channels many times larger than the
+rest, as large language models show); folding it into the next linear's weight columns (W' = W
+diag(g), b' = b + W beta) takes those channels out of the activations before they are quantized,
+exactly in real arithmetic. The weights then get a scale per output channel, so a large column
+costs only its own rows' precision."""
 
 from __future__ import annotations
 
@@ -23,17 +24,19 @@ def fold_norm(norm: nn.Module, linears: list[Linear]) -> None:
         weight = linear.weight.detach().float()
         if shift is not None:
             extra = weight @ shift
-            linear.bias = nn.Parameter(extra if linear.bias is None else linear.bias.float() + extra,
-                                       requires_grad=False)
-        linear.weight = nn.Parameter(weight * scale, requires_grad=False)  # float32, quantized right after
+            linear.bias = nn.Parameter(
+                extra if linear.bias is None else linear.bias.float() + extra, requires_grad=False
+            )
+        # float32, quantized right after
+        linear.weight = nn.Parameter(weight * scale, requires_grad=False)
     norm.weight.fill_(1.0)
     if shift is not None:
         norm.bias.zero_()
 
 
 def quantize_model(model: nn.Module) -> int:
-    """Fold the decoder's and the vision blocks' norms, then int8 for every linear but a tied lm_head (which stays
-    the embedding's bfloat16). Returns how many linears were quantized."""
+    """Fold the decoder's and the vision blocks' norms, then int8 for every linear but a tied
+    lm_head (which stays the embedding's bfloat16). Returns how many linears were quantized."""
     text = model.language_model
     for layer in text.layers:  # layer by layer: one layer's folded float32 weights at a time
         attn, mlp = layer.self_attn, layer.mlp
@@ -45,6 +48,9 @@ def quantize_model(model: nn.Module) -> int:
         fold_norm(block.norm2, [block.mlp.linear_fc1])
         quantize_linears(block)
     # load_state_dict(assign=True) makes two Parameters over one storage: tied means the same memory
-    tied = model.lm_head.weight.untyped_storage().data_ptr() == text.embed_tokens.weight.untyped_storage().data_ptr()
+    tied = (
+        model.lm_head.weight.untyped_storage().data_ptr()
+        == text.embed_tokens.weight.untyped_storage().data_ptr()
+    )
     quantize_linears(model, keep=(model.lm_head,) if tied else ())
     return sum(isinstance(m, Linear) and m.kernel == "int8" for m in model.modules())

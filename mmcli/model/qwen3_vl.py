@@ -22,7 +22,8 @@ class Qwen3VL(nn.Module):
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Qwen3VL:
-        """Build without allocating, then adopt the loaded tensors (tied lm_head shares embed_tokens)."""
+        """Build without allocating, then adopt the loaded tensors (tied lm_head shares
+        embed_tokens)."""
         with torch.device("meta"):
             model = cls(cfg)
         model.load_state_dict(tensors, strict=True, assign=True)

@@ -1,4 +1,5 @@
-"""Rotary embedding helpers shared by both towers (split-halves rotation, as the reference implements it)."""
+"""Rotary embedding helpers shared by both towers (split-halves rotation, as the reference
+implements it)."""
 
 from __future__ import annotations
 

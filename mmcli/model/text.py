@@ -1,8 +1,8 @@
-"""Qwen3-VL text decoder: Qwen3 layers (q/k RMSNorm, GQA), interleaved M-RoPE, DeepStack injection.
+"""Qwen3-VL text decoder: Qwen3 layers (q/k RMSNorm, GQA), interleaved M-RoPE, DeepStack
+injection.
 
-Tokens of all sequences in a call are flat ([T, hidden]); the runner passes the KV cache and where each
-sequence's tokens go. Module names follow the checkpoint (model.language_model.*).
-"""
+Tokens of all sequences in a call are flat ([T, hidden]); the runner passes the KV cache and
+where each sequence's tokens go. Module names follow the checkpoint (model.language_model.*)."""
 
 from __future__ import annotations
 
@@ -24,41 +24,52 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, cast back to the activation dtype, then scale (as the reference does).
+        # Normalise in float32, cast back to the activation dtype, then scale (as the reference
+        # does).
         xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype
+        )
 
 
 @dataclass
 class AttentionBatch:
     """Where the tokens of one forward pass sit in the KV cache.
 
-    Prefill: `seqlens` gives each sequence's prompt length (tokens are back to back, no padding) and
-    `slots` its cache row; positions start at 0. Decode: one token per sequence, at `positions`, reading
-    `context_len` cache columns. `fixed_shapes` (compiled graphs): rows are gathered by slot whatever they are,
-    and the context is a padded bucket, masked per row, so nothing depends on the values of the inputs.
-    """
+    Prefill: `seqlens` gives each sequence's prompt length (tokens are back to back, no padding)
+    and `slots` its cache row; positions start at 0. Decode: one token per sequence, at
+    `positions`, reading `context_len` cache columns. `fixed_shapes` (compiled graphs): rows are
+    gathered by slot whatever they are, and the context is a padded bucket, masked per row, so
+    nothing depends on the values of the inputs."""
 
     slots: torch.Tensor  # [B] cache rows
     positions: torch.Tensor | None = None  # decode: [B] sequential positions (cache columns)
     seqlens: list[int] | None = None  # prefill only
     context_len: int = 0  # decode only: cache columns read (max(positions) + 1, or its bucket)
     fixed_shapes: bool = False
-    contiguous: bool = False  # decode: slots are 0..B-1 (known to the caller, so no device round trip here)
-    starts: list[int] | None = None  # prefill: each sequence's first position (> 0: its row holds a prefix)
+    # decode: slots are 0..B-1 (known to the caller, so no device round trip here)
+    contiguous: bool = False
+    # prefill: each sequence's first position (> 0: its row holds a prefix)
+    starts: list[int] | None = None
 
 
 class KVCache:
-    """K/V tensors [layers][rows, kv_heads, columns, head_dim]; a sequence owns one row, a token one column.
-    `grow` reallocates to a larger shape keeping what is written (the runner sizes the cache to the job)."""
+    """K/V tensors [layers][rows, kv_heads, columns, head_dim]; a sequence owns one row, a token
+    one column. `grow` reallocates to a larger shape keeping what is written (the runner sizes
+    the cache to the job)."""
 
-    def __init__(self, cfg: TextConfig, rows: int, columns: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, cfg: TextConfig, rows: int, columns: int, dtype: torch.dtype, device: torch.device
+    ):
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.k, self.v = self._alloc(rows, columns), self._alloc(rows, columns)
 
     def _alloc(self, rows: int, columns: int) -> list[torch.Tensor]:
         shape = (rows, self.cfg.num_key_value_heads, columns, self.cfg.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.cfg.num_hidden_layers)]
+        return [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.cfg.num_hidden_layers)
+        ]
 
     @property
     def rows(self) -> int:
@@ -74,13 +85,17 @@ class KVCache:
             return
         for old in (self.k, self.v):
             for i, tensor in enumerate(old):
-                new = torch.zeros((rows, tensor.shape[1], columns, tensor.shape[3]), dtype=self.dtype,
-                                  device=self.device)
-                new[:tensor.shape[0], :, :tensor.shape[2]] = tensor
+                new = torch.zeros(
+                    (rows, tensor.shape[1], columns, tensor.shape[3]),
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+                new[: tensor.shape[0], :, : tensor.shape[2]] = tensor
                 old[i] = new  # layer by layer: the old layer is freed before the next is copied
 
     def copy_prefix(self, source: int, target: int, columns: int) -> None:
-        """Row `target` starts with the first `columns` tokens of row `source` (a shared prompt prefix)."""
+        """Row `target` starts with the first `columns` tokens of row `source` (a shared prompt
+        prefix)."""
         if source != target:
             for k, v in zip(self.k, self.v):
                 k[target, :, :columns] = k[source, :, :columns]
@@ -103,8 +118,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -120,30 +142,44 @@ class Attention(nn.Module):
         for i, n in enumerate(batch.seqlens):
             s = slice(start, start + n)
             if batch.starts and batch.starts[i]:
-                out.append(self._prefill_after(q[s], k[s], v[s], batch.slots[i:i + 1], batch.starts[i], k_cache,
-                                               v_cache))
+                out.append(
+                    self._prefill_after(
+                        q[s], k[s], v[s], batch.slots[i : i + 1], batch.starts[i], k_cache, v_cache
+                    )
+                )
                 start += n
                 continue
-            slot = batch.slots[i:i + 1]  # a tensor index: no host sync, and one compiled graph whatever the slot
+            # a tensor index: no host sync, and one compiled graph whatever the slot
+            slot = batch.slots[i : i + 1]
             k_cache[slot, :, :n] = k[s].transpose(0, 1)[None]
             v_cache[slot, :, :n] = v[s].transpose(0, 1)[None]
-            # 4-D inputs: the CPU flash kernel takes only those (3-D falls back to the math path, 2x slower)
-            o = F.scaled_dot_product_attention(q[s].transpose(0, 1)[None], k[s].transpose(0, 1)[None],
-                                               v[s].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+            # 4-D inputs: the CPU flash kernel takes only those (3-D falls back to the math path, 2x
+            # slower)
+            o = F.scaled_dot_product_attention(
+                q[s].transpose(0, 1)[None],
+                k[s].transpose(0, 1)[None],
+                v[s].transpose(0, 1)[None],
+                is_causal=True,
+                enable_gqa=True,
+            )
             out.append(o[0].transpose(0, 1))
             start += n
         return torch.cat(out)
 
     def _prefill_after(self, q, k, v, slot, first: int, k_cache, v_cache):
-        """Tokens at positions first.. of a row whose earlier tokens are cached (a shared prefix): written after
-        them, attending to all of them and causally among themselves."""
+        """Tokens at positions first.. of a row whose earlier tokens are cached (a shared
+        prefix): written after them, attending to all of them and causally among themselves."""
         n = q.shape[0]
-        k_cache[slot, :, first:first + n] = k.transpose(0, 1)[None]
-        v_cache[slot, :, first:first + n] = v.transpose(0, 1)[None]
-        keys, values = k_cache[slot, :, :first + n], v_cache[slot, :, :first + n]
-        mask = torch.arange(first + n, device=q.device)[None, :] <= torch.arange(first, first + n, device=q.device)[:,
-                                                                                                                  None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True)
+        k_cache[slot, :, first : first + n] = k.transpose(0, 1)[None]
+        v_cache[slot, :, first : first + n] = v.transpose(0, 1)[None]
+        keys, values = k_cache[slot, :, : first + n], v_cache[slot, :, : first + n]
+        mask = (
+            torch.arange(first + n, device=q.device)[None, :]
+            <= torch.arange(first, first + n, device=q.device)[:, None]
+        )
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True
+        )
         return o[0].transpose(0, 1)
 
     def _decode(self, q, k, v, batch, k_cache, v_cache):
@@ -157,9 +193,13 @@ class Attention(nn.Module):
             keys = k_cache[:b, :, :n] if batch.contiguous else k_cache[slots, :, :n]
             values = v_cache[:b, :, :n] if batch.contiguous else v_cache[slots, :, :n]
             if b == 1:  # one sequence: its whole context, no mask needed
-                return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, enable_gqa=True).squeeze(2)
-        mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]  # each row sees its own past
-        # One query per row: group the query heads under their KV head instead of expanding K/V for GQA.
+                return F.scaled_dot_product_attention(
+                    q.unsqueeze(2), keys, values, enable_gqa=True
+                ).squeeze(2)
+        # each row sees its own past
+        mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]
+        # One query per row: group the query heads under their KV head instead of expanding K/V for
+        # GQA.
         qg = q.view(b, self.num_kv_heads, -1, self.head_dim)  # [B, kv, group, d]
         scores = (qg @ keys.transpose(-1, -2)).float() * self.head_dim**-0.5  # [B, kv, group, n]
         scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
@@ -186,8 +226,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -200,13 +247,21 @@ class TextDecoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings in the compute dtype (the norms' dtype; the table may be held in a lower precision)."""
+        """Token embeddings in the compute dtype (the norms' dtype; the table may be held in a
+        lower precision)."""
         return self.embed_tokens(ids).to(self.norm.weight.dtype)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
-                cache: KVCache, deepstack: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """hidden [T, H] -> final-normed hidden [T, H]. DeepStack level l ([T, H], zero off the image tokens) is
-        added after layer l (prefill only)."""
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        cache: KVCache,
+        deepstack: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """hidden [T, H] -> final-normed hidden [T, H]. DeepStack level l ([T, H], zero off the
+        image tokens) is added after layer l (prefill only)."""
         cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, batch, cache.k[i], cache.v[i])

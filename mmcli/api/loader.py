@@ -1,0 +1,140 @@
+"""Loading a run: the device, the precision and the backend decided once, then the checkpoint read
+into the model, the runner, the prompt builder and the input settings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mmcli.compiled.backends import resolve_backend
+from mmcli.config import Config, check_vision_budget
+from mmcli.errors import ConfigError
+from mmcli.inputs.images import ImageProcessorConfig, image_processor_config
+from mmcli.inputs.video import VideoSampling
+from mmcli.model.hub import local_checkpoint, resolve_model
+
+if TYPE_CHECKING:
+    import torch
+
+    from mmcli.compiled.graphs import CompiledGraphs
+    from mmcli.engine.runner import ModelRunner
+    from mmcli.inputs.prompt import PromptBuilder
+    from mmcli.model.qwen3_vl import Qwen3VL
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run of the settings will use, known before loading (and without fetching) the
+    model."""
+
+    path: Path | None  # the checkpoint directory, None while a hub id is not downloaded
+    backend: str
+    device: str
+    precision: dict  # weights, loaded, compute, quantize (see checkpoint.run_precision)
+
+
+@dataclass
+class Loaded:
+    path: Path
+    config: Config
+    model: Qwen3VL
+    runner: ModelRunner
+    prompts: PromptBuilder
+    image_cfg: ImageProcessorConfig
+    video_sampling: VideoSampling
+    precision: dict
+    stop_ids: frozenset[int]
+    graphs: CompiledGraphs | None
+
+
+def pick_device(name: str, backend: str = "eager") -> torch.device:
+    """The device of a run: neuron with the neuron backend; auto is CUDA when torch sees it."""
+    import torch
+
+    if backend == "neuron":
+        return torch.device("neuron")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for, but torch sees no CUDA device")
+    return torch.device(name)  # the settings allow only auto, cpu and cuda
+
+
+def plan_run(cfg: Config, path: Path | None = None) -> RunPlan:
+    """The backend, device and precision of a run (a backend that cannot run is refused first)."""
+    from mmcli.model.checkpoint import read_model_config, run_precision
+
+    backend = resolve_backend(cfg.compile.backend)
+    path = path or local_checkpoint(cfg.model)
+    checkpoint_dtype = read_model_config(path).torch_dtype if path is not None else "bfloat16"
+    device = pick_device(cfg.device, backend).type
+    precision = run_precision(cfg.dtype, cfg.weights_dtype, cfg.quantize, checkpoint_dtype, device)
+    return RunPlan(path, backend, device, precision)
+
+
+def load_description(cfg: Config) -> str:
+    """What is about to load, for the status line: the model, its size, the device, the
+    precision."""
+    plan = plan_run(cfg)
+    dtype = f"{plan.precision['weights']} weights, {plan.precision['compute']} compute"
+    if plan.path is None:
+        return f"{cfg.model} (not downloaded yet) on {plan.device}, {dtype}"
+    size = sum(f.stat().st_size for f in plan.path.glob("*.safetensors"))
+    shown = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+    return f"{cfg.model} ({shown}) on {plan.device}, {dtype}"
+
+
+def load(cfg: Config) -> Loaded:
+    """Read the checkpoint (fetching a hub id once) and build everything a run computes with."""
+    import torch
+
+    from mmcli.compiled.graphs import CompiledGraphs
+    from mmcli.engine.runner import ModelRunner
+    from mmcli.inputs.prompt import PromptBuilder
+    from mmcli.model.checkpoint import load_weights, read_model_config, torch_dtype
+    from mmcli.model.qwen3_vl import Qwen3VL
+
+    path = resolve_model(cfg.model)
+    plan = plan_run(cfg, path)
+    model_cfg = read_model_config(path)
+    device = torch.device(plan.device)
+    compute = torch_dtype(plan.precision["compute"])
+    graphs = None
+    if plan.backend != "eager":
+        graphs = CompiledGraphs.for_run(plan.backend, cfg, model_cfg, compute, device)
+    weights = load_weights(path, model_cfg, compute, torch_dtype(plan.precision["loaded"]))
+    model = Qwen3VL.from_weights(model_cfg, weights)
+    runner = ModelRunner(model, device, cfg, graphs)
+    prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id)
+    image_cfg = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
+    check_vision_budget(
+        cfg.vision.block_size, image_cfg.max_pixels, image_cfg.patch_size, image_cfg.merge_size
+    )
+    videos = VideoSampling.from_checkpoint(path, cfg.video, image_cfg.max_pixels)
+    return Loaded(
+        path,
+        cfg,
+        model,
+        runner,
+        prompts,
+        image_cfg,
+        videos,
+        plan.precision,
+        stop_ids(path, prompts),
+        graphs,
+    )
+
+
+def stop_ids(path: Path, prompts: PromptBuilder) -> frozenset[int]:
+    """generation_config.json's eos ids, else the tokenizer's eos token."""
+    ids: list[int] = []
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not ids:
+        eos_token = prompts.special_tokens.get("eos_token")
+        ids = [prompts.tokenizer.token_to_id(eos_token)] if eos_token else []
+    return frozenset(int(i) for i in ids if i is not None)

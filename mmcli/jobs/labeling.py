@@ -1,0 +1,53 @@
+"""The labeling loop shared by local and Ray runs: items through a Labeler, out as records."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from mmcli.api.result import Result
+from mmcli.config import Config
+from mmcli.errors import MmcliError
+from mmcli.jobs.records import make_record
+from mmcli.tasks import Task, render_prompt
+
+Item = tuple[str, Path, list[str]]  # key, input file, the names of the tasks still to run
+
+
+def label_records(
+    labeler, items: list[Item], tasks: dict[str, Task], settings: dict[str, str], logprobs: bool
+) -> Iterator[dict]:
+    """One record per item and task, as each finishes (errors included)."""
+    paths = {key: path for key, path, _ in items}
+    for result in labeler.label(items, tasks=list(tasks.values())):
+        task = tasks[result.task]
+        yield make_record(
+            key=result.key,
+            task=task.name,
+            prompt=render_prompt(task, paths[result.key]),
+            result=result,
+            model=labeler.model_name,
+            model_revision=labeler.revision,
+            sampling=task.sampling.as_dict(),
+            path=paths[result.key],
+            logprobs=logprobs,
+            extra={"precision": labeler.precision, "settings": settings[task.name]},
+        )
+
+
+def error_record(
+    key: str, path: Path, task: Task, config: Config, settings: str, error: MmcliError
+) -> dict:
+    """The record of an item's task refused before it ran."""
+    result = Result(key, error={"type": type(error).__name__, "message": str(error)})
+    return make_record(
+        key=key,
+        task=task.name,
+        prompt=render_prompt(task, path),
+        result=result,
+        model=config.model,
+        model_revision=None,
+        sampling=task.sampling.as_dict(),
+        path=path,
+        extra={"settings": settings},
+    )

@@ -1,0 +1,65 @@
+"""Where a checkpoint is: a local directory, or a hub id fetched once with huggingface_hub
+(torch-free)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mmcli.errors import CheckpointError
+from mmcli.model.config import DEFAULT_MODEL
+
+
+def is_hub_id(model: str) -> bool:
+    """`owner/name`, not a path."""
+    return model.count("/") == 1 and not model.startswith((".", "/", "~"))
+
+
+def resolve_model(model: str) -> Path:
+    """A local checkpoint directory, or a hub id fetched (once) with huggingface_hub."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CheckpointError(
+                f"{path}: no config.json; not a Hugging Face checkpoint directory"
+            )
+        return path
+    if path.exists() or not is_hub_id(model):
+        raise CheckpointError(
+            f"{model}: no such checkpoint directory (and not a hub id like {DEFAULT_MODEL})"
+        )
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.jinja", "*.safetensors", "*.txt"]
+    try:
+        return Path(snapshot_download(model, allow_patterns=patterns))
+    except Exception as e:  # noqa: BLE001 - any hub failure ends the same way for the user
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{model}: cannot fetch from the Hugging Face hub ({reason[:160]}); download it "
+            "elsewhere and pass "
+            "the local directory with --model /path/to/checkpoint (or set HF_HUB_OFFLINE=1 to use "
+            "the cache)"
+        ) from None
+
+
+def local_checkpoint(model: str) -> Path | None:
+    """The checkpoint directory behind `model` without fetching anything: a local folder, or the
+    hub cache's snapshot of a hub id (None when it is not downloaded yet)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if not is_hub_id(model):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not in the cache (or no cache): unknown until fetched
+        return None
+
+
+def snapshot_revision(path: Path) -> str | None:
+    """The hub snapshot hash when `path` is a huggingface_hub snapshot, else None."""
+    parts = Path(os.path.realpath(path)).parts
+    return parts[-1] if len(parts) > 2 and parts[-2] == "snapshots" else None
