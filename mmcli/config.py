@@ -201,98 +201,71 @@ class Config:
     compile: CompileConfig = field(default_factory=CompileConfig)
 
     def __post_init__(self):
-        checks: list = [
-            (
-                "dtype",
-                self.dtype in ("auto", "float32", "bfloat16", "float16"),
-                "auto, float32, bfloat16, float16",
-            ),
-            (
-                "weights_dtype",
-                self.weights_dtype in ("auto", "float32", "bfloat16", "float16"),
-                "auto, float32, bfloat16, float16",
-            ),
-            ("quantize", self.quantize in ("none", "int8"), "none, int8"),
-            ("device", self.device in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
-            ("inputs.workers", self.inputs.workers >= 0, "0 (one per core but one) or more"),
-            ("engine.max_seqs", self.engine.max_seqs >= 1, "at least 1"),
-            ("engine.max_len", self.engine.max_len >= 16, "at least 16"),
-            ("image.max_decode_pixels", self.image.max_decode_pixels > 0, "above 0"),
-            ("video.fps", self.video.fps is None or self.video.fps > 0, "above 0"),
-            (
-                "video.num_frames",
-                self.video.num_frames is None
-                or (self.video.num_frames >= 1 and self.video.fps is None),
-                "at least 1, and not set together with video.fps (the two are exclusive)",
-            ),
-            (
-                "video.min_frames",
-                self.video.min_frames is None or self.video.min_frames >= 1,
-                "at least 1",
-            ),
-            (
-                "video.max_frames",
-                self.video.max_frames is None
-                or self.video.max_frames >= (self.video.min_frames or 1),
-                "at least video.min_frames (and at least 1)",
-            ),
-            ("video.max_pixels", self.video.max_pixels > 0, "above 0"),
-            (
-                "vision.num_blocks_buckets",
-                _counts(self.vision.num_blocks_buckets),
-                "a non-empty list of counts >= 1",
-            ),
-            ("vision.lookahead", self.vision.lookahead >= 1, "at least 1"),
-            (
-                "compile.backend",
-                self.compile.backend in ("auto", "eager", "inductor", "neuron"),
-                "auto, eager, inductor, neuron",
-            ),
-            (
-                "compile.prefill_buckets",
-                _counts(self.compile.prefill_buckets),
-                "a non-empty list of counts >= 1",
-            ),
-            (
-                "compile.decode_batch_buckets",
-                _counts(self.compile.decode_batch_buckets),
-                "a non-empty list of counts >= 1",
-            ),
-            (
-                "compile.decode_context_buckets",
-                _counts(self.compile.decode_context_buckets),
-                "a non-empty list of counts >= 1",
-            ),
-        ]
-        _refuse(self, "", checks)
+        _refuse(self, "", [(key, ok(_get(self, key), self), what) for key, ok, what in _CHECKS])
         _check_tasks(self)
-        # the buckets must hold what the engine may ask for
-        if self.compile.backend in (
-            "inductor",
-            "neuron",
-        ):
-            _refuse(
-                self,
-                "",
-                [
-                    (
-                        "compile.prefill_buckets",
-                        max(self.compile.prefill_buckets) <= self.engine.max_len,
-                        f"token counts none over engine.max_len {self.engine.max_len}",
-                    ),
-                    (
-                        "compile.decode_batch_buckets",
-                        max(self.compile.decode_batch_buckets) >= self.engine.max_seqs,
-                        f"counts whose largest holds engine.max_seqs {self.engine.max_seqs}",
-                    ),
-                    (
-                        "compile.decode_context_buckets",
-                        max(self.compile.decode_context_buckets) >= self.engine.max_len,
-                        f"lengths whose largest holds engine.max_len {self.engine.max_len}",
-                    ),
-                ],
-            )
+        if self.compile.backend in ("inductor", "neuron"):
+            _refuse(self, "", _bucket_checks(self))
         check_vision_budget(self.vision.block_size, self.image.max_pixels)
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+COUNTS = "a non-empty list of counts >= 1"
+# (key, whether its value is allowed (value, whole config), what it must be)
+_CHECKS = [
+    ("dtype", lambda v, c: v in DTYPES, ", ".join(DTYPES)),
+    ("weights_dtype", lambda v, c: v in DTYPES, ", ".join(DTYPES)),
+    ("quantize", lambda v, c: v in ("none", "int8"), "none, int8"),
+    ("device", lambda v, c: v in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
+    ("inputs.workers", lambda v, c: v >= 0, "0 (one per core but one) or more"),
+    ("engine.max_seqs", lambda v, c: v >= 1, "at least 1"),
+    ("engine.max_len", lambda v, c: v >= 16, "at least 16"),
+    ("image.max_decode_pixels", lambda v, c: v > 0, "above 0"),
+    ("video.fps", lambda v, c: v is None or v > 0, "above 0"),
+    (
+        "video.num_frames",
+        lambda v, c: v is None or (v >= 1 and c.video.fps is None),
+        "at least 1, and not set together with video.fps (the two are exclusive)",
+    ),
+    ("video.min_frames", lambda v, c: v is None or v >= 1, "at least 1"),
+    (
+        "video.max_frames",
+        lambda v, c: v is None or v >= (c.video.min_frames or 1),
+        "at least video.min_frames (and at least 1)",
+    ),
+    ("video.max_pixels", lambda v, c: v > 0, "above 0"),
+    ("vision.num_blocks_buckets", lambda v, c: _counts(v), COUNTS),
+    ("vision.lookahead", lambda v, c: v >= 1, "at least 1"),
+    (
+        "compile.backend",
+        lambda v, c: v in ("auto", "eager", "inductor", "neuron"),
+        "auto, eager, inductor, neuron",
+    ),
+    ("compile.prefill_buckets", lambda v, c: _counts(v), COUNTS),
+    ("compile.decode_batch_buckets", lambda v, c: _counts(v), COUNTS),
+    ("compile.decode_context_buckets", lambda v, c: _counts(v), COUNTS),
+]
+
+
+def _bucket_checks(cfg: Config) -> list:
+    """A compiled backend's buckets must hold what the engine may ask for."""
+    engine, buckets = cfg.engine, cfg.compile
+    return [
+        (
+            "compile.prefill_buckets",
+            max(buckets.prefill_buckets) <= engine.max_len,
+            f"token counts none over engine.max_len {engine.max_len}",
+        ),
+        (
+            "compile.decode_batch_buckets",
+            max(buckets.decode_batch_buckets) >= engine.max_seqs,
+            f"counts whose largest holds engine.max_seqs {engine.max_seqs}",
+        ),
+        (
+            "compile.decode_context_buckets",
+            max(buckets.decode_context_buckets) >= engine.max_len,
+            f"lengths whose largest holds engine.max_len {engine.max_len}",
+        ),
+    ]
 
 
 def _check_tasks(cfg: Config) -> None:

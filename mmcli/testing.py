@@ -115,6 +115,41 @@ def tiny_tokenizer(vocab_size: int = 360) -> Tokenizer:
     return tok
 
 
+TINY_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    hidden_act="silu",
+    attention_bias=False,
+    attention_dropout=0.0,
+    model_type="qwen3_vl_text",
+    tie_word_embeddings=True,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+TINY_VISION = dict(
+    depth=3,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    in_channels=3,
+    patch_size=16,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    out_hidden_size=64,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[0, 1],
+    hidden_act="gelu_pytorch_tanh",
+    model_type="qwen3_vl",
+    initializer_range=0.02,
+)
+
+
 def tiny_config(
     variant: str = "base",
     rope_form: str = "rope_scaling",
@@ -124,41 +159,9 @@ def tiny_config(
     """config.json of a tiny model. Variants: 'base' (head_dim 128, mrope [24,20,20], tied),
     'wide_attn' (attention width != hidden, untied), 'deepstack_last' (DeepStack taps on the last
     blocks)."""
-    text = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        vocab_size=vocab_size,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
-        hidden_act="silu",
-        attention_bias=False,
-        attention_dropout=0.0,
-        model_type="qwen3_vl_text",
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
+    text = {**TINY_TEXT, "vocab_size": vocab_size}
     rope = {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}
-    vision = dict(
-        depth=3,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        in_channels=3,
-        patch_size=16,
-        temporal_patch_size=2,
-        spatial_merge_size=2,
-        out_hidden_size=64,
-        num_position_embeddings=2304,
-        deepstack_visual_indexes=[0, 1],
-        hidden_act="gelu_pytorch_tanh",
-        model_type="qwen3_vl",
-        initializer_range=0.02,
-    )
+    vision = dict(TINY_VISION)
     tie = True
     if variant == "wide_attn":
         text.update(
@@ -281,6 +284,19 @@ def make_tiny_checkpoint(
     )
     if config["tie_word_embeddings"]:
         weights.pop("lm_head.weight")
+    _save_weights(path, weights, shards)
+    _write_processor_files(path, template_file, min_pixels, max_pixels)
+    gen = {
+        "bos_token_id": special_ids["<|endoftext|>"],
+        "pad_token_id": special_ids["<|endoftext|>"],
+        "eos_token_id": [special_ids["<|im_end|>"], special_ids["<|endoftext|>"]],
+        "do_sample": False,
+    }
+    (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return path
+
+
+def _save_weights(path: Path, weights: dict, shards: int) -> None:
     names = sorted(weights)
     if shards == 1:
         save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -295,6 +311,11 @@ def make_tiny_checkpoint(
         (path / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
+
+
+def _write_processor_files(
+    path: Path, template_file: str, min_pixels: int, max_pixels: int
+) -> None:
     tok_cfg = {
         "tokenizer_class": "Qwen2Tokenizer",
         "bos_token": None,
@@ -340,14 +361,6 @@ def make_tiny_checkpoint(
     }
     video.pop("image_processor_type")
     (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
-    gen = {
-        "bos_token_id": special_ids["<|endoftext|>"],
-        "pad_token_id": special_ids["<|endoftext|>"],
-        "eos_token_id": [special_ids["<|im_end|>"], special_ids["<|endoftext|>"]],
-        "do_sample": False,
-    }
-    (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    return path
 
 
 def make_outlier_checkpoint(source: str | Path, target: str | Path) -> Path:

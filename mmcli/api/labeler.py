@@ -166,14 +166,7 @@ class Labeler:
         finished, errors included. Without `tasks`, one caption per item with `prompt`. An
         image's tasks share its decoding, its vision encoding and the prefill of their common
         prompt prefix."""
-        items = list(items)
-        seen: set[str] = set()
-        for key, *_ in items:
-            if key in seen:
-                raise ValueError(
-                    f"caption: key {key!r} is given twice; keys name results and must be unique"
-                )
-            seen.add(key)
+        items = _unique_keys(items)
         chosen = self.tasks(tasks, prompt, **sampling)
         by_name, grammars = {t.name: t for t in chosen}, self.grammars(chosen)
         started: dict[str, float] = {}
@@ -199,12 +192,9 @@ class Labeler:
                 if isinstance(outcome, Exception):
                     names = item[2] if len(item) > 2 else list(by_name)
                     started.pop(item[0], None)
+                    error = {"type": type(outcome).__name__, "message": str(outcome)}
                     failed.extend(
-                        Result(
-                            item[0],
-                            error={"type": type(outcome).__name__, "message": str(outcome)},
-                            task=n if tasks is not None else "",
-                        )
+                        Result(item[0], error=error, task=n if tasks is not None else "")
                         for n in names
                     )
                     continue
@@ -236,3 +226,15 @@ class Labeler:
         """Bytes the model's weights take in memory as the runner holds them (packed or quantized
         copies included; a tied lm_head's weight is the embedding's, counted once)."""
         return held_bytes(self.model)
+
+
+def _unique_keys(items: Iterable[tuple]) -> list[tuple]:
+    items = list(items)
+    seen: set[str] = set()
+    for key, *_ in items:
+        if key in seen:
+            raise ValueError(
+                f"caption: key {key!r} is given twice; keys name results and must be unique"
+            )
+        seen.add(key)
+    return items

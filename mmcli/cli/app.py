@@ -10,7 +10,13 @@ from typing import Annotated
 
 import typer
 
+from mmcli.cli import options as o
 from mmcli.errors import ConfigError, MmcliError
+
+Question = typer.Argument(
+    metavar="[QUESTION]", help="The question about the image(s) (or --task's own prompt)."
+)
+Paths = typer.Argument(metavar="PATHS", help="Image folders or files.")
 
 app = typer.Typer(
     add_completion=False,
@@ -18,33 +24,6 @@ app = typer.Typer(
     rich_markup_mode=None,
     help="Caption and question image datasets with Qwen3-VL; results as JSONL.",
 )
-
-# Options several commands share, declared once.
-ModelOption = Annotated[
-    str | None, typer.Option("--model", help="Hub id or local checkpoint directory.")
-]
-ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", help="YAML settings file.")]
-DtypeOption = Annotated[
-    str | None, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")
-]
-DeviceOption = Annotated[str | None, typer.Option("--device", help="auto, cpu or cuda.")]
-BackendOption = Annotated[
-    str | None, typer.Option("--backend", help="compile.backend: auto, eager, inductor or neuron.")
-]
-QuantizeOption = Annotated[
-    str | None,
-    typer.Option("--quantize", help="none, or int8: linear layers in 8-bit integers (CPU)."),
-]
-MaxNewTokensOption = Annotated[
-    int | None, typer.Option("--max-new-tokens", help="Most tokens to generate.")
-]
-TemperatureOption = Annotated[float | None, typer.Option("--temperature", help="0 is greedy.")]
-SeedOption = Annotated[
-    int | None, typer.Option("--seed", help="Sampling seed (per item and step).")
-]
-LogprobsOption = Annotated[
-    bool, typer.Option("--logprobs", help="Add token_ids and logprobs to each record.")
-]
 
 
 @app.callback()
@@ -71,37 +50,25 @@ def _settings(config: Path | None, **overrides) -> dict:
 
 @app.command()
 def ask(
-    question: str | None = typer.Argument(
-        None, metavar="[QUESTION]", help="The question about the image(s) (or --task's own prompt)."
-    ),
-    image: list[Path] = typer.Option(
-        None, "--image", "-i", help="An image file; repeat for several."
-    ),
-    video: list[Path] = typer.Option(
-        None, "--video", help="A video file; repeat for several (after the images)."
-    ),
-    model: ModelOption = None,
-    config: ConfigOption = None,
-    dtype: DtypeOption = None,
-    device: DeviceOption = None,
-    backend: BackendOption = None,
-    quantize: QuantizeOption = None,
-    max_new_tokens: MaxNewTokensOption = None,
-    temperature: TemperatureOption = None,
-    top_p: float | None = typer.Option(None, help="Nucleus sampling mass."),
-    top_k: int | None = typer.Option(None, help="Keep the k most likely tokens (0 keeps all)."),
-    repetition_penalty: float | None = typer.Option(None, help="Above 1 discourages repeats."),
-    seed: SeedOption = None,
-    logprobs: LogprobsOption = False,
-    output: Path | None = typer.Option(
-        None, "--output", "-o", help="Append the JSONL record to this file."
-    ),
-    stream: bool = typer.Option(
-        True, "--stream/--no-stream", help="Print the answer as it is generated."
-    ),
-    task: str | None = typer.Option(
-        None, "--task", help="A task of the settings (e.g. detect) instead of a question."
-    ),
+    question: Annotated[str | None, Question] = None,
+    image: o.Images = None,
+    video: o.Videos = None,
+    model: o.Model = None,
+    config: o.ConfigFile = None,
+    dtype: o.Dtype = None,
+    device: o.Device = None,
+    backend: o.Backend = None,
+    quantize: o.Quantize = None,
+    max_new_tokens: o.MaxNewTokens = None,
+    temperature: o.Temperature = None,
+    top_p: o.TopP = None,
+    top_k: o.TopK = None,
+    repetition_penalty: o.RepetitionPenalty = None,
+    seed: o.Seed = None,
+    logprobs: o.Logprobs = False,
+    output: o.AskOutput = None,
+    stream: o.Stream = True,
+    task: o.AskTask = None,
 ) -> None:
     """Answer one question about one or more images or videos; the answer streams to stdout.
 
@@ -114,31 +81,19 @@ def ask(
     """
     from mmcli.cli.ask import run_ask
 
-    generation = {
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "repetition_penalty": repetition_penalty,
-        "seed": seed,
-    }
+    given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    given.update(top_k=top_k, repetition_penalty=repetition_penalty, seed=seed)
     with exit_codes():
+        precision = dict(dtype=dtype, device=device, quantize=quantize)
         cfg = _settings(
-            config,
-            model=model,
-            dtype=dtype,
-            device=device,
-            quantize=quantize,
-            compile={"backend": backend},
-            generation=generation,
+            config, model=model, compile={"backend": backend}, generation=given, **precision
         )
         if question is None and task is None:
             raise ConfigError("give a QUESTION or --task NAME")
         if not image and not video:
             raise ConfigError("give at least one --image FILE or --video FILE")
-        code = run_ask(
-            cfg, image or [], question, output, logprobs, stream, task, generation, video or []
-        )
+        inputs = (image or [], video or [])
+        code = run_ask(cfg, inputs, question, output, logprobs, stream, task, given)
     raise typer.Exit(code)
 
 
@@ -151,7 +106,7 @@ def plan(
     block_size: int | None = typer.Option(
         None, help="Patches per vision block (default: the config's)."
     ),
-    config: ConfigOption = None,
+    config: o.ConfigFile = None,
 ) -> None:
     """Show how images pack into vision-attention blocks, the waste, and the block size to use.
 
@@ -190,63 +145,35 @@ def plan(
 
 @app.command()
 def caption(
-    paths: list[Path] = typer.Argument(..., metavar="PATHS", help="Image folders or files."),
-    model: ModelOption = None,
-    config: ConfigOption = None,
-    output: str = typer.Option(
-        "captions.jsonl", "--output", "-o", help="JSONL file to append to; - for stdout."
-    ),
-    prompt: str | None = typer.Option(None, help="The caption prompt (default: the config's)."),
-    task: list[str] = typer.Option(
-        [], "--task", help="A task to run (repeatable; default: caption)."
-    ),
-    max_new_tokens: MaxNewTokensOption = None,
-    temperature: TemperatureOption = None,
-    seed: SeedOption = None,
-    dtype: DtypeOption = None,
-    device: DeviceOption = None,
-    backend: BackendOption = None,
-    quantize: QuantizeOption = None,
-    logprobs: LogprobsOption = False,
-    recursive: bool = typer.Option(True, "--recursive/--no-recursive", help="Walk sub-folders."),
-    include: list[str] = typer.Option(
-        [], "--include", help="Only keys matching this glob (repeatable)."
-    ),
-    exclude: list[str] = typer.Option(
-        [], "--exclude", help="Skip keys matching this glob (repeatable)."
-    ),
-    shard: str | None = typer.Option(
-        None, help="I/N: only the keys of shard I of N (stable hash)."
-    ),
-    limit: int | None = typer.Option(None, help="At most this many items."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Redo items already recorded."),
-    retry_errors: bool = typer.Option(
-        False, "--retry-errors", help="Redo items recorded as errors."
-    ),
-    check_changed: bool = typer.Option(
-        True,
-        "--check-changed/--no-check-changed",
-        help="Redo items whose image changed since its record (size, mtime, sha256).",
-    ),
-    sidecar: str | None = typer.Option(
-        None, help="Also write each caption next to its image, e.g. .txt."
-    ),
-    dry_run: bool = typer.Option(
-        False, "--dry-run", help="List what would be captioned, then stop."
-    ),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress or summary (for cron)."),
-    ray: bool = typer.Option(
-        False, "--ray", help="Run on a Ray cluster (pip install 'mmcli[ray]')."
-    ),
-    ray_address: str | None = typer.Option(
-        None, help="Ray cluster address (default: start a local instance)."
-    ),
-    replicas: int = typer.Option(1, help="With --ray: model replicas, one engine each."),
-    replica_resources: str | None = typer.Option(
-        None,
-        help="With --ray: JSON per replica, e.g. '{\"num_cpus\": 4}' or "
-        '\'{"resources": {"neuron_cores": 2}}\'.',
-    ),
+    paths: Annotated[list[Path], Paths],
+    model: o.Model = None,
+    config: o.ConfigFile = None,
+    output: o.Output = "captions.jsonl",
+    prompt: o.Prompt = None,
+    task: o.Tasks = [],  # noqa: B006 - Typer's default, never mutated
+    max_new_tokens: o.MaxNewTokens = None,
+    temperature: o.Temperature = None,
+    seed: o.Seed = None,
+    dtype: o.Dtype = None,
+    device: o.Device = None,
+    backend: o.Backend = None,
+    quantize: o.Quantize = None,
+    logprobs: o.Logprobs = False,
+    recursive: o.Recursive = True,
+    include: o.Include = [],  # noqa: B006
+    exclude: o.Exclude = [],  # noqa: B006
+    shard: o.Shard = None,
+    limit: o.Limit = None,
+    overwrite: o.Overwrite = False,
+    retry_errors: o.RetryErrors = False,
+    check_changed: o.CheckChanged = True,
+    sidecar: o.Sidecar = None,
+    dry_run: o.DryRun = False,
+    quiet: o.Quiet = False,
+    ray: o.Ray = False,
+    ray_address: o.RayAddress = None,
+    replicas: o.Replicas = 1,
+    replica_resources: o.ReplicaResources = None,
 ) -> None:
     """Caption every image under PATHS, appending one JSONL record per image; resumable.
 
@@ -260,46 +187,52 @@ def caption(
     from mmcli.cli.progress import Progress
     from mmcli.jobs.caption import CaptionJob, run_caption_job
 
+    options = dict(locals())  # the job's own options, by name
     with exit_codes():
-        ray_options = None
-        if ray:
-            from mmcli.jobs.distributed import RayOptions, parse_resources, require_ray
-
-            require_ray()
-            ray_options = RayOptions(ray_address, replicas, parse_resources(replica_resources))
-        sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+        ray_options = _ray_options(ray_address, replicas, replica_resources) if ray else None
+        given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+        precision = dict(dtype=dtype, device=device, quantize=quantize)
         cfg = _settings(
             config,
             model=model,
-            dtype=dtype,
-            device=device,
             prompt=prompt,
-            quantize=quantize,
             task=tuple(task) or None,
             compile={"backend": backend},
-            generation=sampling,
+            generation=given,
+            **precision,
         )
-        job = CaptionJob(
-            paths=paths,
-            config=cfg,
-            output=output,
-            recursive=recursive,
-            include=include,
-            exclude=exclude,
-            shard=shard,
-            limit=limit,
-            overwrite=overwrite,
-            retry_errors=retry_errors,
-            sidecar=sidecar,
-            dry_run=dry_run,
-            quiet=quiet,
-            logprobs=logprobs,
-            ray=ray_options,
-            check_changed=check_changed,
-            sampling=sampling,
-        )
+        job = CaptionJob(config=cfg, ray=ray_options, sampling=given, **_job_options(options))
         code = run_caption_job(job, Progress(quiet=quiet))
     raise typer.Exit(code)
+
+
+JOB_OPTIONS = (
+    "paths",
+    "output",
+    "recursive",
+    "include",
+    "exclude",
+    "shard",
+    "limit",
+    "overwrite",
+    "retry_errors",
+    "sidecar",
+    "dry_run",
+    "quiet",
+    "logprobs",
+    "check_changed",
+)
+
+
+def _job_options(options: dict) -> dict:
+    return {k: options[k] for k in JOB_OPTIONS}
+
+
+def _ray_options(address: str | None, replicas: int, resources: str | None):
+    from mmcli.jobs.distributed import RayOptions, parse_resources, require_ray
+
+    require_ray()
+    return RayOptions(address, replicas, parse_resources(resources))
 
 
 @app.command("compile")
@@ -310,12 +243,12 @@ def compile_cmd(
     buckets: bool = typer.Option(
         False, "--buckets", help="Compile the configured buckets (or those in LIST)."
     ),
-    model: ModelOption = None,
-    config: ConfigOption = None,
-    dtype: DtypeOption = None,
-    device: DeviceOption = None,
+    model: o.Model = None,
+    config: o.ConfigFile = None,
+    dtype: o.Dtype = None,
+    device: o.Device = None,
     backend: str | None = typer.Option(None, help="compile.backend: inductor or neuron."),
-    quantize: QuantizeOption = None,
+    quantize: o.Quantize = None,
 ) -> None:
     """Compile and cache every fixed-shape bucket ahead of time (vision blocks, prefill, decode).
 
@@ -350,7 +283,7 @@ def compile_cmd(
 @app.command("config")
 def config_cmd(
     action: str = typer.Argument("show", help="show: print the effective settings as YAML."),
-    config: ConfigOption = None,
+    config: o.ConfigFile = None,
 ) -> None:
     """Print the effective configuration (defaults updated by --config)."""
     from mmcli.config import config_as_yaml

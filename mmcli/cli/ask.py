@@ -12,17 +12,18 @@ from mmcli.errors import MmcliError
 
 def run_ask(
     config: Config,
-    images: list[Path],
+    inputs: tuple[list[Path], list[Path]],
     question: str | None,
     output: Path | None,
     logprobs: bool,
     stream: bool = True,
     task: str | None = None,
     sampling: dict | None = None,
-    videos: list[Path] = (),
 ) -> int:
     """Load, answer (streamed to stdout as it is generated, or printed whole), and append the
-    record; returns 0, or 1 when the item failed (its error is on stderr and in the record)."""
+    record; returns 0, or 1 when the item failed (its error is on stderr and in the record).
+    `inputs` is (image files, video files)."""
+    images, videos = inputs
     from rich.console import Console
 
     from mmcli.api.labeler import Labeler

@@ -65,9 +65,10 @@ class Manifest:
         for rel in entry.get("artifacts", []):
             path = self.dir / rel
             if rel not in keep:
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(
-                    missing_ok=True
-                )
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
 
 
 def stale_fields(old: dict, new: dict) -> list[str]:

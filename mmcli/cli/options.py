@@ -1,0 +1,75 @@
+"""The command line's options, declared once (several commands share most of them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def _option(kind, *names: str, help: str, **extra):
+    return Annotated[kind, typer.Option(*names, help=help, **extra)]
+
+
+Model = _option(str | None, "--model", help="Hub id or local checkpoint directory.")
+ConfigFile = _option(Path | None, "--config", "-c", help="YAML settings file.")
+Dtype = _option(str | None, "--dtype", help="auto, float32, bfloat16 or float16.")
+Device = _option(str | None, "--device", help="auto, cpu or cuda.")
+Backend = _option(str | None, "--backend", help="compile.backend: auto, eager, inductor or neuron.")
+Quantize = _option(
+    str | None, "--quantize", help="none, or int8: linear layers in 8-bit integers (CPU)."
+)
+MaxNewTokens = _option(int | None, "--max-new-tokens", help="Most tokens to generate.")
+Temperature = _option(float | None, "--temperature", help="0 is greedy.")
+TopP = _option(float | None, "--top-p", help="Nucleus sampling mass.")
+TopK = _option(int | None, "--top-k", help="Keep the k most likely tokens (0 keeps all).")
+RepetitionPenalty = _option(
+    float | None, "--repetition-penalty", help="Above 1 discourages repeats."
+)
+Seed = _option(int | None, "--seed", help="Sampling seed (per item and step).")
+Logprobs = _option(bool, "--logprobs", help="Add token_ids and logprobs to each record.")
+
+# ask
+Images = _option(list[Path] | None, "--image", "-i", help="An image file; repeat for several.")
+Videos = _option(
+    list[Path] | None, "--video", help="A video file; repeat for several (after the images)."
+)
+AskOutput = _option(Path | None, "--output", "-o", help="Append the JSONL record to this file.")
+Stream = _option(bool, "--stream/--no-stream", help="Print the answer as it is generated.")
+AskTask = _option(
+    str | None, "--task", help="A task of the settings (e.g. detect) instead of a question."
+)
+
+# caption
+Output = _option(str, "--output", "-o", help="JSONL file to append to; - for stdout.")
+Prompt = _option(str | None, "--prompt", help="The caption prompt (default: the config's).")
+Tasks = _option(list[str], "--task", help="A task to run (repeatable; default: caption).")
+Recursive = _option(bool, "--recursive/--no-recursive", help="Walk sub-folders.")
+Include = _option(list[str], "--include", help="Only keys matching this glob (repeatable).")
+Exclude = _option(list[str], "--exclude", help="Skip keys matching this glob (repeatable).")
+Shard = _option(str | None, "--shard", help="I/N: only the keys of shard I of N (stable hash).")
+Limit = _option(int | None, "--limit", help="At most this many items.")
+Overwrite = _option(bool, "--overwrite", help="Redo items already recorded.")
+RetryErrors = _option(bool, "--retry-errors", help="Redo items recorded as errors.")
+CheckChanged = _option(
+    bool,
+    "--check-changed/--no-check-changed",
+    help="Redo items whose image changed since its record (size, mtime, sha256).",
+)
+Sidecar = _option(
+    str | None, "--sidecar", help="Also write each caption next to its image, e.g. .txt."
+)
+DryRun = _option(bool, "--dry-run", help="List what would be captioned, then stop.")
+Quiet = _option(bool, "--quiet", "-q", help="No progress or summary (for cron).")
+Ray = _option(bool, "--ray", help="Run on a Ray cluster (pip install 'mmcli[ray]').")
+RayAddress = _option(
+    str | None, "--ray-address", help="Ray cluster address (default: start a local instance)."
+)
+Replicas = _option(int, "--replicas", help="With --ray: model replicas, one engine each.")
+ReplicaResources = _option(
+    str | None,
+    "--replica-resources",
+    help="With --ray: JSON per replica, e.g. '{\"num_cpus\": 4}' or "
+    '\'{"resources": {"neuron_cores": 2}}\'.',
+)
