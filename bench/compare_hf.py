@@ -368,8 +368,7 @@ def main() -> None:
     limits = machine_limits(args.device, args.dtype)
     print(
         f"{len(images)} images, output lengths {min(lengths)}-{max(lengths)} tokens "
-        f"({sum(lengths)} in all), "
-        f"dtype {args.dtype}, {torch.get_num_threads()} threads",
+        f"({sum(lengths)} in all), dtype {args.dtype}, {torch.get_num_threads()} threads",
         flush=True,
     )
     print(
@@ -381,8 +380,8 @@ def main() -> None:
     spent = ours["spent"]
     print(
         f"mmcli: {ours['images_per_s']:.3f} images/s ({ours['seconds']:.1f} s: vision "
-        f"{spent['vision']:.1f} s, "
-        f"text prefill {spent['prefill'] - spent['vision']:.1f} s, decode {spent['decode']:.1f} s)",
+        f"{spent['vision']:.1f} s, text prefill {spent['prefill'] - spent['vision']:.1f} s, "
+        f"decode {spent['decode']:.1f} s)",
         flush=True,
     )
     theirs = []
@@ -400,8 +399,7 @@ def main() -> None:
     after = machine_limits(args.device, args.dtype)
     print(
         f"machine, after the runs: read bandwidth {after['bandwidth'] / 1e9:.1f} GB/s, "
-        f"{args.dtype} matmul "
-        f"{after['matmul_flops'] / 1e9:.1f} GFLOP/s",
+        f"{args.dtype} matmul {after['matmul_flops'] / 1e9:.1f} GFLOP/s",
         flush=True,
     )
     bandwidth = max(limits["bandwidth"], after["bandwidth"])
@@ -416,9 +414,8 @@ def main() -> None:
     )
     print(f"| mmcli decode step, batch 1 | {ours['decode_step'] * 1000:.1f} ms |")
     print(
-        f"| decode weight bytes / read bandwidth ({bandwidth / 1e9:.1f} GB/s) | {bound * 1000:.1f} "
-        "ms "
-        f"(step is {ours['decode_step'] / bound:.2f}x) |"
+        f"| decode weight bytes / read bandwidth ({bandwidth / 1e9:.1f} GB/s) | "
+        f"{bound * 1000:.1f} ms (step is {ours['decode_step'] / bound:.2f}x) |"
     )
     print(f"| mmcli peak RSS | {ours['peak_rss'] / 2**30:.2f} GiB |")
     if args.device == "cuda":
@@ -429,8 +426,7 @@ def main() -> None:
     print(f"| mmcli engine waiting for inputs | {100 * ours['input_wait']:.1f}% of the run |")
     print(
         f"| weight bytes + KV cache bytes | {ours['weight_bytes'] / 2**30:.2f} + "
-        f"{ours['kv_bytes'] / 2**30:.2f} GiB "
-        f"(RSS is {ours['peak_rss'] / budget:.2f}x) |"
+        f"{ours['kv_bytes'] / 2**30:.2f} GiB (RSS is {ours['peak_rss'] / budget:.2f}x) |"
     )
     print(
         f"images/s ratio (mmcli / transformers): {ours['images_per_s'] / best['images_per_s']:.2f}"

@@ -129,8 +129,7 @@ def main() -> None:
         args.compile_dir = Path(tmp) / "cache"
         print(
             f"{len(images)} images, output lengths {min(lengths)}-{max(lengths)} tokens, float32, "
-            "CPU; "
-            f"settings {json.dumps(SETTINGS)}",
+            f"CPU; settings {json.dumps(SETTINGS)}",
             flush=True,
         )
         first = run_worker(args, "compile")
@@ -145,8 +144,8 @@ def main() -> None:
         cached = sum(status == "cached" for _, status, _ in second["buckets"])
         print(
             f"inductor compile, new process: {second['seconds']:.1f} s, {cached} of "
-            f"{len(second['buckets'])} "
-            f"cached ({100 * second['seconds'] / first['seconds']:.1f}% of the first)",
+            f"{len(second['buckets'])} cached ({100 * second['seconds'] / first['seconds']:.1f}% "
+            "of the first)",
             flush=True,
         )
         compiled = run_worker(args, "run", "inductor")
@@ -163,8 +162,7 @@ def main() -> None:
     winner = "inductor" if compiled["images_per_s"] > eager["images_per_s"] else "eager"
     print(
         "images/s ratio (inductor / eager): "
-        f"{compiled['images_per_s'] / eager['images_per_s']:.2f}; "
-        f"faster on this CPU: {winner}"
+        f"{compiled['images_per_s'] / eager['images_per_s']:.2f}; faster on this CPU: {winner}"
     )
 
 

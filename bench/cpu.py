@@ -196,9 +196,8 @@ def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
     # every child this bench has waited for, the float32 worker included).
     probe = (
         "import resource, subprocess, sys, time; t = time.perf_counter(); "
-        "subprocess.run(sys.argv[1:], check=True, capture_output=True); "
-        "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * "
-        "1024)"
+        "subprocess.run(sys.argv[1:], check=True, capture_output=True); print(time.perf_counter() "
+        "- t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe, *command], check=True, capture_output=True, text=True
@@ -231,9 +230,8 @@ def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
     )
     print(
         f"instrumented: {wall:.1f} s = start {start_s:.1f} + load {timed['load']:.1f} + vision "
-        f"{s['vision']:.1f} "
-        f"+ text prefill {s['prefill'] - s['vision']:.1f} + decode {s['decode']:.1f} + rest "
-        f"{timed['ask'] - s['prefill'] - s['decode']:.1f}"
+        f"{s['vision']:.1f} + text prefill {s['prefill'] - s['vision']:.1f} + decode "
+        f"{s['decode']:.1f} + rest {timed['ask'] - s['prefill'] - s['decode']:.1f}"
     )
     print(
         f"floor: {sum(floor.values()):.1f} s = "
@@ -247,8 +245,8 @@ def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
     used = timed["weight_bytes"] + timed["kv_bytes"]
     print(
         f"(c) ask peak RSS {cli_rss / 2**30:.2f} GiB against weights + KV "
-        f"{timed['weight_bytes'] / 2**30:.2f} + "
-        f"{timed['kv_bytes'] / 2**30:.3f} GiB: {cli_rss / used:.2f}x"
+        f"{timed['weight_bytes'] / 2**30:.2f} + {timed['kv_bytes'] / 2**30:.3f} GiB: "
+        f"{cli_rss / used:.2f}x"
     )
 
 
@@ -319,12 +317,10 @@ def main() -> None:
         spent = r["spent"]
         print(
             f"{name}: {r['images_per_s']:.4f} images/s ({r['seconds']:.1f} s: vision "
-            f"{spent['vision']:.1f}, text "
-            f"prefill {spent['prefill'] - spent['vision']:.1f}, decode {spent['decode']:.1f}; "
-            f"{r['precision']}); "
-            f"weights {r['weight_bytes'] / 2**30:.2f} GiB ({r['weight_bytes'] / parameters:.2f} "
-            "bytes a parameter)"
-            f" + KV {r['kv_bytes'] / 2**30:.2f} GiB, peak RSS "
+            f"{spent['vision']:.1f}, text prefill {spent['prefill'] - spent['vision']:.1f}, "
+            f"decode {spent['decode']:.1f}; {r['precision']}); weights "
+            f"{r['weight_bytes'] / 2**30:.2f} GiB ({r['weight_bytes'] / parameters:.2f} bytes a "
+            f"parameter) + KV {r['kv_bytes'] / 2**30:.2f} GiB, peak RSS "
             f"{r['peak_rss'] / 2**30:.2f} GiB "
             f"({r['peak_rss'] / (r['weight_bytes'] + r['kv_bytes']):.2f}x)",
             flush=True,
@@ -349,8 +345,7 @@ def main() -> None:
         )
         print(
             f"{name}: {r['images_per_s']:.4f} | "
-            f"{r['images_per_s'] / rates['float32']['images_per_s']:.2f}x | "
-            f"{versus}"
+            f"{r['images_per_s'] / rates['float32']['images_per_s']:.2f}x | {versus}"
         )
     print("\nstart-up, no model:")
     start_times()

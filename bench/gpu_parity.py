@@ -99,8 +99,7 @@ def main() -> int:
                         failures += not same
                         print(
                             f"{variant} {case} float32: greedy tokens "
-                            f"{'identical' if same else 'DIFFER'} "
-                            f"({TOKENS} tokens)",
+                            f"{'identical' if same else 'DIFFER'} ({TOKENS} tokens)",
                             flush=True,
                         )
                         continue
@@ -111,8 +110,8 @@ def main() -> int:
                     ]
                     failures += agree < 0.9 * TOKENS
                     print(
-                        f"{variant} {case} bfloat16: {agree}/{TOKENS} positions agree; divergences "
-                        f"(position, mmcli, transformers): {diverged or 'none'}",
+                        f"{variant} {case} bfloat16: {agree}/{TOKENS} positions agree; "
+                        f"divergences (position, mmcli, transformers): {diverged or 'none'}",
                         flush=True,
                     )
                 del cap

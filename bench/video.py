@@ -75,9 +75,9 @@ def main() -> None:
     info = result.images[0]
     minutes = video.duration / 60
     print(
-        f"clip: {video.duration:.0f} s, {info['width']}x{info['height']} at {video.source_fps:.0f} "
-        "fps; "
-        f"{len(video.frames)} frames sampled ({video.frames_decoded} decoded), {cap.precision}"
+        f"clip: {video.duration:.0f} s, {info['width']}x{info['height']} at "
+        f"{video.source_fps:.0f} fps; {len(video.frames)} frames sampled ({video.frames_decoded} "
+        f"decoded), {cap.precision}"
     )
     print(
         f"prompt: {result.num_input_tokens} tokens ({result.num_image_tokens} visual), "
@@ -90,8 +90,7 @@ def main() -> None:
     print(
         f"preprocessing and model: {model:.1f} s (vision {spent['vision']:.1f}, text prefill "
         f"{spent['prefill'] - spent['vision']:.1f}, decode {spent['decode']:.1f}) = "
-        f"{model / minutes:.1f} s per "
-        "video-minute"
+        f"{model / minutes:.1f} s per video-minute"
     )
     print(f"in all: {total / minutes:.1f} s per video-minute")
 

@@ -93,23 +93,21 @@ def main() -> None:
         "padded batch": padded_efficiency(patches),
     }
     print(
-        f"{len(patches)} images, {total} patches, vision depth {args.depth} of 24, "
-        f"threads {torch.get_num_threads()}"
+        f"{len(patches)} images, {total} patches, vision depth {args.depth} of 24, threads "
+        f"{torch.get_num_threads()}"
     )
     times, outputs = {}, {}
     for name, (bins, size) in layouts.items():
         times[name], outputs[name], shape = run(visual, pixels, bins, size, args.repeats)
         print(
             f"{name:14s} {shape[0]:2d} x {shape[1]:5d} rows  attention efficiency "
-            f"{100 * efficiency[name]:5.1f}%  "
-            f"{times[name] * 1000:8.1f} ms"
+            f"{100 * efficiency[name]:5.1f}%  {times[name] * 1000:8.1f} ms"
         )
     for name in ("flat + mask", "padded batch"):
         torch.testing.assert_close(outputs[name], outputs["packed blocks"], atol=1e-4, rtol=1e-4)
     print(
         f"speed-up of packed blocks: {times['flat + mask'] / times['packed blocks']:.2f}x over "
-        "flat + mask, "
-        f"{times['padded batch'] / times['packed blocks']:.2f}x over padded batch"
+        f"flat + mask, {times['padded batch'] / times['packed blocks']:.2f}x over padded batch"
     )
 
 

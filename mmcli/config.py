@@ -316,8 +316,8 @@ def check_vision_budget(
     unit = merge_size * merge_size
     if block_size < unit or block_size % unit:
         raise ConfigError(
-            f"config vision.block_size: {block_size} must be a positive multiple of merge_size^2 = "
-            f"{unit}"
+            f"config vision.block_size: {block_size} must be a positive multiple of merge_size^2 "
+            f"= {unit}"
         )
     # patches of the largest image smart_resize allows
     largest = max_pixels // (patch_size * patch_size)
@@ -326,8 +326,8 @@ def check_vision_budget(
         need = -(-largest // 128) * 128
         raise ConfigError(
             f"config image.max_pixels {max_pixels} allows images of {largest} patches, over "
-            f"vision.block_size {block_size}: set image.max_pixels <= {fits} or "
-            f"vision.block_size >= {need}"
+            f"vision.block_size {block_size}: set image.max_pixels <= {fits} or vision.block_size "
+            f">= {need}"
         )
 
 

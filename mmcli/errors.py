@@ -1,4 +1,4 @@
-"""Errors that end a run with a documented exit code (see design: exit codes)."""
+"""Errors that end a run with a documented exit code (README: exit codes)."""
 
 from __future__ import annotations
 

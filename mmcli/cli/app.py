@@ -137,8 +137,7 @@ def plan(
         if max(patches) > size:
             raise ConfigError(
                 f"{names[patches.index(max(patches))]}: {max(patches)} patches do not fit a block "
-                "of "
-                f"{size} (--block-size or vision.block_size)"
+                f"of {size} (--block-size or vision.block_size)"
             )
         print_plan(names, patches, size)
 

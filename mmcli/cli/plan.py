@@ -91,6 +91,5 @@ def print_plan(names: list[str], patches: list[int], size: int) -> None:
     console.print(
         f"recommended block_size: {best} ({best_blocks} blocks, "
         f"{100 * packed_efficiency(patches, best_blocks, best):.1f}% attention efficiency, least "
-        "estimated "
-        f"vision work: padded linear layers plus block attention)"
+        "estimated vision work: padded linear layers plus block attention)"
     )

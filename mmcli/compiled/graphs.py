@@ -231,10 +231,8 @@ class CompiledGraphs:
         )
         return (
             f"{self.backend} compile cache {self.cache_dir}: {len(self.missing)} of "
-            f"{len(self.buckets)} buckets "
-            f"not compiled ahead ({shown}); they run eagerly, never compiled mid-run: `mmcli "
-            "compile --buckets` "
-            "compiles them"
+            f"{len(self.buckets)} buckets not compiled ahead ({shown}); they run eagerly, never "
+            "compiled mid-run: `mmcli compile --buckets` compiles them"
         )
 
     def use_report(self) -> str:

@@ -21,8 +21,8 @@ def open_cache_dir(path: str | Path) -> Path:
     cache.mkdir(mode=0o700, parents=True, exist_ok=True)
     if cache.stat().st_uid != os.getuid():
         raise ConfigError(
-            f"config compile.cache_dir {cache}: owned by another user; compiled code is not loaded "
-            "from it"
+            f"config compile.cache_dir {cache}: owned by another user; compiled code is not "
+            "loaded from it"
         )
     return cache
 

@@ -40,8 +40,7 @@ def prepare_weights(model: Qwen3VL, device: torch.device, quantize: str, compile
         if device.type != "cpu" or compiled or not can_quantize():
             raise ConfigError(
                 "quantize int8 runs on the CPU with the eager backend and fbgemm (x86); this run "
-                "has "
-                f"device {device.type}, compiled {compiled}, fbgemm {can_quantize()}"
+                f"has device {device.type}, compiled {compiled}, fbgemm {can_quantize()}"
             )
         return f"int8 ({quantize_model(model)} linears, fbgemm)"
     if compiled:
@@ -54,8 +53,8 @@ def prepare_weights(model: Qwen3VL, device: torch.device, quantize: str, compile
     library, reason = cpu_kernel.load()
     few_rows = "compiled bf16 kernel" if library is not None else f"chunks ({reason})"
     return (
-        f"upcast: bfloat16 weights, float32 compute; up to {KERNEL_ROWS} rows {few_rows}, "
-        "more rows chunks"
+        f"upcast: bfloat16 weights, float32 compute; up to {KERNEL_ROWS} rows {few_rows}, more "
+        "rows chunks"
     )
 
 

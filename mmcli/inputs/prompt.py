@@ -115,10 +115,8 @@ class PromptBuilder:
         if found != expected:
             raise ItemError(
                 f"the prompt holds {found[0]} image and {found[1]} video placeholders for "
-                f"{expected[0]} "
-                f"images and {expected[1]} video frame groups (does the question contain "
-                f"{IMAGE_PAD} "
-                f"or {VIDEO_PAD}?)"
+                f"{expected[0]} images and {expected[1]} video frame groups (does the question "
+                f"contain {IMAGE_PAD} or {VIDEO_PAD}?)"
             )
         image_counts = iter(images)
         group_counts = iter(tokens for groups in videos for _, tokens in groups)

@@ -142,8 +142,7 @@ class RequestBuilder:
         if self.compiled and len(ids) > largest:
             raise ItemError(
                 f"{key}: prompt of {len(ids)} tokens is over the largest compile.prefill_buckets "
-                "entry "
-                f"{largest}"
+                f"entry {largest}"
             )
         rotary, delta = rope_index(
             ids, prepared.grids, self.visual_token_ids, self.image_cfg.merge_size

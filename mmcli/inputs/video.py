@@ -249,8 +249,7 @@ def _decode(container, stream, sampling: VideoSampling, resample: int | None) ->
     if width * height > sampling.max_decode_pixels:
         raise ImageError(
             f"{width}x{height} pixels a frame is over the decode limit of "
-            f"{sampling.max_decode_pixels} "
-            "(video.max_decode_pixels)"
+            f"{sampling.max_decode_pixels} (video.max_decode_pixels)"
         )
     duration, fps, total = _stream_facts(container, stream)
     if total <= 0 or fps <= 0:
@@ -271,8 +270,7 @@ def _decode(container, stream, sampling: VideoSampling, resample: int | None) ->
     if len(frames) < len(indices):
         raise ImageError(
             f"truncated: the stream ends at {times[-1]:.1f} s of the {duration:.1f} s its header "
-            "gives "
-            f"({len(frames)} of {len(indices)} sampled frames decoded)"
+            f"gives ({len(frames)} of {len(indices)} sampled frames decoded)"
         )
     notes = []
     if stream.average_rate and stream.guessed_rate and stream.average_rate != stream.guessed_rate:

@@ -223,8 +223,8 @@ def _refuse_clashes(
         for name in [n for n in names if key in clashes.get(n, {})]:
             target = sidecar_path(path, job.sidecar_ext(tasks[name]))
             error = ConfigError(
-                f"{path}: its sidecar {target} is also the sidecar of {clashes[name][key]}; rename "
-                "one of the two"
+                f"{path}: its sidecar {target} is also the sidecar of {clashes[name][key]}; "
+                "rename one of the two"
             )
             write(error_record(key, path, tasks[name], job.config, job.settings[name], error))
         names = [n for n in names if key not in clashes.get(n, {})]

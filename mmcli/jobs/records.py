@@ -1,4 +1,4 @@
-"""JSONL records (design: the JSONL record), appended and made durable one at a time."""
+"""JSONL records (README: the JSONL record), appended and made durable one at a time."""
 
 from __future__ import annotations
 
@@ -138,8 +138,8 @@ class JsonlOutput:
             other = lock.read().strip() or "?"
             lock.close()
             raise OutputLocked(
-                f"{self.path}: another mmcli run (pid {other}) is writing this output; "
-                f"wait for it or choose another -o"
+                f"{self.path}: another mmcli run (pid {other}) is writing this output; wait for "
+                "it or choose another -o"
             ) from None
         lock.seek(0)
         lock.truncate()

@@ -41,8 +41,8 @@ def scan(
     def add(key: str, path: Path) -> None:
         if key in items and items[key] != path:
             raise ConfigError(
-                f"{items[key]} and {path} both give the key {key!r}; caption them in separate runs "
-                "(or give their folders other names)"
+                f"{items[key]} and {path} both give the key {key!r}; caption them in separate "
+                "runs (or give their folders other names)"
             )
         items[key] = path
 

@@ -23,7 +23,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def resolve_dtype(name: str, checkpoint_dtype: str, device_type: str) -> str:
     """dtype as run. auto: the checkpoint's dtype on accelerators; float32 on the CPU, where
-    bfloat16 matmuls mostly lack fast kernels (measured 11 vs 58 GFLOP/s on an AVX2 server)."""
+    bfloat16 matmuls mostly lack fast kernels."""
     if name != "auto":
         return name
     return "float32" if device_type == "cpu" else checkpoint_dtype

@@ -1,19 +1,17 @@
 """The bfloat16-weight, float32-activation linear for few rows (decode), built from
 `bf16_linear.c` on first use.
 
-PyTorch has no such kernel on AVX2 CPUs: its bfloat16 GEMM rounds the activations and runs at
-15-30 GFLOP/s, and converting weights in one call and multiplying in another costs as much as
-reading float32 weights. This kernel widens each 8-value group of weights in registers (a
-bfloat16 is the top half of a float32: exact) and feeds it to FMAs for up to 3 rows at once, so
-decode reads 2 bytes a parameter and computes in float32. Measured on a 2-core AVX2 server
-against oneDNN's packed float32 (ms for a 6144x2048 weight): 1 row 1.9 vs 3.9, 8 rows 3.6 vs 6.2,
-16 rows 6.4 vs 7.0; against the converted-chunk path it wins up to 24 rows and ties at 32 (see
-linear.py).
+PyTorch has no such kernel on AVX2 CPUs: its bfloat16 GEMM rounds the activations, and converting
+weights in one call and multiplying in another costs as much as reading float32 weights. This kernel
+widens each 8-value group of weights in registers (a bfloat16 is the top half of a float32: exact)
+and feeds it to FMAs for up to 3 rows at once, so decode reads 2 bytes a parameter and computes in
+float32.
 
 It is compiled with the system C compiler (as Inductor compiles its CPU kernels) into
 ~/.cache/mmcli/kernels, linked to the OpenMP runtime torch itself loaded so that both share one
-thread pool. Where the CPU lacks AVX2/FMA, no compiler is found or the build fails, `load`
-returns None with the reason and the caller keeps the portable path."""
+thread pool. Where the CPU lacks AVX2/FMA, no compiler is found or the build fails, `load` returns
+None with the reason and the caller keeps the portable path.
+"""
 
 from __future__ import annotations
 

@@ -37,9 +37,8 @@ def resolve_model(model: str) -> Path:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
             f"{model}: cannot fetch from the Hugging Face hub ({reason[:160]}); download it "
-            "elsewhere and pass "
-            "the local directory with --model /path/to/checkpoint (or set HF_HUB_OFFLINE=1 to use "
-            "the cache)"
+            "elsewhere and pass the local directory with --model /path/to/checkpoint (or set "
+            "HF_HUB_OFFLINE=1 to use the cache)"
         ) from None
 
 

@@ -1,25 +1,21 @@
-"""The linear layer of both towers, and the CPU kernels it runs with (`prepare_linears` picks one
-per layer).
+"""The linear layer of both towers, and the CPU kernels it runs with (the runner's
+`prepare_weights` picks one for the model):
 
-- packed: float32 weights reordered once into oneDNN's blocked layout (`torch.ops.mkldnn`, the
-  ops Inductor emits for CPU linears). Measured on a 2-core AVX2 server (a stack of 2B text
-  weights, 2.9 GB): 73 GFLOP/s at 256 rows against MKL's 58, 52 against 35 at 16 rows; `dtype:
-  float32` runs this, as before.
-- upcast: weights resident in the checkpoint's bfloat16 (2 bytes a parameter) and computed in
-  float32. Up to KERNEL_ROWS rows (decode), a compiled kernel that widens the weights in
-  registers (cpu_kernel.py: 8 rows of a 6144x2048 weight in 3.6 ms against 6.2 for packed
-  float32). More rows (prefill, vision), or no kernel: each chunk of output rows is converted to
-  float32 in a reused buffer that stays in cache, then multiplied (MKL). A bfloat16 value
-  converts to float32 exactly, so the numbers are those of the float32 path. Measured on
-  6144x2048 weights, 250 MB of them (ms per weight, this kernel against packed float32): 1 row
-  3.0 vs 3.9, 4 rows 6.8 vs 4.2, 16 rows 5.2 vs 6.1, 64 rows 13.3 vs 13.0, 256 rows 48 vs 42.
-  MKL's kernel choice depends on the orientation, so the product is taken as x @ chunk.T or
-  (chunk @ x.T).T by row count, as measured.
-- int8: 8-bit weights with a scale per output channel (fbgemm's packed weights, about 1 byte a
-  parameter) and dynamic 8-bit activations with a scale per token: each row is divided by its own
-  largest magnitude before fbgemm's dynamic quantization (which takes one scale per call) and the
-  output row multiplied back, so a token with large values never coarsens the others. Same
-  weights: 6.1 ms at 64 rows against 13.0 for packed float32."""
+- packed: float32 weights reordered once into oneDNN's blocked layout (`torch.ops.mkldnn`, the ops
+  Inductor emits for CPU linears); `dtype: float32` runs this.
+- upcast: weights held in the checkpoint's bfloat16 and computed in float32. Up to KERNEL_ROWS rows
+  (decode), a compiled kernel widens the weights in registers (cpu_kernel.py); more rows (prefill,
+  vision), or no kernel: each chunk of output rows is converted to float32 in a reused buffer that
+  stays in cache, then multiplied. A bfloat16 value converts to float32 exactly, so the numbers are
+  those of the float32 path. MKL's kernel choice depends on the orientation, so the product is taken
+  as x @ chunk.T or (chunk @ x.T).T by row count.
+- int8: 8-bit weights with a scale per output channel (fbgemm's packed weights) and dynamic 8-bit
+  activations with a scale per token: each row is divided by its own largest magnitude before
+  fbgemm's dynamic quantization (which takes one scale per call), so a token with large values never
+  coarsens the others.
+
+bench/cpu.py prints what each kernel gives on the machine it runs on (docs/performance.md).
+"""
 
 from __future__ import annotations
 
@@ -30,7 +26,7 @@ from torch import nn
 
 from mmcli.model import cpu_kernel
 
-# measured crossover with the chunked path: the kernel wins up to 24 rows, ties at 32, loses at 48
+# the crossover with the chunked path, from bench/cpu.py's kernel table
 KERNEL_ROWS = 24
 # output rows converted per chunk: 4 MB of float32 for a 2048-wide layer, cache resident
 UPCAST_ROWS = 512
@@ -80,7 +76,7 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                 UPCAST_ROWS, weight.shape[1], dtype=x.dtype, device=x.device
             )
     buffer = _scratch[key]
-    # measured: MKL is faster as (chunk @ x.T).T for these
+    # MKL picks a faster kernel as (chunk @ x.T).T for these row counts (bench/cpu.py)
     transposed = rows == 1 or 16 <= rows < 128
     xt = x2.t().contiguous() if transposed else x2
     outs = []
@@ -125,8 +121,8 @@ def int8_linear(
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose kernel `prepare_linears` chooses: packed (oneDNN float32), upcast
-    (bfloat16 weight, float32 compute), int8 (fbgemm), or plain (PyTorch's; on the CPU in
+    """nn.Linear whose kernel the runner's `prepare_weights` chooses: packed (oneDNN float32),
+    upcast (bfloat16 weight, float32 compute), int8 (fbgemm), or plain (PyTorch's; on the CPU in
     float32, 2-16 rows as weight @ x.T, where MKL takes a GEMV-like kernel)."""
 
     kernel = "plain"
