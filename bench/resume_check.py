@@ -40,14 +40,16 @@ def main() -> None:
             ("no check (--no-check-changed)", False),
             ("check, nothing changed", True),
         ):
-            job = CaptionJob(paths=[root], config=Config(), check_changed=check, settings="s")
+            job = CaptionJob(
+                paths=[root], config=Config(), check_changed=check, resume_keys={"caption": "s"}
+            )
             started = time.perf_counter()
             left = pending(items, out, job)
             times[name] = time.perf_counter() - started
             assert not left
         for _, path in items:
             os.utime(path)
-        job = CaptionJob(paths=[root], config=Config(), settings="s")
+        job = CaptionJob(paths=[root], config=Config(), resume_keys={"caption": "s"})
         started = time.perf_counter()
         assert not pending(items, out, job)
         times["check, every mtime changed (sha256 each)"] = time.perf_counter() - started

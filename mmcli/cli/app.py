@@ -42,7 +42,7 @@ def exit_codes() -> Iterator[None]:
         raise typer.Exit(e.exit_code) from None
 
 
-def _settings(config: Path | None, **overrides) -> dict:
+def _load_config(config: Path | None, **overrides) -> dict:
     from mmcli.config import load_config
 
     return load_config(config, overrides)
@@ -85,7 +85,7 @@ def ask(
     given.update(top_k=top_k, repetition_penalty=repetition_penalty, seed=seed)
     with exit_codes():
         precision = dict(dtype=dtype, device=device, quantize=quantize)
-        cfg = _settings(
+        cfg = _load_config(
             config, model=model, compile={"backend": backend}, generation=given, **precision
         )
         if question is None and task is None:
@@ -118,7 +118,7 @@ def plan(
     from mmcli.cli.plan import image_patches, print_plan
 
     with exit_codes():
-        cfg = _settings(config)
+        cfg = _load_config(config)
         if tokens:
             try:
                 patches = [int(t) for t in tokens.split(",")]
@@ -191,7 +191,7 @@ def caption(
         ray_options = _ray_options(ray_address, replicas, replica_resources) if ray else None
         given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
         precision = dict(dtype=dtype, device=device, quantize=quantize)
-        cfg = _settings(
+        cfg = _load_config(
             config,
             model=model,
             prompt=prompt,
@@ -263,7 +263,7 @@ def compile_cmd(
             raise ConfigError(
                 "say --buckets (every configured bucket) or --buckets 'decode 8x1024, ...'"
             )
-        cfg = _settings(
+        cfg = _load_config(
             config,
             model=model,
             dtype=dtype,
@@ -290,4 +290,4 @@ def config_cmd(
     with exit_codes():
         if action != "show":
             raise ConfigError(f"config {action!r}: only 'show' is known")
-        typer.echo(config_as_yaml(_settings(config)))
+        typer.echo(config_as_yaml(_load_config(config)))

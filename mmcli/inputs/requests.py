@@ -25,7 +25,7 @@ from mmcli.tasks import Task, render_prompt
 
 
 @dataclass
-class PreparedImages:
+class PreparedInputs:
     """Decoded and patchified inputs: vision segments (an image, or one temporal patch of a
     video) in prompt order, and per input its record facts and its prompt layout."""
 
@@ -60,10 +60,10 @@ class RequestBuilder:
     def is_video(self, path) -> bool:
         return isinstance(path, (str, Path)) and self.config.scan.is_video(path)
 
-    def images(self, images: list, videos: list = ()) -> PreparedImages:
+    def images(self, images: list, videos: list = ()) -> PreparedInputs:
         """Decode and preprocess (files with a video extension as videos, after the images);
         raises ImageError naming the file for a bad input."""
-        out = PreparedImages([], [], [], [])
+        out = PreparedInputs([], [], [], [])
         videos = [i for i in images if self.is_video(i)] + list(videos)
         for image in [i for i in images if not self.is_video(i)]:
             rgb, note = self._decode_image(image)
@@ -97,7 +97,7 @@ class RequestBuilder:
                 f"{self.config.vision.block_size}"
             )
 
-    def _add_video(self, out: PreparedImages, path) -> None:
+    def _add_video(self, out: PreparedInputs, path) -> None:
         try:
             # frames resized as decoded
             video = decode_video(path, self.video_sampling, self.image_cfg.resample)
@@ -128,7 +128,7 @@ class RequestBuilder:
         )
 
     def build(
-        self, key: str, prepared: PreparedImages, question: str, sampling: SamplingParams, **extra
+        self, key: str, prepared: PreparedInputs, question: str, sampling: SamplingParams, **extra
     ) -> Request:
         """One request for `question` about the prepared images; raises ItemError when the prompt
         cannot run."""

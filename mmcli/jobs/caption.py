@@ -40,8 +40,8 @@ class CaptionJob:
     logprobs: bool = False
     ray: RayOptions | None = None  # run on a Ray cluster
     check_changed: bool = True  # redo an item whose image changed since its record
-    # task name -> its label settings' hash; set at start
-    settings: dict[str, str] = field(default_factory=dict)
+    # task name -> the hash of its label settings (its resume key); set at start
+    resume_keys: dict[str, str] = field(default_factory=dict)
     # sampling given on the command line: wins over tasks' own
     sampling: dict = field(default_factory=dict)
 
@@ -55,7 +55,9 @@ class CaptionJob:
 
     def settle(self, base: dict) -> None:
         """Each task's resume key: the run's label settings and the task's definition."""
-        self.settings = {t.name: settings_hash({**base, "task": t.definition}) for t in self.tasks}
+        self.resume_keys = {
+            t.name: settings_hash({**base, "task": t.definition}) for t in self.tasks
+        }
 
 
 def sidecar_clashes(items: list[tuple[str, Path]], ext: str | None) -> dict[str, str]:
@@ -96,7 +98,7 @@ def pending(items: list[tuple[str, Path]], out: JsonlOutput | None, job: Caption
     names = [t.name for t in job.tasks]
     if job.overwrite or out is None:
         return [(k, p, names) for k, p in items]
-    wanted = {job.settings[n]: n for n in names}
+    wanted = {job.resume_keys[n]: n for n in names}
     recorded = {
         (r.get("key"), wanted[r["settings"]]): r
         for r in out.records()
@@ -194,7 +196,9 @@ def _run(
         if job.ray is not None:
             from mmcli.jobs.distributed import caption_on_ray
 
-            caption_on_ray(items, job.config, job.tasks, job.settings, write, job.ray, job.logprobs)
+            caption_on_ray(
+                items, job.config, job.tasks, job.resume_keys, write, job.ray, job.logprobs
+            )
         else:
             _label_here(labeler, job, items, write, progress)
         progress.finish()
@@ -226,7 +230,7 @@ def _refuse_clashes(
                 f"{path}: its sidecar {target} is also the sidecar of {clashes[name][key]}; "
                 "rename one of the two"
             )
-            write(error_record(key, path, tasks[name], job.config, job.settings[name], error))
+            write(error_record(key, path, tasks[name], job.config, job.resume_keys[name], error))
         names = [n for n in names if key not in clashes.get(n, {})]
         if names:
             left.append((key, path, names))
@@ -238,7 +242,7 @@ def _label_here(
 ) -> None:
     tasks = {t.name: t for t in job.tasks}
     try:
-        for record in label_records(labeler, items, tasks, job.settings, job.logprobs):
+        for record in label_records(labeler, items, tasks, job.resume_keys, job.logprobs):
             write(record)
     finally:
         progress.say(labeler.compile_use_report())
