@@ -273,13 +273,14 @@ def test_the_compile_digest_covers_every_module_a_graph_runs(tmp_path, monkeypat
     artifact = graphs.cache_dir / "a"
     monkeypatch.setattr(graphs, "_artifacts", lambda: {"a"} if artifact.exists() else set())
     assert graphs.compile_bucket(graphs.buckets[0], lambda b: artifact.write_text("x"))[0] == "new"
-    for edited in ("model/linear.py", "steps.py"):
+    package_root = compiled.PACKAGE_ROOT
+    for edited in ("model/linear.py", "compiled/steps.py"):
         target = copy / edited
         target.write_text(target.read_text() + "\n# edited\n")
         monkeypatch.setattr(compiled, "PACKAGE_ROOT", copy)
         assert graphs.status(graphs.buckets[0], graphs.manifest.entries()) == ("stale", ["source"])
-        monkeypatch.setattr(compiled, "PACKAGE_ROOT", compiled.Path(compiled.__file__).parent)
-        shutil.copy(compiled.PACKAGE_ROOT / edited, target)
+        monkeypatch.setattr(compiled, "PACKAGE_ROOT", package_root)
+        shutil.copy(package_root / edited, target)
 
 
 def test_duplicate_keys_are_refused_before_any_work(tiny_dir):

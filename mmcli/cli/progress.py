@@ -49,6 +49,11 @@ class Progress:
         if line and not self.quiet:
             print(f"mmcli: {line}", file=self.console.file, flush=True)
 
+    def note(self, line: str | None) -> None:
+        """A line on stderr even with --quiet (what the compile cache holds and misses)."""
+        if line:
+            print(f"mmcli: {line}", file=self.console.file, flush=True)
+
     @contextlib.contextmanager
     def status(self, what: str) -> Iterator[None]:
         """A phase before loading (scanning the inputs): a status line on a terminal."""

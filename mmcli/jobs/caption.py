@@ -168,7 +168,7 @@ def _run(
     if job.ray is None:
         with progress.loading(load_description(job.config)):
             labeler = Labeler.from_pretrained(config=job.config)
-        progress.say(labeler.compile_cache_report())
+        progress.note(labeler.compile_cache_report())
         # The same settings, unless the model was fetched just now.
         job.settle(label_settings(job.config, labeler.path, labeler.precision))
     else:
@@ -245,4 +245,4 @@ def _label_here(
         for record in label_records(labeler, items, tasks, job.resume_keys, job.logprobs):
             write(record)
     finally:
-        progress.say(labeler.compile_use_report())
+        progress.note(labeler.compile_use_report())
