@@ -327,7 +327,7 @@ def test_video_positions_logits_and_greedy_tokens_match_transformers(
     captioner, model = pair
     clip = make_test_video(tmp_path / "clip.mp4", seconds=3, fps=8, width=160, height=96)
     images = [photo("chelsea.jpg", (96, 80))] if with_image else []
-    prepared = captioner.requests.images(images, [clip])
+    prepared = captioner.requests.prepare(images, [clip])
     req = captioner.requests.build("k", prepared, QUESTION, captioner.sampling(max_new_tokens=16))
     ids = _reference_ids(tiny_dir, ["image"] * len(images) + ["video"], prepared.layout)
     image_id, video_id = model.config.image_token_id, model.config.video_token_id
@@ -379,7 +379,7 @@ def test_plan_sizes_a_video_from_its_headers_as_a_run_does(tiny_dir, tmp_path):
     clip = make_test_video(tmp_path / "a.mp4", seconds=3, fps=8, width=160, height=96)
     names, patches = image_patches([tmp_path], load_config(None, {"model": str(tiny_dir)}))
     cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
-    prepared = cap.requests.images([], [clip])
+    prepared = cap.requests.prepare([], [clip])
     assert names == ["a.mp4#0", "a.mp4#1", "a.mp4#2"]
     # 6 frames of 96x160 under the tiny checkpoint's 16384 pixels a video: beta =
     # sqrt(6*96*160/16384) = 2.37,

@@ -70,21 +70,21 @@ class Labeler:
     ) -> tuple[Request, list[dict]]:
         """Decode and preprocess the images and videos and build the prompt; raises ImageError
         for a bad input."""
-        prepared = self.requests.images(images, videos)
+        prepared = self.requests.prepare(images, videos)
         return self.requests.build(key, prepared, question, sampling), prepared.infos
 
     def _finish(self, done, infos: list[dict], started: float, task: Task | None = None) -> Result:
         text = self.prompts.decode(done.token_ids)
         result = Result(
-            done.key,
-            text,
-            done.token_ids,
-            done.logprobs,
-            done.finish_reason,
-            done.num_input_tokens,
-            done.num_image_tokens,
-            int((time.perf_counter() - started) * 1000),
-            infos,
+            key=done.key,
+            text=text,
+            token_ids=done.token_ids,
+            logprobs=done.logprobs,
+            finish_reason=done.finish_reason,
+            num_input_tokens=done.num_input_tokens,
+            num_image_tokens=done.num_image_tokens,
+            latency_ms=int((time.perf_counter() - started) * 1000),
+            images=infos,
             task=task.name if task else "",
         )
         if task is None:
@@ -129,7 +129,7 @@ class Labeler:
         result's text)."""
         started = time.perf_counter()
         (chosen,) = self.tasks([task] if task is not None else None, question, **sampling)
-        prepared = self.requests.images(list(images), list(videos))
+        prepared = self.requests.prepare(list(images), list(videos))
         inputs = [*images, *videos]
         path = inputs[0] if inputs and not isinstance(inputs[0], Image.Image) else None
         grammar = self.grammars([chosen]).get(chosen.name)

@@ -114,16 +114,16 @@ def load(cfg: Config) -> Loaded:
     )
     videos = VideoSampling.from_checkpoint(path, cfg.video, image_cfg.max_pixels)
     return Loaded(
-        path,
-        cfg,
-        model,
-        runner,
-        prompts,
-        image_cfg,
-        videos,
-        plan.precision,
-        stop_ids(path, prompts),
-        graphs,
+        path=path,
+        config=cfg,
+        model=model,
+        runner=runner,
+        prompts=prompts,
+        image_cfg=image_cfg,
+        video_sampling=videos,
+        precision=plan.precision,
+        stop_ids=stop_ids(path, prompts),
+        graphs=graphs,
     )
 
 

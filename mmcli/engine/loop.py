@@ -96,13 +96,15 @@ class Engine:
     def _prefill_item(self, seq: Sequence) -> PrefillItem:
         req = seq.request
         return PrefillItem(
-            seq.slot,
-            req.input_ids,
-            req.rotary_position_ids,
-            req.pixel_values,
-            req.vision_grids,
-            req.vision_hashes,
-            min(self.config.engine.max_len, len(req.input_ids) + req.sampling.max_new_tokens),
+            slot=seq.slot,
+            input_ids=req.input_ids,
+            rotary_position_ids=req.rotary_position_ids,
+            pixel_values=req.pixel_values,
+            vision_grids=req.vision_grids,
+            vision_hashes=req.vision_hashes,
+            max_tokens=min(
+                self.config.engine.max_len, len(req.input_ids) + req.sampling.max_new_tokens
+            ),
             group=req.group,
             prefix_len=req.prefix_len,
         )

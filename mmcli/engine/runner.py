@@ -250,25 +250,24 @@ class ModelRunner:
             lead = members[0]
             prefixes.append(
                 PrefillItem(
-                    lead.slot,
-                    lead.input_ids[:n],
-                    lead.rotary_position_ids[:, :n],
-                    lead.pixel_values,
-                    lead.vision_grids,
-                    lead.vision_hashes,
-                    max(m.max_tokens for m in members),
+                    slot=lead.slot,
+                    input_ids=lead.input_ids[:n],
+                    rotary_position_ids=lead.rotary_position_ids[:, :n],
+                    pixel_values=lead.pixel_values,
+                    vision_grids=lead.vision_grids,
+                    vision_hashes=lead.vision_hashes,
+                    max_tokens=max(m.max_tokens for m in members),
                 )
             )
             for member in members:
                 copies.append((lead.slot, member.slot, n))
                 out[items.index(member)] = PrefillItem(
-                    member.slot,
-                    member.input_ids[n:],
-                    member.rotary_position_ids[:, n:],
-                    [],
-                    [],
-                    [],
-                    member.max_tokens,
+                    slot=member.slot,
+                    input_ids=member.input_ids[n:],
+                    rotary_position_ids=member.rotary_position_ids[:, n:],
+                    pixel_values=[],  # the prefix holds the vision tokens
+                    vision_grids=[],
+                    max_tokens=member.max_tokens,
                     start=n,
                 )
         # every group's prefix in one pass: their images in one vision call

@@ -60,7 +60,7 @@ class RequestBuilder:
     def is_video(self, path) -> bool:
         return isinstance(path, (str, Path)) and self.config.scan.is_video(path)
 
-    def images(self, images: list, videos: list = ()) -> PreparedInputs:
+    def prepare(self, images: list, videos: list = ()) -> PreparedInputs:
         """Decode and preprocess (files with a video extension as videos, after the images);
         raises ImageError naming the file for a bad input."""
         out = PreparedInputs([], [], [], [])
@@ -149,16 +149,16 @@ class RequestBuilder:
         )
         visual_tokens = sum(t * h * w for t, h, w in prepared.grids) // self.image_cfg.merge_size**2
         return Request(
-            key,
-            ids,
-            rotary,
-            delta,
-            prepared.pixels,
-            prepared.grids,
-            sampling,
-            self.stop_ids,
-            visual_tokens,
-            prepared.hashes,
+            key=key,
+            input_ids=ids,
+            rotary_position_ids=rotary,
+            rope_delta=delta,
+            pixel_values=prepared.pixels,
+            vision_grids=prepared.grids,
+            sampling=sampling,
+            stop_ids=self.stop_ids,
+            num_image_tokens=visual_tokens,
+            vision_hashes=prepared.hashes,
             **extra,
         )
 
@@ -166,7 +166,7 @@ class RequestBuilder:
         self, key: str, path: str | Path, tasks: list[Task], grammars: dict
     ) -> tuple[list[Request], list]:
         """One request per task about the image at `path`, grouped to share their prompt prefix."""
-        prepared = self.images([path])
+        prepared = self.prepare([path])
         requests = [
             self.build(
                 key,
