@@ -21,17 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_hf import ROOT, make_inputs  # noqa: E402
 
-SCHEMA = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["kind", "count", "title", "tags"],
-    "properties": {
-        "kind": {"enum": ["photo", "drawing", "screenshot"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 20},
-        "title": {"type": "string", "maxLength": 12},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
-    },
-}
+from mmcli.testing import EXAMPLE_SCHEMA as SCHEMA  # noqa: E402
+
 TASKS = {
     "caption": {"max_new_tokens": 48},
     "tags": {"max_new_tokens": 48},

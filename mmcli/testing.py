@@ -94,6 +94,20 @@ _CORPUS = [
 ]
 
 
+# A JSON task's schema for tests and benches: an enum, bounded numbers, strings and a list.
+EXAMPLE_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["kind", "count", "title", "tags"],
+    "properties": {
+        "kind": {"enum": ["photo", "drawing", "screenshot"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 20},
+        "title": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+    },
+}
+
+
 def tiny_tokenizer(vocab_size: int = 360) -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False, fuse_unk=False))
     tok.normalizer = normalizers.NFC()

@@ -141,6 +141,9 @@ def test_padded_buckets_give_the_eager_tokens(tiny_dir, tmp_path, monkeypatch):
         },
     }
     padded = Labeler.from_pretrained(str(tiny_dir), config=load_config(None, padded_cfg))
+    # each runner chose its decode step once, at construction
+    assert eager.runner._decode == eager.runner._decode_eager
+    assert padded.runner._decode == padded.runner._decode_compiled
     assert padded.graphs.attach() == padded.graphs.buckets  # nothing compiled: all run eagerly
     assert {r.key: r.token_ids for r in padded.label(items)} == expected
     used = {b.label for b in padded.graphs.missing_used}
@@ -284,3 +287,15 @@ def test_inductor_compile_ahead_then_load_with_zero_compilations(tiny_dir, tmp_p
     )
     assert "1 of 6 buckets not compiled ahead (prefill 128)" in again.stderr, again.stderr
     assert "0 compiled in this run" in again.stderr
+
+
+def test_cuda_graphs_use_the_configured_decode_buckets_clipped_to_the_engine():
+    from mmcli.compiled.cuda_graphs import DecodeGraphs
+    from mmcli.engine.runner import _clipped
+
+    cfg = load_config(None, {"engine": {"max_seqs": 6, "max_len": 2048}})
+    batch = _clipped(sorted(cfg.compile.decode_batch_buckets), cfg.engine.max_seqs)
+    context = _clipped(sorted(cfg.compile.decode_context_buckets), cfg.engine.max_len)
+    assert batch == [1, 2, 4, 6] and context == [512, 1024, 2048]
+    graphs = DecodeGraphs(None, None, 6, 128, batch, context)  # nothing is captured before use
+    assert graphs.fits(6, 2048) and not graphs.fits(7, 10) and not graphs.fits(1, 2049)

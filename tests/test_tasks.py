@@ -18,18 +18,8 @@ from mmcli.engine.runner import Choice
 from mmcli.errors import ConfigError
 from mmcli.inputs.images import decode_image
 from mmcli.tasks import boxes_in_pixels, resolve_tasks
+from mmcli.testing import EXAMPLE_SCHEMA as SCHEMA
 
-SCHEMA = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["kind", "count", "title", "tags"],
-    "properties": {
-        "kind": {"enum": ["photo", "drawing", "screenshot"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 20},
-        "title": {"type": "string", "maxLength": 12},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
-    },
-}
 TASKS = {
     "short": {"prompt": "One short caption for {filename}.", "max_new_tokens": 6},
     "fields": {
