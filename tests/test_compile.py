@@ -291,11 +291,12 @@ def test_inductor_compile_ahead_then_load_with_zero_compilations(tiny_dir, tmp_p
 
 def test_cuda_graphs_use_the_configured_decode_buckets_clipped_to_the_engine():
     from mmcli.compiled.cuda_graphs import DecodeGraphs
-    from mmcli.engine.runner import _clipped
+    from mmcli.engine.runner import _covering
 
     cfg = load_config(None, {"engine": {"max_seqs": 6, "max_len": 2048}})
-    batch = _clipped(sorted(cfg.compile.decode_batch_buckets), cfg.engine.max_seqs)
-    context = _clipped(sorted(cfg.compile.decode_context_buckets), cfg.engine.max_len)
+    batch = _covering(sorted(cfg.compile.decode_batch_buckets), cfg.engine.max_seqs)
+    context = _covering(sorted(cfg.compile.decode_context_buckets), cfg.engine.max_len)
     assert batch == [1, 2, 4, 6] and context == [512, 1024, 2048]
+    assert _covering([1, 2, 4, 8], 64) == [1, 2, 4, 8, 64]  # the engine's largest batch too
     graphs = DecodeGraphs(None, None, 6, 128, batch, context)  # nothing is captured before use
     assert graphs.fits(6, 2048) and not graphs.fits(7, 10) and not graphs.fits(1, 2049)

@@ -134,8 +134,8 @@ class ModelRunner:
                 self.cache,
                 self.scratch_slot,
                 text.head_dim,
-                _clipped(self.decode_batch_buckets, engine.max_seqs),
-                _clipped(self.decode_context_buckets, engine.max_len),
+                _covering(self.decode_batch_buckets, engine.max_seqs),
+                _covering(self.decode_context_buckets, engine.max_len),
             )
         self._decode = self._decode_implementation()
         self._pinned: torch.Tensor | None = None
@@ -429,6 +429,7 @@ class ModelRunner:
         return [Choice(t, lp) for t, lp in zip(tokens, logprobs)]
 
 
-def _clipped(buckets: list[int], limit: int) -> list[int]:
-    """Configured sizes, none past `limit` (the largest becomes `limit` itself)."""
-    return sorted({min(b, limit) for b in buckets})
+def _covering(buckets: list[int], limit: int) -> list[int]:
+    """The configured sizes up to `limit`, and `limit` itself: every size the engine can ask for
+    has a bucket."""
+    return sorted({min(b, limit) for b in buckets} | {limit})
