@@ -18,7 +18,7 @@ _END = object()
 class Engine:
     def __init__(self, runner: ModelRunner, config: Config):
         self.runner, self.config = runner, config
-        self.on_token: Callable[[str, int], None] | None = None  # the running generate() call's
+        self.on_token: Callable[[str, int], None] | None = None  # the current generate() call's
         self.input_wait = 0.0  # seconds with nothing to run while inputs were being prepared
 
     def generate(

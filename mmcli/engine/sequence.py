@@ -71,7 +71,7 @@ class Finished:
             req.key,
             seq.token_ids,
             seq.logprobs,
-            seq.finish_reason or "length",
+            seq.finish_reason,
             len(req.input_ids),
             req.num_image_tokens,
             req.task,

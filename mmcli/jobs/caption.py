@@ -1,7 +1,7 @@
 """The caption job: scan, shard, resume filter, run (in this process or on Ray), write records.
 
 The CLI parses options into a `CaptionJob` and calls `run_caption_job`; local and Ray runs share
-the scan, the resume filter, the output and `caption_record`."""
+the scan, the resume filter, the output and the labeling loop (labeling.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from mmcli.errors import ConfigError, MmcliError
 from mmcli.jobs.distributed import RayOptions
 from mmcli.jobs.labeling import Item, error_record, label_records
 from mmcli.jobs.records import JsonlOutput, append_record, sidecar_path, write_sidecar
-from mmcli.jobs.resume import file_changed, label_settings, settings_hash
+from mmcli.jobs.resume import file_changed, label_settings, planned_settings, settings_hash
 from mmcli.jobs.scan import parse_shard, scan, shard_of
 from mmcli.tasks import Task, resolve_tasks
 
@@ -121,8 +121,6 @@ def run_caption_job(job: CaptionJob, progress) -> int:
     """Run the job, reporting to `progress` (the command line's Progress); returns the exit code
     (0 done, 1 an item failed, 130 interrupted). Raises MmcliError for what stops it before or
     during the work."""
-    from mmcli.jobs.resume import planned_settings
-
     with progress.status("finding the images and what is done"):
         # scanned once: the work, and the sidecar clashes among all images
         everything = select_items(job)
