@@ -407,12 +407,16 @@ def make_test_video(
     rotation: int = 0,
     frame_times: list[float] | None = None,
     keyframe_every: int = 12,
+    mirror: str | None = None,
+    container_format: str | None = None,
 ) -> Path:
     """A small video written with PyAV: frame k is grey level (k * 7) % 256 with a white top-left
     corner (so a test can tell frames and orientation apart), `width` x `height` as displayed.
     `frame_times` gives each frame's own time (variable frame rate); with `rotation` (the display
     matrix's counterclockwise degrees, a multiple of 90) the frames are stored turned the other
-    way, so that a player that honours the matrix shows them upright."""
+    way, so that a player that honours the matrix shows them upright. `mirror` ("horizontal" or
+    "vertical", without a rotation) stores them mirrored, with a display matrix that mirrors them
+    back. `frame_times` may start after 0 (a clip cut from a stream)."""
     import av
     import numpy as np
 
@@ -420,21 +424,25 @@ def make_test_video(
     times = (
         frame_times if frame_times is not None else [k / fps for k in range(round(seconds * fps))]
     )
-    with av.open(str(path), "w") as container:
+    if mirror is not None and rotation:
+        raise ValueError("mirror goes without a rotation here")
+    flips = {"hflip": mirror == "horizontal", "vflip": mirror == "vertical"}
+    with av.open(str(path), "w", format=container_format) as container:
         stream = container.add_stream(codec, rate=fps)
         turns = rotation // 90 % 4
         stream.width, stream.height = (height, width) if turns % 2 else (width, height)
         stream.pix_fmt = "yuv420p"
         stream.codec_context.time_base = Fraction(1, fps if frame_times is None else 1000)
         stream.codec_context.gop_size = keyframe_every
-        if rotation:
-            stream.set_display_rotation(rotation)
+        if rotation or mirror:
+            stream.set_display_rotation(rotation, **flips)
         for k, t in enumerate(times):
             rgb = np.full((height, width, 3), (k * 7) % 256, np.uint8)
             rgb[: height // 4, : width // 4] = 255
-            frame = av.VideoFrame.from_ndarray(
-                np.ascontiguousarray(np.rot90(rgb, -turns)), format="rgb24"
-            )
+            stored = np.rot90(rgb, -turns)
+            stored = stored[:, ::-1] if flips["hflip"] else stored
+            stored = stored[::-1] if flips["vflip"] else stored
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(stored), format="rgb24")
             frame.time_base = stream.codec_context.time_base
             frame.pts = round(t / frame.time_base)
             container.mux(stream.encode(frame))

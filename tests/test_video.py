@@ -170,6 +170,33 @@ def test_a_rotated_file_comes_out_upright_and_seeking_skips_what_is_not_sampled(
     assert len(video.frames) == 8 and video.total_frames == 1200 and video.frames_decoded <= 8 * 10
 
 
+def test_a_clip_whose_timestamps_start_late_is_whole_and_times_count_from_its_start(tmp_path):
+    # WebM and Matroska cut from a stream: the first frame at 5 s, the header's duration an end time
+    times = [5 + k / 10 for k in range(20)]
+    for name, codec in (("late.mkv", "mpeg4"), ("late.webm", "libvpx")):
+        video = decode_video(
+            make_test_video(tmp_path / name, frame_times=times, codec=codec), VideoSampling(fps=2)
+        )
+        assert video.duration == 2.0 and video.total_frames == 20 and not video.notes
+        assert [round(t, 3) for t in video.times] == [0.0, 0.6, 1.3, 1.9]
+
+
+def test_variable_rate_is_seen_in_the_frames_own_times(tmp_path):
+    # Matroska's header rates agree (10 and 10) on a clip whose frames alternate 140 and 60 ms
+    times = [round(k / 10 + (0.04 if k % 2 else 0), 3) for k in range(20)]
+    vfr = decode_video(make_test_video(tmp_path / "vfr.mkv", frame_times=times), VideoSampling())
+    cfr = decode_video(make_test_video(tmp_path / "cfr.mkv"), VideoSampling())
+    assert any("variable frame rate" in n for n in vfr.notes) and not cfr.notes
+
+
+def test_a_mirrored_clip_comes_out_mirrored_not_turned(tmp_path):
+    for mirror in ("horizontal", "vertical"):
+        clip = make_test_video(tmp_path / f"{mirror}.mp4", mirror=mirror)
+        frame = np.asarray(decode_video(clip, VideoSampling()).frames[0])[..., 0]
+        # the white corner top left, as shown; turned 180 degrees it would be bottom right
+        assert frame[:16, :24].mean() > 240 and frame[-16:, -24:].mean() < 40
+
+
 def _bad_videos(root):
     good = make_test_video(root / "good.mp4")
     data = good.read_bytes()

@@ -157,11 +157,39 @@ def video_smart_resize(
     return h_bar, w_bar
 
 
+# The display matrix's 2x2 part as signs (a, b, c, d): a stored pixel (x, y) is shown at
+# (a x + c y, b x + d y). The eight rotations and mirrors, as FFmpeg's autorotate applies them.
+_TRANSPOSES = {
+    (1, 0, 0, 1): None,
+    (-1, 0, 0, 1): Image.Transpose.FLIP_LEFT_RIGHT,
+    (1, 0, 0, -1): Image.Transpose.FLIP_TOP_BOTTOM,
+    (-1, 0, 0, -1): Image.Transpose.ROTATE_180,
+    (0, -1, 1, 0): Image.Transpose.ROTATE_90,
+    (0, 1, -1, 0): Image.Transpose.ROTATE_270,
+    (0, 1, 1, 0): Image.Transpose.TRANSPOSE,
+    (0, -1, -1, 0): Image.Transpose.TRANSVERSE,
+}
+
+
 def _upright(frame) -> Image.Image:
+    """The frame as shown: its display matrix applied (rotation and mirroring)."""
     image = frame.to_image()
-    # counterclockwise degrees from the display matrix
-    rotation = getattr(frame, "rotation", 0) or 0
-    return image.rotate(rotation, expand=True) if rotation % 360 else image
+    matrix = _display_matrix(frame)
+    if matrix is None:
+        return image
+    signs = tuple(int(np.sign(matrix[i])) for i in (0, 1, 3, 4))
+    if signs in _TRANSPOSES:
+        op = _TRANSPOSES[signs]
+        return image if op is None else image.transpose(op)
+    # another angle: turned as the matrix says (counterclockwise degrees)
+    return image.rotate(frame.rotation or 0, expand=True)
+
+
+def _display_matrix(frame) -> np.ndarray | None:
+    for side in frame.side_data:
+        if str(side.type).endswith("DISPLAYMATRIX"):
+            return np.frombuffer(bytes(side), dtype=np.int32)
+    return None
 
 
 def decode_video(
@@ -227,18 +255,50 @@ def probe_video(path: str | Path, sampling: VideoSampling) -> tuple[int, int, in
 
 
 def _stream_facts(container, stream) -> tuple[float, float, int]:
-    """(duration in seconds, average fps, frame count) from the container's headers."""
+    """(duration in seconds, average fps, frame count) from the headers, or from the last packet's
+    end where the stream has no length of its own (Matroska and WebM store an end time, which is
+    not the length when the timestamps start after 0)."""
     base = stream.time_base or Fraction(1, 1_000_000)
     if stream.duration:
         duration = float(stream.duration * base)
     else:
-        duration = (container.duration or 0) / 1_000_000
+        duration = _length_without_header(container, stream, base)
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate
     fps = float(rate) if rate else 0.0
     total = stream.frames or (round(duration * fps) if fps else 0)
     if fps <= 0 and total and duration > 0:
         fps = total / duration
     return duration, fps, total
+
+
+def _length_without_header(container, stream, base) -> float:
+    """Seconds from the first packet to the end of the last. The container's duration is an end
+    time in some muxers (FFmpeg's Matroska) and a length in others: where it promises more than the
+    packets hold, the file was cut short, and that duration is kept so that decoding reports it."""
+    claimed = (container.duration or 0) / 1_000_000
+    end = _stream_end(container, stream)
+    if end is None:
+        return claimed
+    start = float((stream.start_time or 0) * base)
+    if claimed - float(end * base) > 0.5:
+        return claimed
+    return float(end * base) - start
+
+
+def _stream_end(container, stream) -> int | None:
+    """The end (pts + duration) of the stream's last packet, in its time base: read from its last
+    keyframe on, packets only (nothing is decoded)."""
+    import av
+
+    end = None
+    try:
+        container.seek(2**62, stream=stream, backward=True, any_frame=False)
+        for packet in container.demux(stream):
+            if packet.pts is not None:
+                end = max(end or packet.pts, packet.pts + (packet.duration or 0))
+    except av.error.FFmpegError:
+        return None
+    return end
 
 
 def _decode(container, stream, sampling: VideoSampling, resample: int | None) -> DecodedVideo:
@@ -273,9 +333,18 @@ def _decode(container, stream, sampling: VideoSampling, resample: int | None) ->
             f"gives ({len(frames)} of {len(indices)} sampled frames decoded)"
         )
     notes = []
-    if stream.average_rate and stream.guessed_rate and stream.average_rate != stream.guessed_rate:
+    if _variable_rate(stream, times, indices, fps):
         notes.append("variable frame rate: frames sampled by time, stamped with their own times")
     return DecodedVideo(frames, times, indices, duration, fps, total, shown, notes, decoded)
+
+
+def _variable_rate(stream, times: list[float], indices: list[int], fps: float) -> bool:
+    """Header rates that disagree, or sampled frames off the constant-rate grid (their own times
+    more than a quarter frame from index / fps)."""
+    rates = stream.average_rate, stream.guessed_rate
+    if all(rates) and rates[0] != rates[1]:
+        return True
+    return any(abs(t - i / fps) > 0.25 / fps for t, i in zip(times, indices))
 
 
 def _frames_at(container, stream, targets: list[float], start: int, base, tolerance: float, sized):
