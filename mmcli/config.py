@@ -6,7 +6,8 @@ configs/default.yaml documents every key with the same values; a test keeps the 
 from __future__ import annotations
 
 import dataclasses
-import string
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ class SamplingParams:
 
 
 PLACEHOLDERS = ("filename", "stem", "folder", "sidecar")  # filled per input in a task prompt
+# `{name}` is a placeholder; `{{filename}}` (a known one, doubled) is the literal text `{filename}`;
+# every other character, braces included, is the prompt as written.
+PLACEHOLDER = re.compile(r"\{\{(" + "|".join(PLACEHOLDERS) + r")\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 OUTPUTS = ("text", "json", "boxes")
 
 
@@ -87,7 +91,7 @@ PRESET_TASKS = {
     ),
     "detect": TaskConfig(
         prompt="Locate every distinct object in this image. Answer in JSON: a list of "
-        '{{"bbox_2d": [x1, y1, x2, y2], "label": "name"}}.',
+        '{"bbox_2d": [x1, y1, x2, y2], "label": "name"}.',
         output="boxes",
         max_new_tokens=512,
     ),
@@ -220,6 +224,11 @@ _CHECKS = [
     ("engine.max_seqs", lambda v, c: v >= 1, "at least 1"),
     ("engine.max_len", lambda v, c: v >= 16, "at least 16"),
     ("image.max_decode_pixels", lambda v, c: v > 0, "above 0"),
+    ("image.max_pixels", lambda v, c: v > 0, "above 0"),
+    ("image.min_pixels", lambda v, c: v is None or v > 0, "above 0"),
+    ("video.max_decode_pixels", lambda v, c: v > 0, "above 0"),
+    ("video.min_pixels", lambda v, c: v is None or v > 0, "above 0"),
+    ("engine.max_prefill_tokens", lambda v, c: v >= 1, "at least 1"),
     ("video.fps", lambda v, c: v is None or v > 0, "above 0"),
     (
         "video.num_frames",
@@ -271,6 +280,12 @@ def _bucket_checks(cfg: Config) -> list:
 def _check_tasks(cfg: Config) -> None:
     """Refuse unknown task names, outputs and placeholders, and json tasks without a schema (exit
     2)."""
+    if not cfg.task:
+        raise ConfigError("config task: the list is empty; name at least one task")
+    twice = sorted({name for name in cfg.task if cfg.task.count(name) > 1})
+    if twice:
+        raise ConfigError(f"config task: {twice[0]!r} is given twice")
+    check_prompt(cfg.prompt, "prompt")
     for name in cfg.task:
         if name not in cfg.tasks:
             raise ConfigError(
@@ -283,16 +298,49 @@ def _check_tasks(cfg: Config) -> None:
             )
         if task.output == "json" and not task.schema:
             raise ConfigError(f"config tasks.{name}: output json needs a schema")
-        try:
-            fields = [f for _, f, _, _ in string.Formatter().parse(task.prompt) if f is not None]
-        except ValueError as e:
-            raise ConfigError(f"config tasks.{name}.prompt: {e}") from None
-        unknown = [f for f in fields if f not in PLACEHOLDERS]
-        if unknown:
+        check_prompt(task.prompt, f"tasks.{name}.prompt")
+        if task.sidecar is not None:
+            check_sidecar(task.sidecar, f"config tasks.{name}.sidecar")
+        if task.output == "json" and (task.prefix or task.suffix):
             raise ConfigError(
-                f"config tasks.{name}.prompt: unknown placeholder {{{unknown[0]}}} (known: "
-                f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)})"
+                f"config tasks.{name}: output json takes no prefix or suffix (its text must stay "
+                "the JSON the schema allows)"
             )
+        _refuse(
+            task,
+            f"tasks.{name}.",
+            [(k, ok(_get(task, k), task), what) for k, ok, what in _TASK_CHECKS],
+        )
+
+
+def placeholders_in(prompt: str) -> list[str]:
+    """The placeholder names a prompt uses (escaped `{{name}}` not counted)."""
+    return [m.group(2) for m in PLACEHOLDER.finditer(prompt) if m.group(2)]
+
+
+def check_prompt(prompt: str, key: str) -> None:
+    """Refuse a prompt with an unknown placeholder (exit 2), naming the setting."""
+    unknown = [name for name in placeholders_in(prompt) if name not in PLACEHOLDERS]
+    if unknown:
+        known = ", ".join("{" + p + "}" for p in PLACEHOLDERS)
+        raise ConfigError(
+            f"config {key}: unknown placeholder {{{unknown[0]}}} (known: {known}; "
+            "write {{filename}} for the literal text {filename})"
+        )
+
+
+def check_sidecar(ext: str, where: str) -> None:
+    """A sidecar extension: a dot, then a name (`.txt`, `.caption.txt`), no folder."""
+    if not re.fullmatch(r"\.[A-Za-z0-9_-][A-Za-z0-9_.-]*", ext) or ext.endswith("."):
+        raise ConfigError(
+            f"{where}: value {ext!r} must be an extension such as .txt (a dot, then a name)"
+        )
+
+
+_TASK_CHECKS = [
+    ("max_new_tokens", lambda v, c: v is None or v >= 1, "at least 1"),
+    ("temperature", lambda v, c: v is None or v >= 0, "0 or more"),
+]
 
 
 def _refuse(obj, prefix: str, checks: list) -> None:
@@ -356,6 +404,8 @@ def _coerce(value, hint, key: str):
         raise ConfigError(f"config {key}: expected a mapping, got {value!r}")
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config {key}: {value!r} is not a finite number")
     if origin is tuple:
         item = typing.get_args(hint)[0]
         if not isinstance(value, (list, tuple)) or not all(type(v) is item for v in value):

@@ -4,7 +4,7 @@ settings' `tasks`.
 A task is a prompt with its own sampling, output kind and template. Placeholders in a prompt are
 filled per image: {filename} (the file's name), {stem} (without its extension), {folder} (its
 folder's name) and {sidecar} (the text of the image's existing sidecar caption, to refine
-labels). `output: json` decodes under the task's JSON Schema (mmcli/grammar.py); `output: boxes`
+labels). `output: json` decodes under the task's JSON Schema (engine/grammar.py); `output: boxes`
 reads Qwen3-VL's `bbox_2d` answer (0-1000 on both axes) and gives the boxes in pixels of the
 image as the user sees it (after its EXIF orientation)."""
 
@@ -15,8 +15,8 @@ import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from mmcli.config import Config, SamplingParams, TaskConfig
-from mmcli.errors import ConfigError
+from mmcli.config import PLACEHOLDER, Config, SamplingParams, TaskConfig, check_prompt
+from mmcli.errors import ConfigError, ItemError
 
 
 @dataclass(frozen=True)
@@ -77,26 +77,46 @@ def resolve_tasks(
 
 def question_task(cfg: Config, question: str | None, given: dict | None = None) -> Task:
     """The plain task of a question (else the settings' prompt): text out, no template."""
+    if question:
+        check_prompt(question, "prompt (given)")
     sampling = decide_sampling(cfg.generation, {}, given)
     return Task("caption", question or cfg.prompt, "text", None, sampling, None, "", "")
 
 
 def render_prompt(task: Task, path: str | Path | None) -> str:
-    """The task's prompt with this image's placeholders filled (`{{` and `}}` are literal
-    braces)."""
-    if "{" not in task.prompt and "}" not in task.prompt:
+    """The task's prompt with this input's placeholders filled; `{{filename}}` is the literal text
+    `{filename}`, every other character is sent as written. Raises ItemError naming the sidecar
+    when {sidecar} cannot be read."""
+    if "{" not in task.prompt:
         return task.prompt
+    path = Path(path) if path is not None else None
+
+    def fill(match: re.Match) -> str:
+        if match.group(1):
+            return "{" + match.group(1) + "}"
+        return _placeholder(match.group(2), path, task.sidecar or ".txt")
+
+    return PLACEHOLDER.sub(fill, task.prompt)
+
+
+def _placeholder(name: str, path: Path | None, sidecar_ext: str) -> str:
     if path is None:
-        return task.prompt.format(filename="", stem="", folder="", sidecar="")
-    path = Path(path)
-    sidecar = path.with_suffix(task.sidecar or ".txt")
+        return ""
+    if name == "sidecar":
+        return _sidecar_text(path.with_suffix(sidecar_ext))
+    return {"filename": path.name, "stem": path.stem, "folder": path.parent.name}[name]
+
+
+def _sidecar_text(sidecar: Path) -> str:
+    """The text of an existing sidecar (none yet: empty)."""
+    if not sidecar.exists():
+        return ""
     try:
-        existing = sidecar.read_text(encoding="utf-8").strip() if sidecar.is_file() else ""
-    except OSError:
-        existing = ""
-    return task.prompt.format(
-        filename=path.name, stem=path.stem, folder=path.parent.name, sidecar=existing
-    )
+        return sidecar.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise ItemError(f"{sidecar}: the sidecar is not UTF-8 text") from None
+    except OSError as e:
+        raise ItemError(f"{sidecar}: cannot read the sidecar ({e.strerror or e})") from None
 
 
 def _json_text(text: str) -> str:

@@ -86,6 +86,7 @@ class Labeler:
             latency_ms=int((time.perf_counter() - started) * 1000),
             images=infos,
             task=task.name if task else "",
+            prompt=done.prompt,
         )
         if task is None:
             return result
@@ -140,6 +141,7 @@ class Labeler:
             asked,
             chosen.sampling,
             task=chosen.name,
+            prompt=asked,
             constraint=grammar.start() if grammar else None,
         )
         stream = TextStream(self.prompts) if on_text is not None else None
@@ -188,18 +190,18 @@ class Labeler:
                     yield None  # the engine goes on with what it has
                     continue
                 item, outcome = ready
-                # a bad file, or anything else a worker raised: its records
-                if isinstance(outcome, Exception):
-                    names = item[2] if len(item) > 2 else list(by_name)
+                names = item[2] if len(item) > 2 else list(by_name)
+                if isinstance(outcome, Exception):  # a bad file, or anything a worker raised
+                    outcome = [], [], {n: outcome for n in names}
+                reqs, item_infos, failures = outcome
+                failed.extend(
+                    _failure(item[0], by_name[n], e, item_infos, tasks is not None)
+                    for n, e in failures.items()
+                )
+                if not reqs:
                     started.pop(item[0], None)
-                    error = {"type": type(outcome).__name__, "message": str(outcome)}
-                    failed.extend(
-                        Result(item[0], error=error, task=n if tasks is not None else "")
-                        for n in names
-                    )
                     continue
-                reqs, infos[item[0]] = outcome
-                left[item[0]] = len(reqs)
+                infos[item[0]], left[item[0]] = item_infos, len(reqs)
                 yield from reqs
 
         for done in self.engine.generate(requests()):
@@ -238,3 +240,11 @@ def _unique_keys(items: Iterable[tuple]) -> list[tuple]:
             )
         seen.add(key)
     return items
+
+
+def _failure(key: str, task: Task, error: Exception, infos: list[dict], named: bool) -> Result:
+    """The result of a task that failed before it ran: its prompt as written, the error."""
+    error = {"type": type(error).__name__, "message": str(error)}
+    return Result(
+        key, error=error, images=infos, task=task.name if named else "", prompt=task.prompt
+    )

@@ -86,6 +86,18 @@ def load_description(cfg: Config) -> str:
     return f"{cfg.model} ({shown}) on {plan.device}, {dtype}"
 
 
+def check_schemas(cfg: Config, tasks: list) -> None:
+    """Compile the json tasks' schemas against the checkpoint's tokenizer before the model loads
+    (a schema that cannot compile is a ConfigError naming its task). A hub id not downloaded yet
+    is checked when it is, as the Labeler compiles them."""
+    from mmcli.engine.grammar import compile_grammars
+
+    path = local_checkpoint(cfg.model)
+    tokenizer = path / "tokenizer.json" if path is not None else None
+    if any(t.output == "json" for t in tasks) and tokenizer is not None and tokenizer.is_file():
+        compile_grammars(tasks, tokenizer.read_text(), frozenset())
+
+
 def load(cfg: Config) -> Loaded:
     """Read the checkpoint (fetching a hub id once) and build everything a run computes with."""
     import torch

@@ -27,9 +27,15 @@ def run_ask(
     from rich.console import Console
 
     from mmcli.api.labeler import Labeler
-    from mmcli.api.loader import load_description
+    from mmcli.api.loader import check_schemas, load_description
     from mmcli.cli.progress import status_line
     from mmcli.jobs.records import JsonlOutput
+    from mmcli.tasks import resolve_tasks
+
+    # A task that cannot run is refused before loading; answers that must parse are printed whole.
+    chosen = resolve_tasks(config, [task])[0] if task is not None else None
+    check_schemas(config, [chosen] if chosen is not None else [])
+    stream = stream and (chosen is None or chosen.output == "text")
 
     # locked before the work, like caption
     out = JsonlOutput(output).open() if output is not None else None
@@ -82,9 +88,10 @@ def _answer(
         _say(labeler.compile_use_report())
     except MmcliError as e:
         result = Result(str(inputs[0]), error={"type": type(e).__name__, "message": str(e)})
-        print(f"mmcli: {e}", file=sys.stderr)
-    if result.ok:
+    if result.ok:  # stdout: the record's text and a newline, streamed or not
         print("" if stream else result.fields.get("text", result.text))
+    else:
+        _say(result.error["message"])
     if out is not None:
         out.append(
             make_record(

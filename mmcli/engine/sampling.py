@@ -10,10 +10,10 @@ import torch
 from mmcli.config import SamplingParams
 
 
-def step_seed(seed: int, key: str, step: int) -> int:
-    """A seed that depends only on the run seed, the item and the step, never on batch
-    neighbours."""
-    digest = hashlib.blake2b(f"{seed}\0{key}\0{step}".encode(), digest_size=8).digest()
+def step_seed(seed: int, key: str, task: str, step: int) -> int:
+    """A seed that depends only on the run seed, the item, the task and the step, never on batch
+    neighbours: each task of an item draws from its own stream."""
+    digest = hashlib.blake2b(f"{seed}\0{key}\0{task}\0{step}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 

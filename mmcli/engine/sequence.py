@@ -24,6 +24,7 @@ class Request:
     num_image_tokens: int = 0
     vision_hashes: list[str] = field(default_factory=list)  # content hash per segment: one encode
     task: str = ""
+    prompt: str = ""  # the prompt as the model sees it, placeholders filled (for the record)
     # Requests of one group (an input's tasks) share their first prefix_len tokens.
     group: str | None = None
     prefix_len: int = 0
@@ -63,6 +64,7 @@ class Finished:
     num_image_tokens: int
     task: str = ""
     constraint: Any = None
+    prompt: str = ""
 
     @classmethod
     def of(cls, seq: Sequence) -> Finished:
@@ -76,4 +78,5 @@ class Finished:
             req.num_image_tokens,
             req.task,
             req.constraint,
+            req.prompt,
         )

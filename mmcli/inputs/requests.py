@@ -164,26 +164,36 @@ class RequestBuilder:
 
     def for_tasks(
         self, key: str, path: str | Path, tasks: list[Task], grammars: dict
-    ) -> tuple[list[Request], list]:
-        """One request per task about the image at `path`, grouped to share their prompt prefix."""
+    ) -> tuple[list[Request], list[dict], dict[str, ItemError]]:
+        """One request per task about the input at `path`, grouped to share their prompt prefix;
+        each prompt rendered once (the request keeps it for the record). A task whose prompt
+        cannot run is that task's failure alone: (requests, input facts, {task: its error})."""
         prepared = self.prepare([path])
-        requests = [
-            self.build(
-                key,
-                prepared,
-                render_prompt(task, path),
-                task.sampling,
-                task=task.name,
-                constraint=grammars[task.name].start() if task.name in grammars else None,
-            )
-            for task in tasks
-        ]
+        requests, failures = [], {}
+        for task in tasks:
+            try:
+                prompt = render_prompt(task, path)
+                grammar = grammars.get(task.name)
+                constraint = grammar.start() if grammar is not None else None
+                request = self.build(
+                    key,
+                    prepared,
+                    prompt,
+                    task.sampling,
+                    task=task.name,
+                    prompt=prompt,
+                    constraint=constraint,
+                )
+            except ItemError as e:
+                failures[task.name] = ItemError(f"task {task.name}: {e}")
+                continue
+            requests.append(request)
         if len(requests) > 1:
             first = requests[0].input_ids
             shared = min(_common_prefix(first, r.input_ids) for r in requests[1:])
             for req in requests:
                 req.group, req.prefix_len = key, shared
-        return requests, prepared.infos
+        return requests, prepared.infos, failures
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from mmcli.config import Config
+from mmcli.config import Config, check_sidecar
 from mmcli.errors import ConfigError, MmcliError
 from mmcli.jobs.distributed import RayOptions
-from mmcli.jobs.labeling import Item, error_record, label_records
+from mmcli.jobs.labeling import Item, error_record, kind_of, label_records
 from mmcli.jobs.records import JsonlOutput, append_record, sidecar_path, write_sidecar
-from mmcli.jobs.resume import file_changed, label_settings, planned_settings, settings_hash
+from mmcli.jobs.resume import file_changed, label_settings, planned_settings, task_resume_keys
 from mmcli.jobs.scan import parse_shard, scan, shard_of
 from mmcli.tasks import Task, resolve_tasks
 
@@ -40,8 +40,8 @@ class CaptionJob:
     logprobs: bool = False
     ray: RayOptions | None = None  # run on a Ray cluster
     check_changed: bool = True  # redo an item whose image changed since its record
-    # task name -> the hash of its label settings (its resume key); set at start
-    resume_keys: dict[str, str] = field(default_factory=dict)
+    # task name -> its resume keys (jobs.resume.task_resume_keys); set at start
+    resume_keys: dict[str, dict[str, str]] = field(default_factory=dict)
     # sampling given on the command line: wins over tasks' own
     sampling: dict = field(default_factory=dict)
 
@@ -54,10 +54,12 @@ class CaptionJob:
         return task.sidecar or (self.sidecar if task.name == self.config.task[0] else None)
 
     def settle(self, base: dict) -> None:
-        """Each task's resume key: the run's label settings and the task's definition."""
-        self.resume_keys = {
-            t.name: settings_hash({**base, "task": t.definition}) for t in self.tasks
-        }
+        """Each task's resume keys: the run's label settings and the task's definition."""
+        self.resume_keys = {t.name: task_resume_keys(self.config, base, t) for t in self.tasks}
+
+    def resume_key(self, task: str, path: Path) -> str:
+        """The key a record of this task about this file is written under."""
+        return self.resume_keys[task][kind_of(self.config, path)]
 
 
 def sidecar_clashes(items: list[tuple[str, Path]], ext: str | None) -> dict[str, str]:
@@ -98,7 +100,7 @@ def pending(items: list[tuple[str, Path]], out: JsonlOutput | None, job: Caption
     names = [t.name for t in job.tasks]
     if job.overwrite or out is None:
         return [(k, p, names) for k, p in items]
-    wanted = {job.resume_keys[n]: n for n in names}
+    wanted = {key: n for n in names for key in job.resume_keys[n].values()}
     recorded = {
         (r.get("key"), wanted[r["settings"]]): r
         for r in out.records()
@@ -107,7 +109,8 @@ def pending(items: list[tuple[str, Path]], out: JsonlOutput | None, job: Caption
 
     def todo(key: str, path: Path, name: str) -> bool:
         record = recorded.get((key, name))
-        if record is None:
+        current = (job.resume_key(name, path), job.resume_keys[name]["legacy"])
+        if record is None or record["settings"] not in current:
             return True
         if record.get("status") == "error":
             return job.retry_errors
@@ -117,10 +120,31 @@ def pending(items: list[tuple[str, Path]], out: JsonlOutput | None, job: Caption
     return [entry for entry in left if entry[2]]
 
 
+def check_job(job: CaptionJob) -> None:
+    """What would fail later, refused before any work (exit 2): a bad --sidecar, two tasks writing
+    one sidecar, a schema that cannot compile."""
+    from mmcli.api.loader import check_schemas
+
+    if job.sidecar is not None:
+        check_sidecar(job.sidecar, "--sidecar")
+    writers: dict[str, str] = {}
+    for task in job.tasks:
+        ext = job.sidecar_ext(task)
+        if ext in writers:
+            raise ConfigError(
+                f"tasks {writers[ext]} and {task.name} both write the sidecar {ext}; give one its "
+                "own tasks.NAME.sidecar"
+            )
+        if ext is not None:
+            writers[ext] = task.name
+    check_schemas(job.config, job.tasks)
+
+
 def run_caption_job(job: CaptionJob, progress) -> int:
     """Run the job, reporting to `progress` (the command line's Progress); returns the exit code
     (0 done, 1 an item failed, 130 interrupted). Raises MmcliError for what stops it before or
     during the work."""
+    check_job(job)
     with progress.status("finding the images and what is done"):
         # scanned once: the work, and the sidecar clashes among all images
         everything = select_items(job)
@@ -228,7 +252,9 @@ def _refuse_clashes(
                 f"{path}: its sidecar {target} is also the sidecar of {clashes[name][key]}; "
                 "rename one of the two"
             )
-            write(error_record(key, path, tasks[name], job.config, job.resume_keys[name], error))
+            write(
+                error_record(key, path, tasks[name], job.config, job.resume_key(name, path), error)
+            )
         names = [n for n in names if key not in clashes.get(n, {})]
         if names:
             left.append((key, path, names))

@@ -52,7 +52,9 @@ def parse_resources(text: str | None) -> dict:
 class CaptionReplica:
     """One model and engine per replica, loaded once; captions each batch of (key, path) rows."""
 
-    def __init__(self, config, tasks: list, settings: dict[str, str], logprobs: bool, threads: int):
+    def __init__(
+        self, config, tasks: list, settings: dict[str, dict[str, str]], logprobs: bool, threads: int
+    ):
         import torch
 
         from mmcli.api.labeler import Labeler
@@ -75,7 +77,7 @@ def caption_on_ray(
     items: list[Item],
     config,
     tasks: list,
-    settings: dict[str, str],
+    settings: dict[str, dict[str, str]],
     write,
     options: RayOptions,
     logprobs: bool,

@@ -9,29 +9,43 @@ from mmcli.api.result import Result
 from mmcli.config import Config
 from mmcli.errors import MmcliError
 from mmcli.jobs.records import make_record
-from mmcli.tasks import Task, render_prompt
+from mmcli.tasks import Task
 
 Item = tuple[str, Path, list[str]]  # key, input file, the names of the tasks still to run
 
 
+def kind_of(config: Config, path: str | Path) -> str:
+    """ "video" or "image": which resume key a record of this file takes."""
+    return "video" if config.scan.is_video(path) else "image"
+
+
 def label_records(
-    labeler, items: list[Item], tasks: dict[str, Task], settings: dict[str, str], logprobs: bool
+    labeler,
+    items: list[Item],
+    tasks: dict[str, Task],
+    keys: dict[str, dict[str, str]],
+    logprobs: bool,
 ) -> Iterator[dict]:
-    """One record per item and task, as each finishes (errors included)."""
+    """One record per item and task, as each finishes (errors included), each under its task's
+    resume key for its kind of file (`keys`: jobs.resume.resume_keys per task)."""
     paths = {key: path for key, path, _ in items}
     for result in labeler.label(items, tasks=list(tasks.values())):
         task = tasks[result.task]
+        path = paths[result.key]
         yield make_record(
             key=result.key,
             task=task.name,
-            prompt=render_prompt(task, paths[result.key]),
+            prompt=result.prompt,
             result=result,
             model=labeler.model_name,
             model_revision=labeler.revision,
             sampling=task.sampling.as_dict(),
-            path=paths[result.key],
+            path=path,
             logprobs=logprobs,
-            extra={"precision": labeler.precision, "settings": settings[task.name]},
+            extra={
+                "precision": labeler.precision,
+                "settings": keys[task.name][kind_of(labeler.config, path)],
+            },
         )
 
 
@@ -43,7 +57,7 @@ def error_record(
     return make_record(
         key=key,
         task=task.name,
-        prompt=render_prompt(task, path),
+        prompt=task.prompt,
         result=result,
         model=config.model,
         model_revision=None,

@@ -225,7 +225,7 @@ class JsonlOutput:
 
 
 def sidecar_path(image: Path, ext: str) -> Path:
-    return image.with_suffix(ext if ext.startswith(".") else "." + ext)
+    return image.with_suffix(ext)
 
 
 def write_sidecar(image: Path, ext: str, text: str) -> None:

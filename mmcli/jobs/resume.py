@@ -19,6 +19,7 @@ from mmcli.config import Config
 from mmcli.inputs.images import image_processor_config
 from mmcli.jobs.records import SCHEMA, file_sha256
 from mmcli.model.hub import snapshot_revision
+from mmcli.tasks import Task
 
 
 def model_identity(model: str, path: Path | None) -> str:
@@ -45,19 +46,29 @@ def model_identity(model: str, path: Path | None) -> str:
 
 
 def label_settings(cfg: Config, path: Path | None, precision: dict) -> dict:
-    """Everything a label depends on, as a JSON-able dict (`precision` from
-    checkpoint.run_precision)."""
+    """What every label of a run depends on, as a JSON-able dict (`precision` from
+    checkpoint.run_precision). A task's own part (its prompt, sampling, output) and the video
+    settings (for videos alone) are added per record by `resume_keys`."""
     image = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
     return {
         "schema": SCHEMA,
-        "prompt": cfg.prompt,
         "model": model_identity(cfg.model, path),
         "weights_dtype": precision["weights"],
         "compute_dtype": precision["compute"],
         "quantize": cfg.quantize,
         "pixels": [image.min_pixels, image.max_pixels],
-        "video": dataclasses.asdict(cfg.video),
-        "sampling": cfg.generation.as_dict(),
+    }
+
+
+def task_resume_keys(cfg: Config, base: dict, task: Task) -> dict[str, str]:
+    """A task's resume keys: one for images, one for videos (with the video settings), and the
+    key records made before keys were split so (accepted as current when it still matches)."""
+    video = dataclasses.asdict(cfg.video)
+    legacy = {**base, "prompt": cfg.prompt, "video": video, "sampling": cfg.generation.as_dict()}
+    return {
+        "image": settings_hash({**base, "task": task.definition}),
+        "video": settings_hash({**base, "video": video, "task": task.definition}),
+        "legacy": settings_hash({**legacy, "task": task.definition}),
     }
 
 
