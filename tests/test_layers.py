@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mmcli"
 LAYERS = [
     ["mmcli", "mmcli.__main__", "mmcli.testing"],
     ["mmcli.cli"],
-    ["mmcli.jobs"],
+    ["mmcli.jobs", "mmcli.review"],
     ["mmcli.api"],
     ["mmcli.inputs"],
     ["mmcli.engine"],

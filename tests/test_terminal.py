@@ -147,7 +147,7 @@ def _examples(help_text: str) -> list[str]:
     return [line.strip() for line in lines if line.strip().startswith("mmcli ")]
 
 
-@pytest.mark.parametrize("command", ["", "ask", "plan", "caption", "compile", "config"])
+@pytest.mark.parametrize("command", ["", "ask", "plan", "caption", "compile", "review", "config"])
 def test_help_fits_80_columns_and_its_examples_parse(command, monkeypatch):
     result = CliRunner().invoke(app, [*command.split(), "--help"], terminal_width=80)
     assert result.exit_code == 0
@@ -161,6 +161,7 @@ def test_help_fits_80_columns_and_its_examples_parse(command, monkeypatch):
         "mmcli.jobs.caption.run_caption_job",
         "mmcli.cli.compile.compile_buckets",
         "mmcli.cli.plan.print_plan",
+        "mmcli.cli.review.serve",
     ):
         monkeypatch.setattr(target, lambda *a, **k: calls.append(a) or 0)
     monkeypatch.chdir(ROOT)

@@ -17,6 +17,7 @@ Question = typer.Argument(
     metavar="[QUESTION]", help="The question about the image(s) (or --task's own prompt)."
 )
 Paths = typer.Argument(metavar="PATHS", help="Image folders or files.")
+Labels = typer.Argument(metavar="LABELS", help="JSONL files written by mmcli.")
 
 app = typer.Typer(
     add_completion=False,
@@ -169,6 +170,7 @@ def caption(
     sidecar: o.Sidecar = None,
     dry_run: o.DryRun = False,
     quiet: o.Quiet = False,
+    redo_reviewed: o.RedoReviewed = False,
     ray: o.Ray = False,
     ray_address: o.RayAddress = None,
     replicas: o.Replicas = 1,
@@ -190,41 +192,27 @@ def caption(
     with exit_codes():
         ray_options = _ray_options(ray_address, replicas, replica_resources) if ray else None
         given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+        run = dict(model=model, prompt=prompt, task=tuple(task) or None, generation=given)
         precision = dict(dtype=dtype, device=device, quantize=quantize)
-        cfg = _load_config(
-            config,
-            model=model,
-            prompt=prompt,
-            task=tuple(task) or None,
-            compile={"backend": backend},
-            generation=given,
-            **precision,
-        )
+        cfg = _load_config(config, compile={"backend": backend}, **run, **precision)
         job = CaptionJob(config=cfg, ray=ray_options, sampling=given, **_job_options(options))
         code = run_caption_job(job, Progress(quiet=quiet))
     raise typer.Exit(code)
 
 
-JOB_OPTIONS = (
-    "paths",
-    "output",
-    "recursive",
-    "include",
-    "exclude",
-    "shard",
-    "limit",
-    "overwrite",
-    "retry_errors",
-    "sidecar",
-    "dry_run",
-    "quiet",
-    "logprobs",
-    "check_changed",
-)
-
-
 def _job_options(options: dict) -> dict:
-    return {k: options[k] for k in JOB_OPTIONS}
+    """The caption command's options that are CaptionJob's fields, by name (config, ray and the
+    sampling are built from theirs)."""
+    from dataclasses import fields
+
+    from mmcli.jobs.caption import CaptionJob
+
+    built = ("config", "ray", "sampling")
+    return {
+        f.name: options[f.name]
+        for f in fields(CaptionJob)
+        if f.name in options and f.name not in built
+    }
 
 
 def _ray_options(address: str | None, replicas: int, resources: str | None):
@@ -277,6 +265,26 @@ def compile_cmd(
                 "(choose --backend inductor or neuron)"
             )
         compile_buckets(cfg, bucket_list)
+
+
+@app.command()
+def review(
+    labels: Annotated[list[Path], Labels],
+    host: o.Host = "127.0.0.1",
+    port: o.Port = 8765,
+    config: o.ConfigFile = None,
+) -> None:
+    """Open a local page to look at, filter and correct the records of one or more JSONL files.
+
+    \b
+    Examples:
+      mmcli review captions.jsonl
+      mmcli review labels.jsonl more.jsonl --port 8800
+    """
+    from mmcli.cli.review import serve
+
+    with exit_codes():
+        serve(labels, host, port, _load_config(config))
 
 
 @app.command("config")

@@ -73,3 +73,10 @@ ReplicaResources = _option(
     help="With --ray: JSON per replica, e.g. '{\"num_cpus\": 4}' or "
     '\'{"resources": {"neuron_cores": 2}}\'.',
 )
+RedoReviewed = _option(
+    bool, "--redo-reviewed", help="Also redo labels a person edited or approved (mmcli review)."
+)
+
+# review
+Host = _option(str, "--host", help="Address to serve on (127.0.0.1: this machine only).")
+Port = _option(int, "--port", help="Port to serve on (0: any free one).")

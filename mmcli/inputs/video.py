@@ -224,6 +224,28 @@ def decode_video(
         raise ImageError(f"cannot decode video (corrupt or truncated): {e}") from None
 
 
+def frames_at_times(path: str | Path, times: list[float]) -> list[Image.Image]:
+    """The frames shown at these times (seconds from the stream's start), upright, as a record's
+    `video.frame_times` names them; raises ImageError for a file that cannot be read."""
+    import av
+
+    check_readable(Path(path))
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ImageError("no video stream")
+            stream = container.streams.video[0]
+            _, fps, _ = _stream_facts(container, stream)
+            tolerance = 0.5 / fps if fps > 0 else 0.05
+            start = stream.start_time or 0
+            frames, *_ = _frames_at(
+                container, stream, times, start, stream.time_base, tolerance, None
+            )
+    except av.error.FFmpegError as e:
+        raise ImageError(f"cannot decode video: {e}") from None
+    return frames
+
+
 def _looks_like_mp4(path: Path) -> bool:
     try:
         with open(path, "rb") as f:

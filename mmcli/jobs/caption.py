@@ -17,7 +17,13 @@ from mmcli.errors import ConfigError, MmcliError
 from mmcli.jobs.distributed import RayOptions
 from mmcli.jobs.labeling import Item, error_record, kind_of, label_records
 from mmcli.jobs.records import JsonlOutput, append_record, sidecar_path, write_sidecar
-from mmcli.jobs.resume import file_changed, label_settings, planned_settings, task_resume_keys
+from mmcli.jobs.resume import (
+    file_changed,
+    label_settings,
+    planned_settings,
+    reviewed,
+    task_resume_keys,
+)
 from mmcli.jobs.scan import parse_shard, scan, shard_of
 from mmcli.tasks import Task, resolve_tasks
 
@@ -40,6 +46,7 @@ class CaptionJob:
     logprobs: bool = False
     ray: RayOptions | None = None  # run on a Ray cluster
     check_changed: bool = True  # redo an item whose image changed since its record
+    redo_reviewed: bool = False  # redo labels a person edited or approved
     # task name -> its resume keys (jobs.resume.task_resume_keys); set at start
     resume_keys: dict[str, dict[str, str]] = field(default_factory=dict)
     # sampling given on the command line: wins over tasks' own
@@ -98,16 +105,19 @@ def pending(items: list[tuple[str, Path]], out: JsonlOutput | None, job: Caption
     their settings (errors too, unless --retry-errors); with check_changed, also those whose
     image changed since its record."""
     names = [t.name for t in job.tasks]
-    if job.overwrite or out is None:
+    if out is None:
         return [(k, p, names) for k, p in items]
     wanted = {key: n for n in names for key in job.resume_keys[n].values()}
-    recorded = {
-        (r.get("key"), wanted[r["settings"]]): r
-        for r in out.records()
-        if r.get("settings") in wanted
-    }
+    recorded, by_person = {}, {}
+    for r in out.records():
+        recorded[(r.get("key"), wanted.get(r.get("settings")))] = r
+        by_person[(r.get("key"), r.get("task"))] = reviewed(r)
 
     def todo(key: str, path: Path, name: str) -> bool:
+        if by_person.get((key, name)):  # a person's label stays, unless asked to redo those
+            return job.redo_reviewed
+        if job.overwrite:
+            return True
         record = recorded.get((key, name))
         current = (job.resume_key(name, path), job.resume_keys[name]["legacy"])
         if record is None or record["settings"] not in current:
@@ -201,7 +211,9 @@ def _run(
     def write(record: dict) -> None:
         ext = job.sidecar_ext(tasks[record["task"]])
         if ext and record["status"] == "ok":
-            write_sidecar(paths[record["key"]], ext, record["text"])
+            record["sidecar"] = str(
+                write_sidecar(paths[record["key"]], ext, record["text"]).absolute()
+            )
         if out is not None:
             out.append(record)
         else:

@@ -60,6 +60,7 @@ def make_record(
     record = {
         "schema": SCHEMA,
         "key": key,
+        "path": os.path.abspath(path) if isinstance(path, (str, Path)) else None,
         **file_facts(path),
         "width": first.get("width"),
         "height": first.get("height"),
@@ -228,10 +229,16 @@ def sidecar_path(image: Path, ext: str) -> Path:
     return image.with_suffix(ext)
 
 
-def write_sidecar(image: Path, ext: str, text: str) -> None:
-    """The caption next to the image, written whole through a temporary file, fsync and a rename;
-    a failure is OutputError naming the sidecar."""
+def write_sidecar(image: Path, ext: str, text: str) -> Path:
+    """The caption next to the image (see `write_text_whole`); returns the sidecar's path."""
     target = sidecar_path(image, ext)
+    write_text_whole(target, text)
+    return target
+
+
+def write_text_whole(target: Path, text: str) -> None:
+    """`text` and a newline, written whole through a temporary file, fsync and a rename; a failure
+    is OutputError naming the file."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:

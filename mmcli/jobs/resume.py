@@ -93,3 +93,10 @@ def planned_settings(cfg: Config) -> dict:
     the model."""
     plan = plan_run(cfg)
     return label_settings(cfg, plan.path, plan.precision)
+
+
+def reviewed(record: dict) -> bool:
+    """A label a person corrected or approved (`mmcli review`): `mmcli caption` keeps it, even with
+    --overwrite, unless told --redo-reviewed."""
+    review = record.get("review") or {}
+    return review.get("action") in ("edit", "delete_box") or review.get("verdict") == "approved"

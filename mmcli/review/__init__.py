@@ -1,0 +1,1 @@
+"""`mmcli review`: a local page to look at, filter and correct labeled records."""
