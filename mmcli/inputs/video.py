@@ -232,9 +232,7 @@ def frames_at_times(path: str | Path, times: list[float]) -> list[Image.Image]:
     check_readable(Path(path))
     try:
         with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise ImageError("no video stream")
-            stream = container.streams.video[0]
+            stream = _video_stream(container)
             _, fps, _ = _stream_facts(container, stream)
             tolerance = 0.5 / fps if fps > 0 else 0.05
             start = stream.start_time or 0
@@ -244,6 +242,12 @@ def frames_at_times(path: str | Path, times: list[float]) -> list[Image.Image]:
     except av.error.FFmpegError as e:
         raise ImageError(f"cannot decode video: {e}") from None
     return frames
+
+
+def _video_stream(container):
+    if not container.streams.video:
+        raise ImageError("no video stream")
+    return container.streams.video[0]
 
 
 def _looks_like_mp4(path: Path) -> bool:
@@ -261,9 +265,7 @@ def probe_video(path: str | Path, sampling: VideoSampling) -> tuple[int, int, in
 
     try:
         with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise ImageError("no video stream")
-            stream = container.streams.video[0]
+            stream = _video_stream(container)
             _, fps, total = _stream_facts(container, stream)
             if total <= 0 or fps <= 0:
                 raise ImageError("no frames (the video stream is empty or its length is unknown)")
