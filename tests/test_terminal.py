@@ -147,7 +147,9 @@ def _examples(help_text: str) -> list[str]:
     return [line.strip() for line in lines if line.strip().startswith("mmcli ")]
 
 
-@pytest.mark.parametrize("command", ["", "ask", "plan", "caption", "compile", "review", "config"])
+@pytest.mark.parametrize(
+    "command", ["", "ask", "plan", "caption", "compile", "review", "export", "config"]
+)
 def test_help_fits_80_columns_and_its_examples_parse(command, monkeypatch):
     result = CliRunner().invoke(app, [*command.split(), "--help"], terminal_width=80)
     assert result.exit_code == 0
@@ -162,6 +164,7 @@ def test_help_fits_80_columns_and_its_examples_parse(command, monkeypatch):
         "mmcli.cli.compile.compile_buckets",
         "mmcli.cli.plan.print_plan",
         "mmcli.cli.review.serve",
+        "mmcli.jobs.export.export",
     ):
         monkeypatch.setattr(target, lambda *a, **k: calls.append(a) or 0)
     monkeypatch.chdir(ROOT)

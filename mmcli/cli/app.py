@@ -287,6 +287,31 @@ def review(
         serve(labels, host, port, _load_config(config))
 
 
+@app.command()
+def export(
+    labels: Annotated[list[Path], Labels],
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="The file (or imagefolder's folder).")],
+    to: o.ExportFormat = "parquet",
+    wide: o.Wide = False,
+    include_errors: o.IncludeErrors = False,
+) -> None:
+    """Write the current label of each (key, task) as Parquet, or as an imagefolder's metadata.
+
+    \b
+    Examples:
+      mmcli export captions.jsonl labels.parquet
+      mmcli export captions.jsonl labels.parquet --wide
+      mmcli export captions.jsonl ./images --to imagefolder
+    """
+    from mmcli.jobs.export import export as write
+
+    with exit_codes():
+        rows = write(labels, to, out, wide=wide, include_errors=include_errors)
+        typer.echo(
+            f"mmcli: {rows} {'images' if to == 'imagefolder' else 'rows'} in {out}", err=True
+        )
+
+
 @app.command("config")
 def config_cmd(
     action: str = typer.Argument("show", help="show: print the effective settings as YAML."),

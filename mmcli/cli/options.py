@@ -80,3 +80,10 @@ RedoReviewed = _option(
 # review
 Host = _option(str, "--host", help="Address to serve on (127.0.0.1: this machine only).")
 Port = _option(int, "--port", help="Port to serve on (0: any free one).")
+
+# export
+ExportFormat = _option(
+    str, "--to", help="parquet, or imagefolder (metadata.jsonl beside the images)."
+)
+Wide = _option(bool, "--wide", help="Parquet: one row per input, one column per task.")
+IncludeErrors = _option(bool, "--include-errors", help="Keep the error records too.")

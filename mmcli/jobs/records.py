@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO
 
-from mmcli.errors import OutputError, OutputLocked
+from mmcli.errors import ConfigError, OutputError, OutputLocked
 
 # 2: tasks (the task name in `task`; `json`, `boxes`, `raw_text` where a task gives them)
 SCHEMA = 2
@@ -250,3 +250,33 @@ def write_text_whole(target: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise OutputError(f"{target}: cannot write the sidecar ({e.strerror or e})") from None
+
+
+def read_records(path: Path) -> list[dict]:
+    """Every record of a JSONL file; a line that is not a JSON record is refused by number."""
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    record = None
+                if not isinstance(record, dict) or "key" not in record:
+                    raise ConfigError(f"{path}:{number}: not a JSON record")
+                records.append(record)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    return records
+
+
+def current_records(files: list[Path]) -> list[dict]:
+    """The current record of each (key, task) over the files (a later line wins), in the order
+    the pairs first appear."""
+    current: dict[tuple, dict] = {}
+    for file in files:
+        for record in read_records(Path(file)):
+            current[(record["key"], record.get("task") or "")] = record
+    return list(current.values())

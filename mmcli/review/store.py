@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mmcli.errors import ConfigError, OutputLocked
-from mmcli.jobs.records import JsonlOutput, write_text_whole
+from mmcli.errors import OutputLocked
+from mmcli.jobs.records import JsonlOutput, read_records, write_text_whole
 
 ACTIONS = ("edit", "approve", "reject", "delete_box")
 SORTS = ("key", "confidence", "latency")
@@ -40,26 +40,6 @@ class Item:
 
     def latency(self) -> int:
         return sum(r.get("latency_ms") or 0 for r in self.labels.values())
-
-
-def read_records(path: Path) -> list[dict]:
-    """Every record of a JSONL file; a line that is not a JSON record is refused by number."""
-    records = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    record = None
-                if not isinstance(record, dict) or "key" not in record:
-                    raise ConfigError(f"{path}:{number}: not a JSON record")
-                records.append(record)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not UTF-8 text") from None
-    return records
 
 
 def input_root(record: dict) -> str | None:
