@@ -13,10 +13,9 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
-from mmcli.config import PLACEHOLDER, Config, SamplingParams, TaskConfig, check_prompt
-from mmcli.errors import ConfigError, ItemError
+from mmcli.config import Config, SamplingParams, TaskConfig, check_prompt
+from mmcli.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -81,42 +80,6 @@ def question_task(cfg: Config, question: str | None, given: dict | None = None) 
         check_prompt(question, "prompt (given)")
     sampling = decide_sampling(cfg.generation, {}, given)
     return Task("caption", question or cfg.prompt, "text", None, sampling, None, "", "")
-
-
-def render_prompt(task: Task, path: str | Path | None) -> str:
-    """The task's prompt with this input's placeholders filled; `{{filename}}` is the literal text
-    `{filename}`, every other character is sent as written. Raises ItemError naming the sidecar
-    when {sidecar} cannot be read."""
-    if "{" not in task.prompt:
-        return task.prompt
-    path = Path(path) if path is not None else None
-
-    def fill(match: re.Match) -> str:
-        if match.group(1):
-            return "{" + match.group(1) + "}"
-        return _placeholder(match.group(2), path, task.sidecar or ".txt")
-
-    return PLACEHOLDER.sub(fill, task.prompt)
-
-
-def _placeholder(name: str, path: Path | None, sidecar_ext: str) -> str:
-    if path is None:
-        return ""
-    if name == "sidecar":
-        return _sidecar_text(path.with_suffix(sidecar_ext))
-    return {"filename": path.name, "stem": path.stem, "folder": path.parent.name}[name]
-
-
-def _sidecar_text(sidecar: Path) -> str:
-    """The text of an existing sidecar (none yet: empty)."""
-    if not sidecar.exists():
-        return ""
-    try:
-        return sidecar.read_text(encoding="utf-8").strip()
-    except UnicodeDecodeError:
-        raise ItemError(f"{sidecar}: the sidecar is not UTF-8 text") from None
-    except OSError as e:
-        raise ItemError(f"{sidecar}: cannot read the sidecar ({e.strerror or e})") from None
 
 
 def _json_text(text: str) -> str:

@@ -15,12 +15,13 @@ from mmcli.config import Config, SamplingParams, load_config
 from mmcli.engine.grammar import compile_grammars
 from mmcli.engine.loop import Engine
 from mmcli.engine.sequence import Request
+from mmcli.inputs.placeholders import render_prompt
 from mmcli.inputs.prefetch import NOT_READY, default_workers, prefetch
 from mmcli.inputs.prompt import TextStream
 from mmcli.inputs.requests import RequestBuilder
 from mmcli.model.hub import snapshot_revision
 from mmcli.model.linear import held_bytes
-from mmcli.tasks import Task, decide_sampling, finish, question_task, render_prompt, resolve_tasks
+from mmcli.tasks import Task, decide_sampling, finish, question_task, resolve_tasks
 
 
 class Labeler:

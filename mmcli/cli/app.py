@@ -16,7 +16,10 @@ from mmcli.errors import ConfigError, MmcliError
 Question = typer.Argument(
     metavar="[QUESTION]", help="The question about the image(s) (or --task's own prompt)."
 )
-Paths = typer.Argument(metavar="PATHS", help="Image folders or files.")
+Paths = typer.Argument(
+    metavar="PATHS",
+    help="Image folders or files, WebDataset .tar shards, Parquet files (globs, {a..b}).",
+)
 Labels = typer.Argument(metavar="LABELS", help="JSONL files written by mmcli.")
 
 app = typer.Typer(
@@ -108,6 +111,8 @@ def plan(
         None, help="Patches per vision block (default: the config's)."
     ),
     config: o.ConfigFile = None,
+    image_column: o.ImageColumn = None,
+    key_column: o.KeyColumn = None,
 ) -> None:
     """Show how images pack into vision-attention blocks, the waste, and the block size to use.
 
@@ -129,7 +134,7 @@ def plan(
                 ) from None
             names = [f"#{i}" for i in range(len(patches))]
         elif paths:
-            names, patches = image_patches(paths, cfg)
+            names, patches = image_patches(paths, cfg, (image_column, key_column))
         else:
             raise ConfigError("give image paths or --tokens")
         if not patches or min(patches) < 1:
@@ -171,6 +176,8 @@ def caption(
     dry_run: o.DryRun = False,
     quiet: o.Quiet = False,
     redo_reviewed: o.RedoReviewed = False,
+    image_column: o.ImageColumn = None,
+    key_column: o.KeyColumn = None,
     ray: o.Ray = False,
     ray_address: o.RayAddress = None,
     replicas: o.Replicas = 1,

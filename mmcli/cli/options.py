@@ -41,6 +41,14 @@ AskTask = _option(
     str | None, "--task", help="A task of the settings (e.g. detect) instead of a question."
 )
 
+# caption and plan: Parquet inputs
+ImageColumn = _option(
+    str | None, "--image-column", help="Parquet: the column of images (default: found)."
+)
+KeyColumn = _option(
+    str | None, "--key-column", help="Parquet: the column of keys (default: key, or FILE/ROW)."
+)
+
 # caption
 Output = _option(str, "--output", "-o", help="JSONL file to append to; - for stdout.")
 Prompt = _option(str | None, "--prompt", help="The caption prompt (default: the config's).")

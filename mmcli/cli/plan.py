@@ -20,7 +20,9 @@ from mmcli.engine.packing import (
 from mmcli.errors import ImageError
 
 
-def image_patches(paths: list[Path], cfg: Config) -> tuple[list[str], list[int]]:
+def image_patches(
+    paths: list[Path], cfg: Config, columns: tuple[str | None, str | None] = (None, None)
+) -> tuple[list[str], list[int]]:
     """Patch counts of the images under `paths`, decoded and sized exactly as a run does (a local
     checkpoint's preprocessor_config.json, else Qwen3-VL's, with the configured pixel budget); a
     video counts one segment per temporal patch (`key#k`), sized from its headers as a run sizes
@@ -31,6 +33,7 @@ def image_patches(paths: list[Path], cfg: Config) -> tuple[list[str], list[int]]
         image_processor_config,
         num_patches,
     )
+    from mmcli.inputs.sources import describe, suffix
     from mmcli.inputs.video import VideoSampling, probe_video, video_smart_resize
     from mmcli.jobs.scan import scan
 
@@ -39,9 +42,10 @@ def image_patches(paths: list[Path], cfg: Config) -> tuple[list[str], list[int]]
     image_cfg = image_processor_config(checkpoint, cfg.image.min_pixels, cfg.image.max_pixels)
     videos = VideoSampling.from_checkpoint(checkpoint, cfg.video, image_cfg.max_pixels)
     names, patches = [], []
-    for key, path in scan(paths, cfg.scan.extensions + cfg.scan.video_extensions):
+    media = cfg.scan.extensions + cfg.scan.video_extensions
+    for key, path in scan(paths, media, columns=columns):
         try:
-            if cfg.scan.is_video(key):
+            if cfg.scan.is_video(suffix(path)):
                 frames, height, width = probe_video(path, videos)
                 height, width = video_smart_resize(frames, height, width, videos)
                 groups = -(-frames // image_cfg.temporal_patch_size)
@@ -52,7 +56,7 @@ def image_patches(paths: list[Path], cfg: Config) -> tuple[list[str], list[int]]
                 num_patches(decode_image(path, cfg.image.max_decode_pixels).image, image_cfg)
             )
         except ImageError as e:
-            print(f"mmcli: {path}: skipped ({e})", file=sys.stderr)
+            print(f"mmcli: {describe(path)}: skipped ({e})", file=sys.stderr)
             continue
         names.append(key)
     return names, patches

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from mmcli.errors import ImageError
+from mmcli.inputs.sources import Source, open_source
 from mmcli.model.config import QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, QWEN_TEMPORAL_PATCH_SIZE
 
 _RESAMPLE = {
@@ -123,21 +123,12 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
-def check_readable(path: Path) -> None:
-    """Raise ImageError when the file cannot be read or is empty (before any decoder sees it)."""
-    if not os.access(path, os.R_OK):
-        why = "permission denied" if path.exists() else "no such file or broken link"
-        raise ImageError(f"unreadable file ({why})")
-    if path.is_file() and path.stat().st_size == 0:
-        raise ImageError("empty file (0 bytes)")
-
-
-def decode_image(path: str | Path, max_decode_pixels: int = 128 * 1024 * 1024) -> DecodedImage:
-    """Open one image file as RGB, or raise ImageError naming what is wrong with it."""
-    path = Path(path)
+def decode_image(source: Source, max_decode_pixels: int = 128 * 1024 * 1024) -> DecodedImage:
+    """Open one image (a file, a shard member, a Parquet cell) as RGB, or raise ImageError naming
+    what is wrong with it."""
     try:
-        check_readable(path)
-        with Image.open(path) as im:
+        opened = open_source(Path(source) if isinstance(source, str) else source)
+        with Image.open(opened) as im:
             width, height = im.size
             if width * height > max_decode_pixels:
                 raise ImageError(

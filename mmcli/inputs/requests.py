@@ -18,10 +18,12 @@ from mmcli.engine.positions import rope_index
 from mmcli.engine.sequence import Request
 from mmcli.errors import ImageError, ItemError
 from mmcli.inputs.images import ImageProcessorConfig
+from mmcli.inputs.placeholders import render_prompt
 from mmcli.inputs.preprocess import decode_image, preprocess, preprocess_video
 from mmcli.inputs.prompt import PromptBuilder
+from mmcli.inputs.sources import describe, suffix
 from mmcli.inputs.video import VideoSampling, decode_video
-from mmcli.tasks import Task, render_prompt
+from mmcli.tasks import Task
 
 
 @dataclass
@@ -57,8 +59,8 @@ class RequestBuilder:
         self.visual_token_ids, self.stop_ids, self.compiled = visual_token_ids, stop_ids, compiled
         self.video_sampling = video_sampling or VideoSampling()
 
-    def is_video(self, path) -> bool:
-        return isinstance(path, (str, Path)) and self.config.scan.is_video(path)
+    def is_video(self, source) -> bool:
+        return not isinstance(source, Image.Image) and self.config.scan.is_video(suffix(source))
 
     def prepare(self, images: list, videos: list = ()) -> PreparedInputs:
         """Decode and preprocess (files with a video extension as videos, after the images);
@@ -70,9 +72,7 @@ class RequestBuilder:
             try:
                 pv, grid = preprocess(rgb, self.image_cfg)
             except ImageError as e:
-                raise ImageError(
-                    f"{image if not isinstance(image, Image.Image) else 'image'}: {e}"
-                ) from None
+                raise ImageError(f"{_named(image)}: {e}") from None
             self._check_block(image, pv.shape[0])
             out.add(pv, grid)
             out.infos.append({"width": rgb.width, "height": rgb.height, "note": note})
@@ -87,7 +87,7 @@ class RequestBuilder:
         try:
             decoded = decode_image(image, self.config.image.max_decode_pixels)
         except ImageError as e:
-            raise ImageError(f"{image}: {e}") from None
+            raise ImageError(f"{_named(image)}: {e}") from None
         return decoded.image, decoded.note
 
     def _check_block(self, source, patches: int) -> None:
@@ -104,7 +104,7 @@ class RequestBuilder:
             first = video.frames[0]
             patches = preprocess_video(video.frames, (first.height, first.width), self.image_cfg)
         except ImageError as e:
-            raise ImageError(f"{path}: {e}") from None
+            raise ImageError(f"{_named(path)}: {e}") from None
         groups = []
         for (pv, grid), seconds in zip(
             patches, video.group_times(self.image_cfg.temporal_patch_size)
@@ -194,6 +194,10 @@ class RequestBuilder:
             for req in requests:
                 req.group, req.prefix_len = key, shared
         return requests, prepared.infos, failures
+
+
+def _named(source) -> str:
+    return "image" if isinstance(source, Image.Image) else describe(source)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

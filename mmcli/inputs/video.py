@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image
 
 from mmcli.errors import ImageError
-from mmcli.inputs.images import check_readable
+from mmcli.inputs.sources import Source, open_source
 from mmcli.model.config import QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, QWEN_TEMPORAL_PATCH_SIZE
 
 # seconds: a target further ahead than this is reached by seeking, nearer ones by decoding on
@@ -193,17 +193,16 @@ def _display_matrix(frame) -> np.ndarray | None:
 
 
 def decode_video(
-    path: str | Path, sampling: VideoSampling, resample: int | None = None
+    path: Source | str, sampling: VideoSampling, resample: int | None = None
 ) -> DecodedVideo:
     """Sample and decode one video file, or raise ImageError naming what is wrong with it. With
     `resample` (a Pillow filter) each frame is resized to the run's size as it is decoded, so a
     long high-resolution video never holds its full-size frames."""
     import av  # PyAV: imported here so that `plan` and image-only runs never load FFmpeg
 
-    path = Path(path)
-    check_readable(path)
+    opened = open_source(Path(path) if isinstance(path, str) else path)
     try:
-        with av.open(str(path)) as container:
+        with av.open(str(opened) if isinstance(opened, Path) else opened) as container:
             if not container.streams.video:
                 kinds = sorted({s.type for s in container.streams})
                 raise ImageError(
@@ -215,7 +214,9 @@ def decode_video(
     except ImageError:
         raise
     except av.error.InvalidDataError as e:
-        if _looks_like_mp4(path):  # an MP4/MOV whose index (the moov box, written last) is missing
+        if _looks_like_mp4(
+            opened
+        ):  # an MP4/MOV whose index (the moov box, written last) is missing
             raise ImageError(
                 "truncated or corrupt MP4/MOV: FFmpeg finds no readable index (moov box) in it"
             ) from None
@@ -229,9 +230,9 @@ def frames_at_times(path: str | Path, times: list[float]) -> list[Image.Image]:
     `video.frame_times` names them; raises ImageError for a file that cannot be read."""
     import av
 
-    check_readable(Path(path))
+    opened = open_source(Path(path) if isinstance(path, str) else path)
     try:
-        with av.open(str(path)) as container:
+        with av.open(str(opened) if isinstance(opened, Path) else opened) as container:
             stream = _video_stream(container)
             _, fps, _ = _stream_facts(container, stream)
             tolerance = 0.5 / fps if fps > 0 else 0.05
@@ -250,10 +251,12 @@ def _video_stream(container):
     return container.streams.video[0]
 
 
-def _looks_like_mp4(path: Path) -> bool:
+def _looks_like_mp4(opened) -> bool:
     try:
-        with open(path, "rb") as f:
-            return f.read(12)[4:8] == b"ftyp"
+        if isinstance(opened, Path):
+            with open(opened, "rb") as f:
+                return f.read(12)[4:8] == b"ftyp"
+        return opened.getvalue()[4:8] == b"ftyp"
     except OSError:
         return False
 
@@ -263,8 +266,9 @@ def probe_video(path: str | Path, sampling: VideoSampling) -> tuple[int, int, in
     ImageError."""
     import av
 
+    opened = open_source(Path(path) if isinstance(path, str) else path)
     try:
-        with av.open(str(path)) as container:
+        with av.open(str(opened) if isinstance(opened, Path) else opened) as container:
             stream = _video_stream(container)
             _, fps, total = _stream_facts(container, stream)
             if total <= 0 or fps <= 0:

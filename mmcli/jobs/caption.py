@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mmcli.config import Config, check_sidecar
 from mmcli.errors import ConfigError, MmcliError
+from mmcli.inputs.sources import Source
 from mmcli.jobs.distributed import RayOptions
 from mmcli.jobs.labeling import Item, error_record, kind_of, label_records
 from mmcli.jobs.records import JsonlOutput, append_record, sidecar_path, write_sidecar
@@ -47,6 +48,8 @@ class CaptionJob:
     ray: RayOptions | None = None  # run on a Ray cluster
     check_changed: bool = True  # redo an item whose image changed since its record
     redo_reviewed: bool = False  # redo labels a person edited or approved
+    image_column: str | None = None  # Parquet inputs: the column of images (None: found)
+    key_column: str | None = None  # Parquet inputs: the column of keys (None: `key`, or FILE/ROW)
     # task name -> its resume keys (jobs.resume.task_resume_keys); set at start
     resume_keys: dict[str, dict[str, str]] = field(default_factory=dict)
     # sampling given on the command line: wins over tasks' own
@@ -74,6 +77,12 @@ def sidecar_clashes(items: list[tuple[str, Path]], ext: str | None) -> dict[str,
     already takes."""
     if not ext:
         return {}
+    not_files = [key for key, source in items if not isinstance(source, Path)]
+    if not_files:
+        raise ConfigError(
+            f"{not_files[0]}: sidecars are written next to files, and this input is inside a shard "
+            "or a Parquet file; label without --sidecar (mmcli export writes the labels out)"
+        )
     owners: dict[Path, str] = {}
     clashes = {}
     for key, path in items:
@@ -85,14 +94,15 @@ def sidecar_clashes(items: list[tuple[str, Path]], ext: str | None) -> dict[str,
     return clashes
 
 
-def select_items(job: CaptionJob) -> list[tuple[str, Path]]:
-    """The scanned (key, path) items of this shard."""
+def select_items(job: CaptionJob) -> list[tuple[str, Source]]:
+    """The scanned (key, source) items of this shard of the work."""
     items = scan(
         job.paths,
         job.config.scan.extensions + job.config.scan.video_extensions,
         recursive=job.recursive,
         include=job.include,
         exclude=job.exclude,
+        columns=(job.image_column, job.key_column),
     )
     if job.shard:
         index, count = parse_shard(job.shard)

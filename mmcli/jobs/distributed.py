@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 from mmcli.errors import ConfigError
+from mmcli.inputs.sources import from_json, to_json
 from mmcli.jobs.labeling import Item, label_records
 
 INSTALL_HINT = "--ray needs Ray Data: pip install 'mmcli[ray]' (or pip install 'ray[data]')"
@@ -50,7 +51,8 @@ def parse_resources(text: str | None) -> dict:
 
 
 class CaptionReplica:
-    """One model and engine per replica, loaded once; captions each batch of (key, path) rows."""
+    """One model and engine per replica, loaded once; labels each batch of (key, source) rows,
+    reading the inputs itself."""
 
     def __init__(
         self, config, tasks: list, settings: dict[str, dict[str, str]], logprobs: bool, threads: int
@@ -68,7 +70,7 @@ class CaptionReplica:
 
     def __call__(self, batch: dict) -> dict:
         rows = zip(batch["key"].tolist(), batch["path"].tolist(), batch["tasks"].tolist())
-        items = [(key, path, json.loads(names)) for key, path, names in rows]
+        items = [(key, from_json(source), json.loads(names)) for key, source, names in rows]
         records = label_records(self.labeler, items, self.tasks, self.settings, self.logprobs)
         return {"record": [json.dumps(record) for record in records]}
 
@@ -97,7 +99,8 @@ def caption_on_ray(
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.actor_task_retry_on_errors = False  # per-item errors are records, not task failures
-    rows = [{"key": k, "path": str(p), "tasks": json.dumps(names)} for k, p, names in items]
+    # where each input is (a file, a shard member, a Parquet row), never its bytes
+    rows = [{"key": k, "path": to_json(p), "tasks": json.dumps(names)} for k, p, names in items]
     ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), replicas * 8)))
     threads = int(resources.get("num_cpus", 1) or 1)
     # a dead replica is replaced and its batch redone

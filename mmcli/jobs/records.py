@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import IO
 
 from mmcli.errors import ConfigError, OutputError, OutputLocked
+from mmcli.inputs.sources import ParquetCell, TarMember, container_file
 
 # 2: tasks (the task name in `task`; `json`, `boxes`, `raw_text` where a task gives them)
 SCHEMA = 2
@@ -28,15 +30,30 @@ def file_sha256(path: str | Path) -> str | None:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=64)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str | None:
+    return file_sha256(path)
+
+
+def checked_sha256(path: str | Path) -> str | None:
+    """The file's sha256, hashed once while its size and mtime stay (a shard's thousands of
+    records share one hash)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _sha256_of(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
 def file_facts(path: str | Path | None) -> dict:
-    """sha256, size and mtime of the input file: what resume checks to see whether an image
-    changed."""
+    """sha256, size and mtime of the input's file (a shard or Parquet file for their samples):
+    what resume checks to see whether an input changed."""
     try:
         st = os.stat(path) if path is not None else None
     except OSError:
         st = None
     return {
-        "sha256": file_sha256(path) if st else None,
+        "sha256": checked_sha256(path) if st else None,
         "file_size": st.st_size if st else None,
         "file_mtime_ns": st.st_mtime_ns if st else None,
     }
@@ -57,11 +74,13 @@ def make_record(
 ) -> dict:
     """One record; `result` is an api.result.Result (ok or failed), `path` the input file."""
     first = result.images[0] if result.images else {}
+    where = container_file(Path(path) if isinstance(path, str) else path) if path else None
     record = {
         "schema": SCHEMA,
         "key": key,
-        "path": os.path.abspath(path) if isinstance(path, (str, Path)) else None,
-        **file_facts(path),
+        "path": os.path.abspath(where) if where is not None else None,
+        **_within(path),
+        **file_facts(where),
         "width": first.get("width"),
         "height": first.get("height"),
         "task": task,
@@ -94,6 +113,15 @@ def make_record(
         record.update(result.fields)
     record.update(extra or {})
     return record
+
+
+def _within(source) -> dict:
+    """Where in its file a shard sample or a Parquet row is."""
+    if isinstance(source, TarMember):
+        return {"member": source.name}
+    if isinstance(source, ParquetCell):
+        return {"row": [source.row_group, source.row]}
+    return {}
 
 
 def append_record(stream: IO[str], record: dict) -> None:

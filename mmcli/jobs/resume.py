@@ -17,7 +17,8 @@ from pathlib import Path
 from mmcli.api.loader import plan_run
 from mmcli.config import Config
 from mmcli.inputs.images import image_processor_config
-from mmcli.jobs.records import SCHEMA, file_sha256
+from mmcli.inputs.sources import Source, container_file
+from mmcli.jobs.records import SCHEMA, checked_sha256
 from mmcli.model.hub import snapshot_revision
 from mmcli.tasks import Task
 
@@ -76,16 +77,17 @@ def settings_hash(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def file_changed(path: Path, record: dict) -> bool:
-    """The file differs from the one the record was made from: size or mtime differ, and so does
-    the sha256."""
+def file_changed(source: Source, record: dict) -> bool:
+    """The input's file (a shard or Parquet file for their samples) differs from the one the
+    record was made from: size or mtime differ, and so does the sha256 (hashed once a file)."""
+    path = container_file(source)
     try:
         stat = path.stat()
     except OSError:
         return False  # gone or unreadable: a rerun would only record the error again
     if stat.st_size == record.get("file_size") and stat.st_mtime_ns == record.get("file_mtime_ns"):
         return False
-    return file_sha256(path) != record.get("sha256")
+    return checked_sha256(path) != record.get("sha256")
 
 
 def planned_settings(cfg: Config) -> dict:
