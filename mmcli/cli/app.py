@@ -301,6 +301,7 @@ def export(
     to: o.ExportFormat = "parquet",
     wide: o.Wide = False,
     include_errors: o.IncludeErrors = False,
+    with_media: o.WithMedia = False,
 ) -> None:
     """Write the current label of each (key, task) as Parquet, or as an imagefolder's metadata.
 
@@ -309,14 +310,14 @@ def export(
       mmcli export captions.jsonl labels.parquet
       mmcli export captions.jsonl labels.parquet --wide
       mmcli export captions.jsonl ./images --to imagefolder
+      mmcli export labels.jsonl ./label-shards --to webdataset
     """
     from mmcli.jobs.export import export as write
 
     with exit_codes():
-        rows = write(labels, to, out, wide=wide, include_errors=include_errors)
-        typer.echo(
-            f"mmcli: {rows} {'images' if to == 'imagefolder' else 'rows'} in {out}", err=True
-        )
+        count = write(labels, to, out, wide, include_errors, with_media)
+        unit = {"imagefolder": "images", "webdataset": "shards"}.get(to, "rows")
+        typer.echo(f"mmcli: {count} {unit} in {out}", err=True)
 
 
 @app.command("config")

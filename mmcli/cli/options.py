@@ -95,3 +95,4 @@ ExportFormat = _option(
 )
 Wide = _option(bool, "--wide", help="Parquet: one row per input, one column per task.")
 IncludeErrors = _option(bool, "--include-errors", help="Keep the error records too.")
+WithMedia = _option(bool, "--with-media", help="webdataset: copy each sample's members too.")

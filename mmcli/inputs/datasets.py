@@ -158,5 +158,6 @@ def _image_names(parquet, group: int, column: str, schema, pa) -> list[str]:
     rows = parquet.metadata.row_group(group).num_rows
     if not (pa.types.is_struct(kind) and kind.get_field_index("path") >= 0):
         return [""] * rows
-    table = parquet.read_row_group(group, columns=[f"{column}.path"])
-    return [os.path.basename(p or "") for p in table.column(0).to_pylist()]
+    # the struct's path leaf alone: the image bytes are not read here
+    values = parquet.read_row_group(group, columns=[f"{column}.path"]).column(0).to_pylist()
+    return [os.path.basename((v or {}).get("path") or "") for v in values]

@@ -14,17 +14,25 @@ from pathlib import Path
 from mmcli.errors import ConfigError
 from mmcli.jobs.records import current_records, write_text_whole
 
-FORMATS = ("parquet", "imagefolder")
+FORMATS = ("parquet", "imagefolder", "webdataset")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
 
 def export(
-    files: list[Path], to: str, out: Path, wide: bool = False, include_errors: bool = False
+    files: list[Path],
+    to: str,
+    out: Path,
+    wide: bool = False,
+    include_errors: bool = False,
+    with_media: bool = False,
 ) -> int:
     """Write the export; returns how many rows (Parquet) or images (imagefolder) it holds."""
     if to not in FORMATS:
         raise ConfigError(f"--to {to!r}: must be one of {', '.join(FORMATS)}")
-    records = [r for r in current_records(files) if include_errors or r.get("status") == "ok"]
+    everything = current_records(files)
+    if to == "webdataset":
+        return write_webdataset(everything, out, with_media)
+    records = [r for r in everything if include_errors or r.get("status") == "ok"]
     if to == "imagefolder":
         return write_imagefolder(records, out)
     rows = wide_rows(records) if wide else [long_row(r) for r in records]
@@ -132,3 +140,110 @@ def write_imagefolder(records: list[dict], data_dir: Path) -> int:
     ]
     write_text_whole(root / "metadata.jsonl", "\n".join(lines))
     return len(rows)
+
+
+def write_webdataset(records: list[dict], out: Path, with_media: bool) -> int:
+    """Per input shard, a shard of the same name in `out` holding `SAMPLE.TASK.txt` (and
+    `SAMPLE.TASK.json` for JSON and boxes answers) for each ok label, in the input's sample order
+    so that webdataset readers can pair them; with `with_media`, every original member byte for
+    byte, each sample's labels after its own members. And `SHARD_stats.json` per shard: samples,
+    ok, failed, errors by cause, seconds. Returns how many shards were written."""
+    shards: dict[str, list[dict]] = {}
+    for record in records:
+        if record.get("member") is not None or str(record.get("key", "")).endswith("/#damaged"):
+            shards.setdefault(record["path"], []).append(record)
+    if not shards:
+        raise ConfigError("no record comes from a tar shard (--to webdataset writes beside shards)")
+    out.mkdir(parents=True, exist_ok=True)
+    for shard, shard_records in shards.items():
+        target = out / Path(shard).name
+        if target.resolve() == Path(shard).resolve():
+            raise ConfigError(f"{target}: is the input shard itself; choose another folder")
+        _write_tar(target, Path(shard) if with_media else None, _label_members(shard_records))
+        stats = json.dumps(shard_stats(shard_records), indent=1)
+        write_text_whole(out / f"{Path(shard).stem}_stats.json", stats)
+    return len(shards)
+
+
+def _label_members(records: list[dict]) -> dict[str, list[tuple[str, bytes]]]:
+    """Per sample (its name inside the shard): its label members, SAMPLE.TASK.txt and .json."""
+    members: dict[str, list[tuple[str, bytes]]] = {}
+    for record in records:
+        if record.get("status") != "ok" or record.get("member") is None:
+            continue
+        name = _sample_name(record["member"])
+        task = record.get("task") or "answer"
+        entry = members.setdefault(name, [])
+        entry.append((f"{name}.{task}.txt", (record.get("text") or "").encode()))
+        value = record.get("json", record.get("boxes"))
+        if value is not None:
+            entry.append((f"{name}.{task}.json", json.dumps(value, ensure_ascii=False).encode()))
+    return members
+
+
+def _sample_name(member: str) -> str:
+    """A member's sample: its name up to the first dot of its base name (webdataset's grouping)."""
+    folder, _, base = member.rpartition("/")
+    return f"{folder}/{base.split('.')[0]}" if folder else base.split(".")[0]
+
+
+def _write_tar(target: Path, source: Path | None, labels: dict) -> None:
+    """The label shard (with the source's members first, sample by sample, when given), written
+    aside and renamed."""
+    import tarfile
+
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+            if source is not None:
+                _copy_with_labels(source, tar, labels)
+            for members in labels.values():  # what is left: samples without media members
+                _add_members(tar, members)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _copy_with_labels(source: Path, tar, labels: dict) -> None:
+    """Every member of `source` byte for byte, each sample's labels after its last member."""
+    import tarfile
+
+    current = None
+    with tarfile.open(source, "r:") as original:
+        for info in original:
+            sample = _sample_name(info.name)
+            if current is not None and sample != current:
+                _add_members(tar, labels.pop(current, []))
+            current = sample
+            tar.addfile(info, original.extractfile(info) if info.isfile() else None)
+    if current is not None:
+        _add_members(tar, labels.pop(current, []))
+
+
+def _add_members(tar, members: list[tuple[str, bytes]]) -> None:
+    import io
+    import tarfile
+
+    for name, data in members:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+
+def shard_stats(records: list[dict]) -> dict:
+    """img2dataset-like counts for one shard's labels: samples, ok, failed, errors by cause."""
+    samples = {r["key"] for r in records if not str(r["key"]).endswith("/#damaged")}
+    failed = [r for r in records if r.get("status") == "error"]
+    causes: dict[str, int] = {}
+    for record in failed:
+        message = (record.get("error") or {}).get("message") or "error"
+        cause = message.rsplit(": ", 1)[-1][:80]
+        causes[cause] = causes.get(cause, 0) + 1
+    return {
+        "samples": len(samples),
+        "labels": len(records),
+        "ok": sum(r.get("status") == "ok" for r in records),
+        "failed": len(failed),
+        "errors": causes,
+        "seconds": round(sum(r.get("latency_ms") or 0 for r in records) / 1000, 3),
+    }
