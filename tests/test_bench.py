@@ -85,3 +85,15 @@ def test_video_bench_smoke(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "s per video-minute" in out.stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_shards_bench_smoke():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "shards.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1].startswith("peak RSS, a ")
