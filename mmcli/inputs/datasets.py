@@ -119,9 +119,13 @@ def parquet_items(
 ) -> list[tuple[str, object]]:
     """(key, cell) per row: the key column's value (default `key` when there is one, else
     `FILE/ROW`); the image column (default: the first of bytes, or of {bytes, path} structs)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(
+            f"{file}: Parquet inputs need pyarrow: pip install 'mmcli[parquet]'"
+        ) from None
     try:
         parquet = pq.ParquetFile(file)
     except (OSError, ValueError) as e:

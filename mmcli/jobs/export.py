@@ -88,7 +88,7 @@ def write_parquet(rows: list[dict], out: Path, wide: bool) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise ConfigError("--to parquet needs pyarrow: pip install 'mmcli[export]'") from None
+        raise ConfigError("--to parquet needs pyarrow: pip install 'mmcli[parquet]'") from None
     columns = sorted({name for row in rows for name in row}, key=_column_order)
     box = pa.struct([("label", pa.string()), ("bbox", pa.list_(pa.float64()))])
     schema = pa.schema([(name, _column_type(name, pa, box)) for name in columns])
