@@ -97,6 +97,9 @@ def test_parquet_has_one_typed_row_per_current_label(labeled, tmp_path):
     (detect,) = [r for r in rows if r["task"] == "detect"]
     assert detect["boxes"] == [BOX] and str(table.schema.field("boxes").type).startswith("list<")
     assert table.schema.field("num_output_tokens").type == "int64"
+    import pandas as pd
+
+    assert len(pd.read_parquet(out)) == 7
     with_errors = tmp_path / "all.parquet"
     assert _export(labels, with_errors, "--include-errors").exit_code == 0
     errors = [r for r in pq.read_table(with_errors).to_pylist() if r["status"] == "error"]
