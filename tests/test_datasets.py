@@ -227,6 +227,31 @@ def test_label_shards_pair_with_the_originals(tiny_dir, tmp_path):
     assert stats["samples"] == 2 and stats["ok"] == 4 and stats["failed"] == 0
 
 
+def test_the_review_page_shows_shard_and_parquet_samples(tiny_dir, tmp_path):
+    import threading
+    import urllib.request
+
+    from mmcli.review.server import ReviewServer
+    from mmcli.review.store import ReviewStore
+
+    images = _jpegs(2)
+    _shards(tmp_path / "s", images)
+    pq.write_table(pa.table({"jpg": images}), tmp_path / "t.parquet")
+    out = tmp_path / "out.jsonl"
+    for source in (tmp_path / "s/00000.tar", tmp_path / "t.parquet"):
+        assert _caption(source, "-o", out, model=tiny_dir).exit_code == 0
+    server = ReviewServer(ReviewStore([out]), "127.0.0.1", 0, 1 << 27)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for key in ("00000/000000001", "t/1"):
+            url = f"{server.url}media/{server.store.index[key]}"
+            with urllib.request.urlopen(url) as response:
+                assert response.status == 200 and response.read()[:2] == b"\xff\xd8"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_plan_and_dry_run_take_shards(tiny_dir, tmp_path):
     _shards(tmp_path / "s", _jpegs(3))
     plan = CliRunner().invoke(app, ["plan", str(tmp_path / "s/00000.tar")])

@@ -6,12 +6,12 @@ from __future__ import annotations
 import io
 import threading
 from collections import OrderedDict
-from pathlib import Path
 
 from PIL import Image
 
 from mmcli.errors import ImageError
 from mmcli.inputs.images import decode_image
+from mmcli.inputs.sources import Source, describe
 from mmcli.inputs.video import frames_at_times
 
 SIZES = (256, 1024)  # grid thumbnails and the detail view
@@ -23,13 +23,13 @@ class Thumbnails:
         self.cache: OrderedDict[tuple, bytes] = OrderedDict()
         self.lock = threading.Lock()
 
-    def image(self, path: Path, size: int) -> bytes:
+    def image(self, path: Source, size: int) -> bytes:
         """A JPEG of the image as shown, its longer side at most `size`."""
         return self._cached(
-            (str(path), size), lambda: decode_image(path, self.max_decode_pixels).image, size
+            (describe(path), size), lambda: decode_image(path, self.max_decode_pixels).image, size
         )
 
-    def frame(self, path: Path, time: float, size: int) -> bytes:
+    def frame(self, path: Source, time: float, size: int) -> bytes:
         """A JPEG of the video frame shown at `time` seconds."""
 
         def decode() -> Image.Image:
@@ -38,7 +38,7 @@ class Thumbnails:
                 raise ImageError(f"no frame at {time:.2f} s")
             return frames[0]
 
-        return self._cached((str(path), size, round(time, 3)), decode, size)
+        return self._cached((describe(path), size, round(time, 3)), decode, size)
 
     def _cached(self, key: tuple, decode, size: int) -> bytes:
         with self.lock:

@@ -130,7 +130,7 @@ class Handler(BaseHTTPRequestHandler):
     def _media(self, item_id: int, frame: int | None, query: dict) -> None:
         store = self.server.store
         item = store.items[item_id]
-        path = store.media_path(item)
+        path = store.media_source(item)
         if path is None:
             return self._send_json({"error": "outside the labeled folders"}, HTTPStatus.FORBIDDEN)
         size = int(query.get("size", SIZES[0]))

@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mmcli.errors import OutputLocked
+from mmcli.config import ScanConfig
+from mmcli.errors import MmcliError, OutputLocked
+from mmcli.inputs.datasets import dataset_items, is_dataset_file
+from mmcli.inputs.sources import ParquetCell, Source, TarMember
 from mmcli.jobs.records import JsonlOutput, read_records, write_text_whole
 
 ACTIONS = ("edit", "approve", "reject", "delete_box")
@@ -65,6 +68,7 @@ class ReviewStore:
                 self._add(record, file)
                 roots.add(input_root(record) or "")
         self.roots = {os.path.realpath(root) for root in roots if root}
+        self.listings: dict[str, dict] = {}  # a shard's or Parquet file's inputs, once listed
         self.tasks = sorted({t for item in self.items for t in item.labels})
 
     def _add(self, record: dict, source: Path) -> None:
@@ -86,6 +90,23 @@ class ReviewStore:
         if not any(real.startswith(root.rstrip(os.sep) + os.sep) for root in self.roots):
             return None
         return Path(real)
+
+    def media_source(self, item: Item) -> Source | None:
+        """Where the item's image or video is: its file, or its member of a shard or row of a
+        Parquet file (found by listing that file once), if inside the labeled roots."""
+        path = self.media_path(item)
+        record = item.record
+        if path is None or ("member" not in record and "row" not in record):
+            return path
+        if str(path) not in self.listings:
+            media = ScanConfig().extensions + ScanConfig().video_extensions
+            try:
+                listed = dataset_items(path, media, (None, None)) if is_dataset_file(path) else []
+            except MmcliError:  # a Parquet file whose image column is not found: shown as missing
+                listed = []
+            self.listings[str(path)] = {_where(source): source for _, source in listed}
+        where = record.get("member") or tuple(record.get("row") or ())
+        return self.listings[str(path)].get(where)
 
     def query(
         self,
@@ -170,6 +191,14 @@ def _changed(record: dict, action: str, value) -> dict:
     new["review"] = {"action": action, "verdict": verdict, "by": "person", "at": now}
     new["created_at"] = now
     return new
+
+
+def _where(source) -> str | tuple:
+    if isinstance(source, TarMember):
+        return source.name
+    if isinstance(source, ParquetCell):
+        return (source.row_group, source.row)
+    return ""
 
 
 def _status(record: dict) -> str:
