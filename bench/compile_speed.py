@@ -39,7 +39,7 @@ SETTINGS = {
 }
 
 
-def captioner(ckpt: Path, backend: str, compile_dir: Path):
+def labeler(ckpt: Path, backend: str, compile_dir: Path):
     from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
 
@@ -55,7 +55,7 @@ def captioner(ckpt: Path, backend: str, compile_dir: Path):
 
 def worker_compile(ckpt: Path, compile_dir: Path) -> dict:
     started = time.perf_counter()
-    cap = captioner(ckpt, "inductor", compile_dir)
+    cap = labeler(ckpt, "inductor", compile_dir)
     graphs = cap.graphs
     rows = [(b.label, *graphs.compile_bucket(b, cap.runner.run_bucket)) for b in graphs.buckets]
     return {"seconds": time.perf_counter() - started, "buckets": rows}
@@ -64,7 +64,7 @@ def worker_compile(ckpt: Path, compile_dir: Path) -> dict:
 def worker_run(
     ckpt: Path, images: list[Path], lengths: list[int], backend: str, compile_dir: Path
 ) -> dict:
-    cap = captioner(ckpt, backend, compile_dir)
+    cap = labeler(ckpt, backend, compile_dir)
     if cap.graphs is not None:
         missing = cap.graphs.missing
         assert not missing, f"not compiled ahead: {[b.label for b in missing]}"

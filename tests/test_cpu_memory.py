@@ -37,7 +37,7 @@ def outlier_dir(bf16_dir, tmp_path_factory) -> Path:
     return make_outlier_checkpoint(bf16_dir, tmp_path_factory.mktemp("outlier") / "m")
 
 
-def _captioner(path, **settings):
+def _labeler(path, **settings):
     return Labeler.from_pretrained(
         str(path), config=load_config(None, {"device": "cpu", **settings})
     )
@@ -62,7 +62,7 @@ def _parameters(cap) -> int:
 
 
 def test_default_cpu_path_holds_the_stored_bfloat16_and_computes_in_float32(bf16_dir):
-    default, full = _captioner(bf16_dir), _captioner(bf16_dir, dtype="float32")
+    default, full = _labeler(bf16_dir), _labeler(bf16_dir, dtype="float32")
     assert default.precision == {"weights": "bfloat16", "compute": "float32", "quantize": "none"}
     assert full.precision == {"weights": "float32", "compute": "float32", "quantize": "none"}
     assert ("compiled bf16 kernel" in default.runner.kernels) == (
@@ -111,11 +111,11 @@ def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
     """int8 (norms folded into the next linears, a scale per token) stays within 12% (relative L2
     of the prefill logits) of the float32 run on a model with outlier channels; one activation
     scale per call does not."""
-    reference = _logits(_captioner(outlier_dir, dtype="float32"))
-    ours = _captioner(outlier_dir, quantize="int8")
+    reference = _logits(_labeler(outlier_dir, dtype="float32"))
+    ours = _labeler(outlier_dir, quantize="int8")
     assert (
         ours.precision["weights"] == "int8"
-        and ours.weight_bytes < 0.8 * _captioner(outlier_dir).weight_bytes
+        and ours.weight_bytes < 0.8 * _labeler(outlier_dir).weight_bytes
     )
     # tied: one bfloat16 copy
     embedding, head = (
@@ -128,7 +128,7 @@ def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
     )
     assert _relative_error(_logits(ours), reference) < 0.12
     # the same int8 weights, no folding, one scale a call
-    naive = _captioner(outlier_dir, weights_dtype="bfloat16")
+    naive = _labeler(outlier_dir, weights_dtype="bfloat16")
     quantize_linears(naive.model, keep=(naive.model.lm_head,))
     for layer in naive.model.modules():
         if isinstance(layer, Linear):
@@ -172,7 +172,7 @@ def test_quantization_is_in_the_record_and_the_resume_key(tiny_dir, tmp_path):
 
 
 def test_the_kv_cache_holds_what_the_job_uses(tiny_dir, tmp_path):
-    cap = _captioner(tiny_dir, dtype="float32")  # engine.max_seqs 8, max_len 4096 by default
+    cap = _labeler(tiny_dir, dtype="float32")  # engine.max_seqs 8, max_len 4096 by default
     result = cap.ask(IMAGE, "Describe this image.", max_new_tokens=4)
     assert (cap.runner.cache.rows, cap.runner.cache.columns) == (
         1,

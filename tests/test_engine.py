@@ -32,13 +32,13 @@ def _items(tmp_path):
     return items
 
 
-def _captioner(path, **config):
+def _labeler(path, **config):
     overrides = {"dtype": "float32", "device": "cpu", **config}
     return Labeler.from_pretrained(str(path), config=load_config(None, overrides))
 
 
 def test_packed_vision_equals_per_image_path(tiny_dir):
-    cap = _captioner(tiny_dir)
+    cap = _labeler(tiny_dir)
     # 7 images of different sizes; the 8x8-patch one (64 patches) fills a 64-patch block exactly
     images = [
         photo(NAMES[i % 4], s)
@@ -82,7 +82,7 @@ def test_caption_tokens_do_not_depend_on_block_size_or_bucket(tiny_dir, tmp_path
         {"block_size": 64, "num_blocks_buckets": [1, 2, 4, 8]},
         {"block_size": 1024, "num_blocks_buckets": [4]},
     ):
-        cap = _captioner(
+        cap = _labeler(
             tiny_dir,
             vision=vision,
             generation={"max_new_tokens": 8},
@@ -95,16 +95,16 @@ def test_caption_tokens_do_not_depend_on_block_size_or_bucket(tiny_dir, tmp_path
 
 def test_greedy_tokens_same_alone_or_among_eight_with_three_in_flight(tiny_dir, tmp_path):
     items = _items(tmp_path)
-    alone_cap = _captioner(tiny_dir, engine={"max_seqs": 1}, generation={"max_new_tokens": 12})
+    alone_cap = _labeler(tiny_dir, engine={"max_seqs": 1}, generation={"max_new_tokens": 12})
     alone = {key: next(iter(alone_cap.label([(key, path)]))).token_ids for key, path in items}
-    batched_cap = _captioner(tiny_dir, engine={"max_seqs": 3}, generation={"max_new_tokens": 12})
+    batched_cap = _labeler(tiny_dir, engine={"max_seqs": 3}, generation={"max_new_tokens": 12})
     batched = {r.key: r.token_ids for r in batched_cap.label(items)}
     assert batched == alone and len(alone) == 8
 
 
 def test_sampled_output_does_not_depend_on_order(tiny_dir, tmp_path):
     items = _items(tmp_path)
-    cap = _captioner(tiny_dir, engine={"max_seqs": 3})
+    cap = _labeler(tiny_dir, engine={"max_seqs": 3})
     kw = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "max_new_tokens": 10, "seed": 7}
     first = {r.key: r.token_ids for r in cap.label(items, **kw)}
     second = {r.key: r.token_ids for r in cap.label(list(reversed(items)), **kw)}
@@ -117,7 +117,7 @@ def test_results_come_as_they_finish_and_bad_files_are_error_results(tiny_dir, t
     items = _items(tmp_path)[:3]
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(b"not an image")
-    cap = _captioner(tiny_dir, engine={"max_seqs": 2})
+    cap = _labeler(tiny_dir, engine={"max_seqs": 2})
     results = list(cap.label(items[:1] + [("bad", bad)] + items[1:], max_new_tokens=4))
     assert sorted(r.key for r in results) == ["bad", "img0", "img1", "img2"]
     bad_result = next(r for r in results if r.key == "bad")
@@ -128,7 +128,7 @@ def test_results_come_as_they_finish_and_bad_files_are_error_results(tiny_dir, t
 def test_an_image_seen_twice_in_a_run_is_encoded_once(tiny_dir, tmp_path):
     items = _items(tmp_path)[:3]
     twice = items + [("again", items[1][1]), ("third", items[0][1])]
-    cap = _captioner(tiny_dir, engine={"max_seqs": 2})
+    cap = _labeler(tiny_dir, engine={"max_seqs": 2})
     results = {r.key: r.token_ids for r in cap.label(twice, max_new_tokens=5)}
     assert cap.runner.images_encoded == 3
     assert results["again"] == results["img1"] and results["third"] == results["img0"]

@@ -14,7 +14,7 @@ from mmcli.inputs.prefetch import NOT_READY, prefetch
 NAMES = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"]
 
 
-def _captioner(path, workers, **settings):
+def _labeler(path, workers, **settings):
     return Labeler.from_pretrained(
         str(path),
         config=load_config(
@@ -31,7 +31,7 @@ def test_results_are_the_same_with_any_number_of_workers(tiny_dir):
     runs = [
         {
             r.key: (r.token_ids, r.images)
-            for r in _captioner(tiny_dir, workers).label(_items(), max_new_tokens=5)
+            for r in _labeler(tiny_dir, workers).label(_items(), max_new_tokens=5)
         }
         for workers in (1, 3)
     ]
@@ -39,7 +39,7 @@ def test_results_are_the_same_with_any_number_of_workers(tiny_dir):
 
 
 def test_a_slow_file_does_not_hold_back_the_others(tiny_dir, monkeypatch):
-    cap = _captioner(tiny_dir, 2, engine={"max_seqs": 2})
+    cap = _labeler(tiny_dir, 2, engine={"max_seqs": 2})
     prepare = cap.requests.for_tasks
     released = threading.Event()
 
@@ -58,7 +58,7 @@ def test_a_slow_file_does_not_hold_back_the_others(tiny_dir, monkeypatch):
 
 
 def test_an_exception_in_a_worker_is_that_items_error(tiny_dir, monkeypatch):
-    cap = _captioner(tiny_dir, 2)
+    cap = _labeler(tiny_dir, 2)
     prepare = cap.requests.for_tasks
 
     def failing(key, *args):
@@ -73,7 +73,7 @@ def test_an_exception_in_a_worker_is_that_items_error(tiny_dir, monkeypatch):
 
 
 def test_the_engine_counts_the_time_it_waits_for_inputs(tiny_dir, monkeypatch):
-    cap = _captioner(tiny_dir, 1)
+    cap = _labeler(tiny_dir, 1)
     prepare = cap.requests.for_tasks
     monkeypatch.setattr(cap.requests, "for_tasks", lambda *a: (time.sleep(0.3), prepare(*a))[1])
     list(cap.label(_items(2), max_new_tokens=2))
