@@ -448,3 +448,26 @@ def make_test_video(
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))
     return path
+
+
+def boxes_record(
+    path: Path, boxes: list[dict], size: tuple[int, int], key: str | None = None
+) -> dict:
+    """A `detect` task's record holding these boxes (pixels of a `size` image), as a run writes
+    it; the tiny checkpoints cannot answer with boxes, so tests of what reads them make one."""
+    from mmcli.api.result import Result
+    from mmcli.jobs.records import make_record
+
+    key = key or Path(path).name
+    image = [{"width": size[0], "height": size[1]}]
+    result = Result(key, text="[]", images=image, fields={"text": "[]", "boxes": boxes})
+    return make_record(
+        key=key,
+        task="detect",
+        prompt="Locate.",
+        result=result,
+        model="test",
+        model_revision=None,
+        sampling={},
+        path=path,
+    )

@@ -9,10 +9,9 @@ import yaml
 from conftest import photo
 from typer.testing import CliRunner
 
-from mmcli.api.result import Result
 from mmcli.cli.app import app
-from mmcli.jobs.records import JsonlOutput, make_record
-from mmcli.testing import EXAMPLE_SCHEMA
+from mmcli.jobs.records import JsonlOutput
+from mmcli.testing import EXAMPLE_SCHEMA, boxes_record
 
 BOX = {"label": "helmet", "bbox": [40.0, 30.0, 200.0, 150.0]}
 
@@ -55,22 +54,7 @@ def labeled(tiny_dir, tmp_path_factory):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     edited = dict(next(r for r in records if r["key"] == "coffee.jpg" and r["task"] == "caption"))
     edited["text"], edited["review"] = "a cup of coffee", {"action": "edit", "by": "person"}
-    detected = Result(
-        "astronaut.jpg",
-        text="[]",
-        images=[{"width": 96, "height": 64}],
-        fields={"text": "[]", "boxes": [BOX]},
-    )
-    boxes = make_record(
-        key="astronaut.jpg",
-        task="detect",
-        prompt="Locate.",
-        result=detected,
-        model="m",
-        model_revision=None,
-        sampling={},
-        path=root / "astronaut.jpg",
-    )
+    boxes = boxes_record(root / "astronaut.jpg", [BOX], (96, 64))
     output = JsonlOutput(out).open()
     output.append(edited)
     output.append(boxes)

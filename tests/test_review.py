@@ -11,13 +11,12 @@ import pytest
 from conftest import photo
 from typer.testing import CliRunner
 
-from mmcli.api.result import Result
 from mmcli.cli.app import app
 from mmcli.errors import ConfigError
-from mmcli.jobs.records import JsonlOutput, make_record
+from mmcli.jobs.records import JsonlOutput
 from mmcli.review.server import ReviewServer
 from mmcli.review.store import ReviewStore
-from mmcli.testing import make_test_video
+from mmcli.testing import boxes_record, make_test_video
 
 BOX = [40.0, 30.0, 200.0, 150.0]  # pixels of the 512x512 astronaut
 
@@ -39,20 +38,7 @@ def labeled(tiny_dir, tmp_path_factory):
     args = ["caption", str(root), "-o", str(out), "--model", str(tiny_dir), "-q", "--logprobs"]
     result = CliRunner().invoke(app, [*args, "--sidecar", ".txt", "--max-new-tokens", "6"])
     assert result.exit_code == 0, result.output
-    boxes = {"text": "[]", "boxes": [{"label": "helmet", "bbox": BOX}]}
-    detected = Result(
-        "astronaut.jpg", text="[]", images=[{"width": 512, "height": 512}], fields=boxes
-    )
-    record = make_record(
-        key="astronaut.jpg",
-        task="detect",
-        prompt="Locate.",
-        result=detected,
-        model="m",
-        model_revision=None,
-        sampling={},
-        path=root / "astronaut.jpg",
-    )
+    record = boxes_record(root / "astronaut.jpg", [{"label": "helmet", "bbox": BOX}], (512, 512))
     output = JsonlOutput(out).open()
     output.append(record)
     output.close()
