@@ -192,6 +192,8 @@ class Config:
     quantize: str = "none"  # none or int8 (CPU)
     device: str = "auto"
     prompt: str = "Describe this image."
+    # Qwen3.5's thinking mode (the chat template's enable_thinking): reasoning before each answer
+    thinking: bool = False
     # the tasks `mmcli caption` runs (--task), each one record per image
     task: tuple[str, ...] = ("caption",)
     tasks: dict[str, TaskConfig] = field(default_factory=lambda: dict(PRESET_TASKS))
@@ -219,6 +221,7 @@ _CHECKS = [
     ("dtype", lambda v, c: v in DTYPES, ", ".join(DTYPES)),
     ("weights_dtype", lambda v, c: v in DTYPES, ", ".join(DTYPES)),
     ("quantize", lambda v, c: v in ("none", "int8"), "none, int8"),
+    ("thinking", lambda v, c: isinstance(v, bool), "true or false"),
     ("device", lambda v, c: v in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
     ("inputs.workers", lambda v, c: v >= 0, "0 (one per core but one) or more"),
     ("engine.max_seqs", lambda v, c: v >= 1, "at least 1"),

@@ -21,6 +21,13 @@ class CheckpointError(MmcliError):
     exit_code = 3
 
 
+class UnsupportedModel(CheckpointError):
+    """A checkpoint of a family mmcli does not run: exit 2 (a usage error: choose another
+    model)."""
+
+    exit_code = 2
+
+
 class ItemError(MmcliError):
     """One item cannot be done; the run goes on with the others (exit 1 at the end)."""
 

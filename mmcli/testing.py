@@ -1,4 +1,4 @@
-"""Tiny random Qwen3-VL checkpoints in the released Hugging Face layout, for tests and `--smoke`
+"""Tiny random Qwen3-VL and Qwen3.5 checkpoints in the released Hugging Face layout, for tests and `--smoke`
 benchmarks.
 
 Everything is generated here (BPE tokenizer trained on a few sentences, random weights);
@@ -83,6 +83,17 @@ CHAT_TEMPLATE = """{%- set image_count = namespace(value=0) -%}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' -}}{% endif -%}
 """
 
+# Qwen3.5's generation prompt: the assistant turn opens a thinking block unless enable_thinking is
+# false, which gives it an empty one (as the released template does).
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' -}}{% endif -%}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- else %}{{- '<think>\\n' -}}{%- endif %}"
+    "{% endif -%}",
+)
+THINK_TOKENS = ["<think>", "</think>"]
+
 _CORPUS = [
     "Describe this image.",
     "What is in the picture? A cat sits on a red sofa near the window.",
@@ -108,7 +119,7 @@ EXAMPLE_SCHEMA = {
 }
 
 
-def tiny_tokenizer(vocab_size: int = 360) -> Tokenizer:
+def tiny_tokenizer(vocab_size: int = 360, thinking: bool = False) -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False, fuse_unk=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -126,6 +137,8 @@ def tiny_tokenizer(vocab_size: int = 360) -> Tokenizer:
     )
     tok.train_from_iterator(_CORPUS * 4, trainer)
     tok.add_special_tokens(SPECIAL_TOKENS)
+    if thinking:  # plain added tokens, as in Qwen3.5's tokenizer: decoded text keeps them
+        tok.add_tokens(THINK_TOKENS)
     return tok
 
 
@@ -214,6 +227,88 @@ def tiny_config(
     }
 
 
+QWEN3_5_VARIANTS = ("qwen3_5", "qwen3_5_wide")
+
+
+def tiny_qwen3_5_config(variant: str, vocab_size: int, special_ids: dict) -> dict:
+    """config.json of a tiny Qwen3.5 model, as transformers writes it. 'qwen3_5': three linear
+    layers per full one, tied; 'qwen3_5_wide': alternating layers, value heads wider than key
+    heads, GQA, untied."""
+    text = {
+        **TINY_TEXT,
+        "model_type": "qwen3_5_text",
+        "vocab_size": vocab_size,
+        # Gated DeltaNet's RMSNorm scales each head's delta-rule output (small in a random model)
+        # up to unit size, magnifying float32 rounding by up to 1/sqrt(eps): 1e-5 keeps the tiny
+        # models' float32 logits within reach of a 1e-4 comparison
+        "rms_norm_eps": 1e-5,
+        "num_hidden_layers": 4,
+        "head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True,
+            "partial_rotary_factor": 0.25,
+        },
+    }
+    tie = variant == "qwen3_5"
+    if variant == "qwen3_5_wide":
+        text.update(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            linear_value_head_dim=24,
+            layer_types=["linear_attention", "full_attention"] * 2,
+        )
+        text["rope_parameters"].update(mrope_section=[2, 1, 1])
+    text["tie_word_embeddings"] = tie
+    vision = {**TINY_VISION, "model_type": "qwen3_5_vision"}
+    vision.pop("deepstack_visual_indexes")
+    config = tiny_config("base", "rope_parameters", vocab_size, special_ids)
+    config.update(
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        model_type="qwen3_5",
+        tie_word_embeddings=tie,
+        text_config=text,
+        vision_config=vision,
+    )
+    return config
+
+
+def qwen3_5_2b_config(special_ids: dict) -> dict:
+    """config.json with the shapes of the released Qwen3.5-2B, for benchmarks on random
+    weights."""
+    config = tiny_qwen3_5_config("qwen3_5", 248320, special_ids)
+    config["text_config"].update(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+        max_position_embeddings=262144,
+    )
+    config["text_config"]["rope_parameters"].update(mrope_section=[11, 11, 10])
+    config["vision_config"].update(
+        depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048
+    )
+    return config
+
+
 def qwen3_vl_2b_config(special_ids: dict) -> dict:
     """config.json with the shapes of the released Qwen3-VL-2B-Instruct, for benchmarks on random
     weights."""
@@ -245,24 +340,35 @@ def random_weights(
     """Random tensors for every name the config implies; std is large so greedy choices have
     clear margins."""
     g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in expected_shapes(parse_config(config)).items():
-        if (
-            name.endswith("norm.weight")
-            or "norm1" in name
-            or "norm2" in name
-            or name.endswith("layernorm.weight")
-        ):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g) if name.endswith("weight") else None
-        else:
-            t = None
-        if t is None:
-            scale = std if name.endswith("weight") else 0.05
-            if name.endswith("weight") and len(shape) == 2 and "embed" not in name:
-                scale = min(std, 1.5 / shape[1] ** 0.5)
-            t = scale * torch.randn(shape, generator=g)
-        out[name] = t.to(dtype)
-    return out
+    model = parse_config(config)
+    return {
+        name: random_tensor(name, shape, g, std, model.text.norm_unit_offset).to(dtype)
+        for name, shape in expected_shapes(model).items()
+    }
+
+
+def random_tensor(
+    name: str,
+    shape: tuple[int, ...],
+    g: torch.Generator,
+    std: float = 0.15,
+    unit_offset: bool = False,
+) -> torch.Tensor:
+    """One tensor of a random checkpoint, by its name: norms scaling by about 1 (a weight near 1,
+    or near 0 where the text decoder's norms scale by 1 + weight), decay rates (A_log) spread as
+    the reference initialises them, matrices scaled to their fan-in."""
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(0.5, 8, generator=g).log()
+    norm = "norm1" in name or "norm2" in name or name.endswith(("norm.weight", "layernorm.weight"))
+    if norm and name.endswith("weight"):
+        offset = unit_offset and "language_model" in name and "linear_attn" not in name
+        return (0.0 if offset else 1.0) + 0.1 * torch.randn(shape, generator=g)
+    scale = std if name.endswith("weight") else 0.05
+    if "conv1d" in name:  # a depthwise conv: fan-in is its kernel
+        scale = 1.5 / shape[-1] ** 0.5
+    elif name.endswith("weight") and len(shape) == 2 and "embed" not in name:
+        scale = min(std, 1.5 / shape[1] ** 0.5)
+    return scale * torch.randn(shape, generator=g)
 
 
 def make_tiny_checkpoint(
@@ -279,18 +385,25 @@ def make_tiny_checkpoint(
     shapes_2b: bool = False,
 ) -> Path:
     """Write config.json, weights, tokenizer, chat template, preprocessor and generation configs
-    to `path`. `shapes_2b` gives the tensors of Qwen3-VL-2B (random values, for benchmarks)."""
+    to `path`. `shapes_2b` gives the tensors of Qwen3-VL-2B, or Qwen3.5-2B with a Qwen3.5
+    variant (random values, for benchmarks)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = tiny_tokenizer()
+    hybrid = variant in QWEN3_5_VARIANTS
+    tok = tiny_tokenizer(thinking=hybrid)
     tok.save(str(path / "tokenizer.json"))
     special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     vocab = -(-tok.get_vocab_size() // 64) * 64
-    config = (
-        qwen3_vl_2b_config(special_ids)
-        if shapes_2b
-        else tiny_config(variant, rope_form, vocab, special_ids)
-    )
+    if hybrid:
+        config = (
+            qwen3_5_2b_config(special_ids)
+            if shapes_2b
+            else tiny_qwen3_5_config(variant, vocab, special_ids)
+        )
+    elif shapes_2b:
+        config = qwen3_vl_2b_config(special_ids)
+    else:
+        config = tiny_config(variant, rope_form, vocab, special_ids)
     config["dtype"] = dtype
     (path / "config.json").write_text(json.dumps(config, indent=2))
     weights = random_weights(
@@ -299,7 +412,8 @@ def make_tiny_checkpoint(
     if config["tie_word_embeddings"]:
         weights.pop("lm_head.weight")
     _save_weights(path, weights, shards)
-    _write_processor_files(path, template_file, min_pixels, max_pixels)
+    template = THINKING_TEMPLATE if hybrid else CHAT_TEMPLATE
+    _write_processor_files(path, template_file, min_pixels, max_pixels, template)
     gen = {
         "bos_token_id": special_ids["<|endoftext|>"],
         "pad_token_id": special_ids["<|endoftext|>"],
@@ -328,7 +442,7 @@ def _save_weights(path: Path, weights: dict, shards: int) -> None:
 
 
 def _write_processor_files(
-    path: Path, template_file: str, min_pixels: int, max_pixels: int
+    path: Path, template_file: str, min_pixels: int, max_pixels: int, template: str
 ) -> None:
     tok_cfg = {
         "tokenizer_class": "Qwen2Tokenizer",
@@ -343,11 +457,9 @@ def _write_processor_files(
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     if template_file == "json":
-        (path / "chat_template.json").write_text(
-            json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2)
-        )
+        (path / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2))
     else:
-        (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        (path / "chat_template.jinja").write_text(template)
     pre = {
         "image_processor_type": "Qwen2VLImageProcessorFast",
         "processor_class": "Qwen3VLProcessor",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmcli.testing import make_tiny_checkpoint
+from mmcli.testing import QWEN3_5_VARIANTS, make_tiny_checkpoint
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 VARIANTS = ["base", "wide_attn", "deepstack_last"]
@@ -41,6 +41,22 @@ def variant_dirs(tmp_path_factory) -> dict[str, Path]:
         )
         for i, v in enumerate(VARIANTS)
     }
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Qwen3.5 checkpoints whose weights transformers wrote (one with three linear layers
+    per full one, one alternating)."""
+    root = tmp_path_factory.mktemp("qwen3_5")
+    return {
+        v: hf_written(make_tiny_checkpoint(root / v, v, seed=i + 7), seed=i + 7)
+        for i, v in enumerate(QWEN3_5_VARIANTS)
+    }
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_dir(qwen3_5_dirs) -> Path:
+    return qwen3_5_dirs["qwen3_5"]
 
 
 def hf_processor(path: Path):
@@ -74,11 +90,60 @@ def hf_processor(path: Path):
         ProcessorMixin.check_argument_for_proper_class = check
 
 
+def hf_written(path: Path, seed: int) -> Path:
+    """A Qwen3.5 checkpoint's weights (and config.json) rewritten by transformers itself: its own
+    model class built from the config, random values by its own parameter names, `save_pretrained`
+    (the generation config, which transformers would rewrite without eos ids, is kept)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from mmcli.testing import random_tensor
+
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(random_tensor(name, tuple(parameter.shape), g, unit_offset=True))
+    generation = (path / "generation_config.json").read_text()
+    (path / "model.safetensors").unlink()
+    model.save_pretrained(path)
+    (path / "generation_config.json").write_text(generation)
+    return path
+
+
+def reference_prompt_ids(path: Path, kinds: list[str], layout: list, question: str, **template):
+    """The prompt as transformers' processor builds it: its chat template, then each video's span
+    replaced by "<t seconds>" + start + pads + end per temporal patch (as Qwen3-VL's processor
+    expands it)."""
+    processor = hf_processor(path)
+    content = [{"type": k} for k in kinds] + [{"type": "text", "text": question}]
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}],
+        tokenize=False,
+        add_generation_prompt=True,
+        **template,
+    )
+    for entry in layout:
+        if isinstance(entry, list):
+            text = text.replace(
+                "<|vision_start|><|video_pad|><|vision_end|>",
+                "".join(
+                    f"<{s:.1f} seconds><|vision_start|>" + "@VIDEO@" * n + "<|vision_end|>"
+                    for s, n in entry
+                ),
+                1,
+            )
+        else:
+            text = text.replace("<|image_pad|>", "@IMAGE@" * entry, 1)
+    text = text.replace("@VIDEO@", "<|video_pad|>").replace("@IMAGE@", "<|image_pad|>")
+    return processor.tokenizer(text)["input_ids"]
+
+
 def hf_model(path: Path):
     import torch
-    from transformers import Qwen3VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    return Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def photo(name: str, size: tuple[int, int] | None = None, mode: str = "RGB") -> Image.Image:

@@ -80,11 +80,12 @@ def test_other_architecture_is_refused(tmp_path, tiny_dir):
     result = CliRunner().invoke(
         app, ["ask", "--model", str(path), "--image", "samples/coffee.jpg", "q"]
     )
-    assert result.exit_code == 3
+    assert result.exit_code == 2
     assert (
-        "model_type 'qwen2_5_vl' (Qwen2_5_VLForConditionalGeneration) is not Qwen3-VL"
-        in result.output
+        "model_type 'qwen2_5_vl' (Qwen2_5_VLForConditionalGeneration) is not a family mmcli "
+        "runs: qwen3_vl (Qwen3-VL), qwen3_5 (Qwen3.5)" in result.output
     )
+    assert len(result.output.strip().splitlines()) == 1
 
 
 def test_unreachable_hub_says_how_to_pass_a_local_directory(tmp_path, monkeypatch):

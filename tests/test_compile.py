@@ -114,10 +114,13 @@ def test_cache_dir_is_user_only_and_stale_keys_are_never_loaded(tmp_path, monkey
     assert bucket in _graphs(tmp_path, kv_cache=[5, 256], dtype="bfloat16").attach()
 
 
-def test_padded_buckets_give_the_eager_tokens(tiny_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_padded_buckets_give_the_eager_tokens(request, family, tmp_path, monkeypatch):
     """Fixed shapes (prefill padded to its bucket, decode batch and context padded, padding rows
     on the scratch row) through the eager fallback: the same greedy tokens as the unpadded
-    engine, with 3 in flight."""
+    engine, with 3 in flight (Qwen3.5: the linear layers' states as of each prompt's last real
+    token)."""
+    tiny_dir = request.getfixturevalue("tiny_dir" if family == "qwen3_vl" else "qwen3_5_dir")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     root = _images(tmp_path / "im", 6)
     items = [(p.name, p) for p in sorted(root.iterdir())]

@@ -52,7 +52,9 @@ def _env():
     return env
 
 
-def test_ray_replicas_match_a_local_run_and_resume_does_nothing(tiny_dir, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_ray_replicas_match_a_local_run_and_resume_does_nothing(request, family, tmp_path):
+    tiny_dir = request.getfixturevalue("tiny_dir" if family == "qwen3_vl" else "qwen3_5_dir")
     root = _images(tmp_path / "imgs")
     local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     assert subprocess.run(_cmd(root, local, tiny_dir), timeout=300).returncode == 0

@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import hf_model, hf_processor, photo
+from conftest import hf_model, photo, reference_prompt_ids
 from typer.testing import CliRunner
 
 from mmcli.api.labeler import Labeler
@@ -323,28 +323,7 @@ def pair(tiny_dir):
 
 
 def _reference_ids(tiny_dir, kinds, layout):
-    """The prompt as transformers' processor builds it: its chat template, then each video's span
-    replaced by "<t seconds>" + start + pads + end per temporal patch (as Qwen3-VL's processor
-    expands it)."""
-    processor = hf_processor(tiny_dir)
-    content = [{"type": k} for k in kinds] + [{"type": "text", "text": QUESTION}]
-    text = processor.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-    )
-    for entry in layout:
-        if isinstance(entry, list):
-            text = text.replace(
-                "<|vision_start|><|video_pad|><|vision_end|>",
-                "".join(
-                    f"<{s:.1f} seconds><|vision_start|>" + "@VIDEO@" * n + "<|vision_end|>"
-                    for s, n in entry
-                ),
-                1,
-            )
-        else:
-            text = text.replace("<|image_pad|>", "@IMAGE@" * entry, 1)
-    text = text.replace("@VIDEO@", "<|video_pad|>").replace("@IMAGE@", "<|image_pad|>")
-    return processor.tokenizer(text)["input_ids"]
+    return reference_prompt_ids(tiny_dir, kinds, layout, QUESTION)
 
 
 @pytest.mark.parametrize("with_image", [False, True])

@@ -75,10 +75,11 @@ class Labeler:
         return self.requests.build(key, prepared, question, sampling), prepared.infos
 
     def _finish(self, done, infos: list[dict], started: float, task: Task | None = None) -> Result:
-        text = self.prompts.decode(done.token_ids)
+        reasoning, text, answered = self.prompts.split_reasoning(done.token_ids)
         result = Result(
             key=done.key,
             text=text,
+            reasoning=reasoning,
             token_ids=done.token_ids,
             logprobs=done.logprobs,
             finish_reason=done.finish_reason,
@@ -89,6 +90,15 @@ class Labeler:
             task=task.name if task else "",
             prompt=done.prompt,
         )
+        if not answered:
+            result.error = {
+                "type": "ItemError",
+                "message": f"the reasoning did not end within {len(done.token_ids)} tokens "
+                "(no answer after it; raise max_new_tokens)"
+                if done.finish_reason == "length"
+                else "the model stopped inside its reasoning (no answer after it)",
+            }
+            return result
         if task is None:
             return result
         if done.constraint is not None and not done.constraint.accepting:
@@ -114,7 +124,9 @@ class Labeler:
         return resolve_tasks(self.config, tasks, sampling)
 
     def grammars(self, tasks: list[Task]) -> dict:
-        return compile_grammars(tasks, self.prompts.tokenizer.to_str(), self.stop_ids)
+        return compile_grammars(
+            tasks, self.prompts.tokenizer.to_str(), self.stop_ids, self.prompts.reasoning_end
+        )
 
     def ask(
         self,

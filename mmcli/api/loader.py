@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from mmcli.compiled.graphs import CompiledGraphs
     from mmcli.engine.runner import ModelRunner
     from mmcli.inputs.prompt import PromptBuilder
-    from mmcli.model.qwen3_vl import Qwen3VL
+    from mmcli.model.vlm import VisionLanguageModel
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class RunPlan:
 class Loaded:
     path: Path
     config: Config
-    model: Qwen3VL
+    model: VisionLanguageModel
     runner: ModelRunner
     prompts: PromptBuilder
     image_cfg: ImageProcessorConfig
@@ -106,7 +106,7 @@ def load(cfg: Config) -> Loaded:
     from mmcli.engine.runner import ModelRunner
     from mmcli.inputs.prompt import PromptBuilder
     from mmcli.model.checkpoint import load_weights, read_model_config, torch_dtype
-    from mmcli.model.qwen3_vl import Qwen3VL
+    from mmcli.model.vlm import VisionLanguageModel
 
     path = resolve_model(cfg.model)
     plan = plan_run(cfg, path)
@@ -117,9 +117,9 @@ def load(cfg: Config) -> Loaded:
     if plan.backend != "eager":
         graphs = CompiledGraphs.for_run(plan.backend, cfg, model_cfg, compute, device)
     weights = load_weights(path, model_cfg, compute, torch_dtype(plan.precision["loaded"]))
-    model = Qwen3VL.from_weights(model_cfg, weights)
+    model = VisionLanguageModel.from_weights(model_cfg, weights)
     runner = ModelRunner(model, device, cfg, graphs)
-    prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id)
+    prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id, cfg.thinking)
     image_cfg = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
     check_vision_budget(
         cfg.vision.block_size, image_cfg.max_pixels, image_cfg.patch_size, image_cfg.merge_size

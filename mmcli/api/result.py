@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 class Result:
     key: str
     text: str = ""
+    reasoning: str | None = None  # thinking mode: the reasoning before the answer in `text`
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None

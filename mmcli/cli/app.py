@@ -63,6 +63,7 @@ def ask(
     device: o.Device = None,
     backend: o.Backend = None,
     quantize: o.Quantize = None,
+    thinking: o.Thinking = None,
     max_new_tokens: o.MaxNewTokens = None,
     temperature: o.Temperature = None,
     top_p: o.TopP = None,
@@ -90,7 +91,12 @@ def ask(
     with exit_codes():
         precision = dict(dtype=dtype, device=device, quantize=quantize)
         cfg = _load_config(
-            config, model=model, compile={"backend": backend}, generation=given, **precision
+            config,
+            model=model,
+            compile={"backend": backend},
+            generation=given,
+            thinking=thinking,
+            **precision,
         )
         if question is None and task is None:
             raise ConfigError("give a QUESTION or --task NAME")
@@ -163,6 +169,7 @@ def caption(
     device: o.Device = None,
     backend: o.Backend = None,
     quantize: o.Quantize = None,
+    thinking: o.Thinking = None,
     logprobs: o.Logprobs = False,
     recursive: o.Recursive = True,
     include: o.Include = [],  # noqa: B006
@@ -200,6 +207,7 @@ def caption(
         ray_options = _ray_options(ray_address, replicas, replica_resources) if ray else None
         given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
         run = dict(model=model, prompt=prompt, task=tuple(task) or None, generation=given)
+        run["thinking"] = thinking
         precision = dict(dtype=dtype, device=device, quantize=quantize)
         cfg = _load_config(config, compile={"backend": backend}, **run, **precision)
         job = CaptionJob(config=cfg, ray=ray_options, sampling=given, **_job_options(options))

@@ -20,6 +20,12 @@ Backend = _option(str | None, "--backend", help="compile.backend: auto, eager, i
 Quantize = _option(
     str | None, "--quantize", help="none, or int8: linear layers in 8-bit integers (CPU)."
 )
+Thinking = _option(
+    bool | None,
+    "--thinking/--no-thinking",
+    help="Qwen3.5's thinking mode: reason before answering (kept apart in `reasoning`).",
+    show_default=False,
+)
 MaxNewTokens = _option(int | None, "--max-new-tokens", help="Most tokens to generate.")
 Temperature = _option(float | None, "--temperature", help="0 is greedy.")
 TopP = _option(float | None, "--top-p", help="Nucleus sampling mass.")

@@ -64,18 +64,19 @@ class Progress:
             yield
 
     @contextlib.contextmanager
-    def loading(self, what: str) -> Iterator[None]:
+    def loading(self, what: str) -> Iterator[dict]:
         """The load phase: a status line with elapsed time on a terminal, else a line before and
-        after."""
-        started = time.perf_counter()
+        after. The caller may name the kernels chosen at load (`loaded["kernels"]`)."""
+        started, loaded = time.perf_counter(), {}
         if self.live:
             with status_line(self.console, f"loading {what}"):
-                yield
+                yield loaded
         else:
             self.say(f"loading {what}")
-            yield
+            yield loaded
         self.load_seconds = time.perf_counter() - started
-        self.say(f"loaded in {self.load_seconds:.1f} s; captioning {self.total} images")
+        kernels = f" ({loaded['kernels']})" if loaded.get("kernels") else ""
+        self.say(f"loaded in {self.load_seconds:.1f} s{kernels}; captioning {self.total} images")
         self.start()
 
     def start(self) -> None:

@@ -22,27 +22,27 @@ class DecodeGraphs:
         model,
         cache,
         scratch_slot: int,
-        head_dim: int,
+        rotary_dim: int,
         batch_buckets: list[int],
         context_buckets: list[int],
     ):
         """Buckets: compile.decode_batch_buckets and compile.decode_context_buckets."""
-        self.model, self.cache, self.scratch_slot, self.head_dim = (
+        self.model, self.cache, self.scratch_slot, self.rotary_dim = (
             model,
             cache,
             scratch_slot,
-            head_dim,
+            rotary_dim,
         )
         self.batch_buckets, self.context_buckets = sorted(batch_buckets), sorted(context_buckets)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
         self.pool = None
 
     def _capture(self, batch: int, context: int):
-        device = self.cache.k[0].device
+        device = self.cache.device
         static = {
             "ids": torch.zeros(batch, dtype=torch.long, device=device),
-            "cos": torch.zeros(batch, self.head_dim, device=device),
-            "sin": torch.zeros(batch, self.head_dim, device=device),
+            "cos": torch.zeros(batch, self.rotary_dim, device=device),
+            "sin": torch.zeros(batch, self.rotary_dim, device=device),
             "slots": torch.full((batch,), self.scratch_slot, dtype=torch.long, device=device),
             "positions": torch.zeros(batch, dtype=torch.long, device=device),
         }

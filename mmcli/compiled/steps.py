@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from mmcli.model.qwen3_vl import Qwen3VL
-from mmcli.model.text import AttentionBatch, KVCache
+from mmcli.model.cache import AttentionBatch, DecoderCache
+from mmcli.model.vlm import VisionLanguageModel
 
 
 def prefill_step(
-    model: Qwen3VL,
-    cache: KVCache,
+    model: VisionLanguageModel,
+    cache: DecoderCache,
     hidden: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -25,14 +25,14 @@ def prefill_step(
 ) -> torch.Tensor:
     """One prompt padded to its bucket: fills its cache row, returns the logits of its last real
     token [1, V]."""
-    batch = AttentionBatch(slots=slots, seqlens=[hidden.shape[0]], fixed_shapes=True)
+    batch = AttentionBatch(slots=slots, seqlens=[hidden.shape[0]], fixed_shapes=True, last=last)
     out = model.language_model(hidden, cos, sin, batch, cache, deepstack or None)
     return model.lm_head(out[last]).float()
 
 
 def decode_step(
-    model: Qwen3VL,
-    cache: KVCache,
+    model: VisionLanguageModel,
+    cache: DecoderCache,
     ids: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,

@@ -14,9 +14,18 @@ INSTALL_HINT = "output json needs llguidance: pip install llguidance"
 
 
 class JsonGrammar:
-    """A task's schema compiled against the checkpoint's tokenizer."""
+    """A task's schema compiled against the checkpoint's tokenizer. With `reasoning_end` (thinking
+    mode), each sequence reasons freely and the schema constrains what follows that token."""
 
-    def __init__(self, task_name: str, schema: dict, tokenizer_json: str, eos_token: int):
+    def __init__(
+        self,
+        task_name: str,
+        schema: dict,
+        tokenizer_json: str,
+        eos_token: int,
+        reasoning_end: int | None = None,
+    ):
+        self.reasoning_end = reasoning_end
         try:
             import llguidance
 
@@ -38,10 +47,13 @@ class JsonGrammar:
                 f"config tasks.{task_name}.schema: cannot be compiled to a grammar ({error[:200]})"
             )
 
-    def start(self) -> SequenceConstraint:
-        return SequenceConstraint(
+    def start(self) -> SequenceConstraint | AfterReasoning:
+        constraint = SequenceConstraint(
             self.llguidance.LLMatcher(self.tokenizer, self.grammar), self.tokenizer.vocab_size
         )
+        if self.reasoning_end is None:
+            return constraint
+        return AfterReasoning(constraint, self.reasoning_end)
 
 
 class SequenceConstraint:
@@ -75,14 +87,36 @@ class SequenceConstraint:
         return self.matcher.is_accepting()
 
 
+class AfterReasoning:
+    """A constraint that holds once the reasoning has ended (thinking mode): until
+    `reasoning_end` is chosen nothing is masked; after it, the grammar's."""
+
+    def __init__(self, constraint: SequenceConstraint, reasoning_end: int):
+        self.constraint, self.reasoning_end, self.answering = constraint, reasoning_end, False
+
+    def mask(self, row) -> None:
+        if self.answering:
+            self.constraint.mask(row)
+
+    def consume(self, token: int) -> None:
+        if self.answering:
+            self.constraint.consume(token)
+        else:
+            self.answering = token == self.reasoning_end
+
+    @property
+    def accepting(self) -> bool:
+        return self.answering and self.constraint.accepting
+
+
 def compile_grammars(
-    tasks, tokenizer_json: str, stop_ids: frozenset[int]
+    tasks, tokenizer_json: str, stop_ids: frozenset[int], reasoning_end: int | None = None
 ) -> dict[str, JsonGrammar]:
     """Each json task's schema compiled once (one that cannot compile is a ConfigError naming
     it)."""
     eos = min(stop_ids) if stop_ids else 0
     return {
-        t.name: JsonGrammar(t.name, t.schema, tokenizer_json, eos)
+        t.name: JsonGrammar(t.name, t.schema, tokenizer_json, eos, reasoning_end)
         for t in tasks
         if t.output == "json"
     }

@@ -26,14 +26,17 @@ from mmcli.engine.vision_encoder import VisionEncoder, VisionFeatures
 from mmcli.errors import ConfigError
 from mmcli.model import cpu_kernel
 from mmcli.model.attention import choose_block_attention
+from mmcli.model.cache import AttentionBatch, DecoderCache
 from mmcli.model.config import ModelConfig
 from mmcli.model.linear import KERNEL_ROWS, can_quantize, pack_linears
 from mmcli.model.quantize import quantize_model
-from mmcli.model.qwen3_vl import Qwen3VL
-from mmcli.model.text import AttentionBatch, KVCache
+from mmcli.model.qwen3_5 import delta_rule
+from mmcli.model.vlm import VisionLanguageModel
 
 
-def prepare_weights(model: Qwen3VL, device: torch.device, quantize: str, compiled: bool) -> str:
+def prepare_weights(
+    model: VisionLanguageModel, device: torch.device, quantize: str, compiled: bool
+) -> str:
     """Choose the linear kernels (see model/linear.py) and convert the weights for them; returns
     which."""
     if quantize == "int8":
@@ -56,6 +59,20 @@ def prepare_weights(model: Qwen3VL, device: torch.device, quantize: str, compile
         f"upcast: bfloat16 weights, float32 compute; up to {KERNEL_ROWS} rows {few_rows}, more "
         "rows chunks"
     )
+
+
+def choose_delta_rule(model: VisionLanguageModel, device: torch.device) -> str | None:
+    """The gated delta rule's kernels for a hybrid model's linear layers (None without any):
+    flash-linear-attention's on CUDA when it is installed, else PyTorch's (model/qwen3_5)."""
+    layers = [layer.linear_attn for layer in model.language_model.layers if layer.linear]
+    if not layers:
+        return None
+    fla = delta_rule.fla_kernels() if device.type == "cuda" else None
+    if fla is None:
+        return "Gated DeltaNet: PyTorch (chunked prefill, one-step decode)"
+    for layer in layers:
+        layer.chunked, layer.step = fla
+    return "Gated DeltaNet: flash-linear-attention"
 
 
 @dataclass
@@ -97,7 +114,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: Qwen3VL,
+        model: VisionLanguageModel,
         device: torch.device,
         config: Config,
         graphs: CompiledGraphs | None = None,
@@ -107,11 +124,14 @@ class ModelRunner:
         self.device = device
         self.dtype = model.language_model.norm.weight.dtype  # compute dtype; matrices may be lower
         self.kernels = prepare_weights(model, device, config.quantize, compiled=graphs is not None)
+        linear_layers = choose_delta_rule(model, device)
+        if linear_layers is not None:
+            self.kernels += f"; {linear_layers}"
         backend = "eager" if graphs is None else graphs.backend
         model.visual.block_attention = choose_block_attention(backend, device.type)
         text = self.cfg.text
-        self.inv_freq = text_inv_freq(text.head_dim, text.rope_theta).to(device)
-        self.slot_axes = mrope_slot_axes(text.mrope_section, text.head_dim).to(device)
+        self.inv_freq = text_inv_freq(text.rotary_dim, text.rope_theta).to(device)
+        self.slot_axes = mrope_slot_axes(text.mrope_section, text.rotary_dim).to(device)
         engine, buckets = config.engine, config.compile
         # Padding rows of a bucketed decode batch write one scratch row, past the sequences' rows.
         self.scratch_slot, self.max_len = engine.max_seqs, engine.max_len
@@ -126,14 +146,14 @@ class ModelRunner:
         rows, columns = (engine.max_seqs + 1, engine.max_len)
         if not self.fixed_cache:
             rows, columns = 1, min(256, engine.max_len)
-        self.cache = KVCache(text, rows, columns, self.dtype, device)
+        self.cache = DecoderCache(text, rows, columns, self.dtype, device)
         self.cuda_graphs = None
         if use_cuda_graphs:
             self.cuda_graphs = DecodeGraphs(
                 model,
                 self.cache,
                 self.scratch_slot,
-                text.head_dim,
+                text.rotary_dim,
                 _covering(self.decode_batch_buckets, engine.max_seqs),
                 _covering(self.decode_context_buckets, engine.max_len),
             )

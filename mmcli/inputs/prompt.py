@@ -12,11 +12,12 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from mmcli.errors import CheckpointError, ItemError
+from mmcli.errors import CheckpointError, ConfigError, ItemError
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD, VISION_START, VISION_END = "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
 VIDEO_SPAN = VISION_START + VIDEO_PAD + VISION_END
+THINK_END = "</think>"
 
 
 def _raise_exception(message: str) -> None:
@@ -53,9 +54,15 @@ class PromptBuilder:
     template: jinja2.Template
     image_token_id: int
     special_tokens: dict
+    # thinking mode on: the template opens a reasoning block, which the model closes with
+    # `reasoning_end` before its answer
+    thinking: bool = False
+    reasoning_end: int | None = None
 
     @classmethod
-    def from_checkpoint(cls, path: Path, image_token_id: int) -> PromptBuilder:
+    def from_checkpoint(
+        cls, path: Path, image_token_id: int, thinking: bool = False
+    ) -> PromptBuilder:
         if not (path / "tokenizer.json").is_file():
             raise CheckpointError(f"{path}: tokenizer.json is missing")
         tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -78,7 +85,13 @@ class PromptBuilder:
                 f"{path}: tokenizer id of {IMAGE_PAD} is {tokenizer.token_to_id(IMAGE_PAD)}, "
                 f"config.json says image_token_id {image_token_id}"
             )
-        return cls(tokenizer, template, image_token_id, special)
+        end = tokenizer.token_to_id(THINK_END) if thinking else None
+        if thinking and end is None:
+            raise ConfigError(
+                f"thinking: true needs a model that reasons in <think> blocks (Qwen3.5); the "
+                f"tokenizer of {path} has no {THINK_END} token"
+            )
+        return cls(tokenizer, template, image_token_id, special, thinking, end)
 
     def render(self, question: str, kinds: list[str]) -> str:
         """The chat template over one user turn: the inputs ("image" or "video", in order), then
@@ -86,7 +99,10 @@ class PromptBuilder:
         content = [{"type": kind} for kind in kinds] + [{"type": "text", "text": question}]
         messages = [{"role": "user", "content": content}]
         return self.template.render(
-            messages=messages, add_generation_prompt=True, **self.special_tokens
+            messages=messages,
+            add_generation_prompt=True,
+            enable_thinking=self.thinking,
+            **self.special_tokens,
         )
 
     def encode(self, question: str, layout: list) -> list[int]:
@@ -134,19 +150,38 @@ class PromptBuilder:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def split_reasoning(self, ids: list[int]) -> tuple[str | None, str, bool]:
+        """(reasoning, answer, whether the reasoning ended) of generated ids: all answer when
+        thinking is off; with it on, what precedes `reasoning_end` is the reasoning."""
+        if self.reasoning_end is None:
+            return None, self.decode(ids), True
+        if self.reasoning_end not in ids:
+            return self.decode(ids).strip(), "", False
+        cut = ids.index(self.reasoning_end)
+        return self.decode(ids[:cut]).strip(), self.decode(ids[cut + 1 :]).lstrip(), True
+
 
 class TextStream:
     """Text of a growing token sequence, piece by piece, as it is generated: each piece is what
     the decoded text gained, held back while it ends in an incomplete UTF-8 character (a
     character split over two byte-level tokens is emitted once, whole). The pieces join to
-    `decode(all ids)`."""
+    `decode(all ids)`; in thinking mode, to the answer after the reasoning (as `split_reasoning`
+    gives it)."""
 
     def __init__(self, prompts: PromptBuilder):
         self.prompts, self.ids, self.emitted = prompts, [], ""
+        self.answering = prompts.reasoning_end is None
+
+    def _text(self) -> str:
+        text = self.prompts.decode(self.ids)
+        return text if self.prompts.reasoning_end is None else text.lstrip()
 
     def push(self, token_id: int) -> str:
+        if not self.answering:  # the reasoning is not streamed
+            self.answering = token_id == self.prompts.reasoning_end
+            return ""
         self.ids.append(token_id)
-        text = self.prompts.decode(self.ids)
+        text = self._text()
         if text.endswith("\ufffd") or not text.startswith(self.emitted):
             return ""  # an unfinished character (or a re-spelled tail): wait for the next token
         piece, self.emitted = text[len(self.emitted) :], text
@@ -155,7 +190,7 @@ class TextStream:
     def finish(self) -> str:
         """What is left once generation stops (a character never completed stays as the decoder
         spells it)."""
-        text = self.prompts.decode(self.ids)
+        text = self._text()
         piece = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
         self.emitted = text
         return piece

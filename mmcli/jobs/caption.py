@@ -195,6 +195,20 @@ def run_caption_job(job: CaptionJob, progress) -> int:
             out.close()
 
 
+def _load(job: CaptionJob, progress):
+    """The Labeler of a local run, its load shown with the kernels it chose."""
+    from mmcli.api.labeler import Labeler
+    from mmcli.api.loader import load_description
+
+    with progress.loading(load_description(job.config)) as loaded:
+        labeler = Labeler.from_pretrained(config=job.config)
+        loaded["kernels"] = labeler.runner.kernels
+    progress.note(labeler.compile_cache_report())
+    # The same settings, unless the model was fetched just now.
+    job.settle(label_settings(job.config, labeler.path, labeler.precision))
+    return labeler
+
+
 def _run(
     job: CaptionJob,
     items: list[Item],
@@ -202,17 +216,10 @@ def _run(
     clashes: dict[str, dict[str, str]],
     progress,
 ) -> int:
-    from mmcli.api.labeler import Labeler
-    from mmcli.api.loader import load_description
-
     labeler = None
     progress.total = sum(len(names) for *_, names in items)
     if job.ray is None:
-        with progress.loading(load_description(job.config)):
-            labeler = Labeler.from_pretrained(config=job.config)
-        progress.note(labeler.compile_cache_report())
-        # The same settings, unless the model was fetched just now.
-        job.settle(label_settings(job.config, labeler.path, labeler.precision))
+        labeler = _load(job, progress)
     else:
         progress.start()
     paths = {key: path for key, path, _ in items}

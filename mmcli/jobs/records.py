@@ -103,6 +103,8 @@ def make_record(
     # duration, source fps, the sampled frames' times and their count (the first video's)
     if videos:
         record["video"] = videos[0]
+    if result.reasoning is not None:
+        record["reasoning"] = result.reasoning
     notes = [i["note"] for i in result.images if i.get("note")]
     if notes:
         record["note"] = "; ".join(notes)

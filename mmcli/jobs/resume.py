@@ -51,7 +51,7 @@ def label_settings(cfg: Config, path: Path | None, precision: dict) -> dict:
     checkpoint.run_precision). A task's own part (its prompt, sampling, output) and the video
     settings (for videos alone) are added per record by `resume_keys`."""
     image = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
-    return {
+    settings = {
         "schema": SCHEMA,
         "model": model_identity(cfg.model, path),
         "weights_dtype": precision["weights"],
@@ -59,6 +59,9 @@ def label_settings(cfg: Config, path: Path | None, precision: dict) -> dict:
         "quantize": cfg.quantize,
         "pixels": [image.min_pixels, image.max_pixels],
     }
+    if cfg.thinking:  # only when on: labels made before the setting existed keep their keys
+        settings["thinking"] = True
+    return settings
 
 
 def task_resume_keys(cfg: Config, base: dict, task: Task) -> dict[str, str]:

@@ -69,10 +69,10 @@ def read_model_config(path: Path) -> ModelConfig:
 
 
 def _meta_model(cfg: ModelConfig):
-    from mmcli.model.qwen3_vl import Qwen3VL
+    from mmcli.model.vlm import VisionLanguageModel
 
     with torch.device("meta"):
-        return Qwen3VL(cfg)
+        return VisionLanguageModel(cfg)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -128,7 +128,8 @@ def load_weights(
     for file in _weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
-                names = list(f.keys())
+                # released Qwen3.5 checkpoints carry a multi-token-prediction head, unused here
+                names = [n for n in f.keys() if not n.startswith("mtp.")]
             while names:
                 # Reopen every ~512 MB: closing unmaps the file, so its pages stop counting as
                 # resident memory

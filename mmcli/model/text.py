@@ -1,122 +1,51 @@
-"""Qwen3-VL text decoder: Qwen3 layers (q/k RMSNorm, GQA), interleaved M-RoPE, DeepStack
-injection.
+"""The text decoder: Qwen3 layers (q/k RMSNorm, GQA), interleaved M-RoPE, DeepStack injection
+(Qwen3-VL); Qwen3.5's hybrid stack mixes in Gated DeltaNet layers, gates the attention output and
+scales its norms by (1 + weight).
 
-Tokens of all sequences in a call are flat ([T, hidden]); the runner passes the KV cache and
-where each sequence's tokens go. Module names follow the checkpoint (model.language_model.*)."""
+Tokens of all sequences in a call are flat ([T, hidden]); the runner passes the cache and where
+each sequence's tokens go. Module names follow the checkpoint (model.language_model.*)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmcli.model.cache import AttentionBatch, DecoderCache
 from mmcli.model.config import TextConfig
 from mmcli.model.linear import Linear
+from mmcli.model.qwen3_5.gated_delta_net import GatedDeltaNet
 from mmcli.model.rope import apply_rotary
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, cast back to the activation dtype, then scale (as the reference
-        # does).
         xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(
-            x.dtype
-        )
-
-
-@dataclass
-class AttentionBatch:
-    """Where the tokens of one forward pass sit in the KV cache.
-
-    Prefill: `seqlens` gives each sequence's prompt length (tokens are back to back, no padding)
-    and `slots` its cache row; positions start at 0. Decode: one token per sequence, at
-    `positions`, reading `context_len` cache columns. `fixed_shapes` (compiled graphs): rows are
-    gathered by slot whatever they are, and the context is a padded bucket, masked per row, so
-    nothing depends on the values of the inputs."""
-
-    slots: torch.Tensor  # [B] cache rows
-    positions: torch.Tensor | None = None  # decode: [B] sequential positions (cache columns)
-    seqlens: list[int] | None = None  # prefill only
-    context_len: int = 0  # decode only: cache columns read (max(positions) + 1, or its bucket)
-    fixed_shapes: bool = False
-    # decode: slots are 0..B-1 (known to the caller, so no device round trip here)
-    contiguous: bool = False
-    # prefill: each sequence's first position (> 0: its row holds a prefix)
-    starts: list[int] | None = None
-
-
-class KVCache:
-    """K/V tensors [layers][rows, kv_heads, columns, head_dim]; a sequence owns one row, a token
-    one column. `grow` reallocates to a larger shape keeping what is written (the runner sizes
-    the cache to the job)."""
-
-    def __init__(
-        self, cfg: TextConfig, rows: int, columns: int, dtype: torch.dtype, device: torch.device
-    ):
-        self.cfg, self.dtype, self.device = cfg, dtype, device
-        self.k, self.v = self._alloc(rows, columns), self._alloc(rows, columns)
-
-    def _alloc(self, rows: int, columns: int) -> list[torch.Tensor]:
-        shape = (rows, self.cfg.num_key_value_heads, columns, self.cfg.head_dim)
-        return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.cfg.num_hidden_layers)
-        ]
-
-    @property
-    def rows(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
-    def columns(self) -> int:
-        return self.k[0].shape[2]
-
-    def grow(self, rows: int, columns: int) -> None:
-        rows, columns = max(rows, self.rows), max(columns, self.columns)
-        if (rows, columns) == (self.rows, self.columns):
-            return
-        for old in (self.k, self.v):
-            for i, tensor in enumerate(old):
-                new = torch.zeros(
-                    (rows, tensor.shape[1], columns, tensor.shape[3]),
-                    dtype=self.dtype,
-                    device=self.device,
-                )
-                new[: tensor.shape[0], :, : tensor.shape[2]] = tensor
-                old[i] = new  # layer by layer: the old layer is freed before the next is copied
-
-    def copy_prefix(self, source: int, target: int, columns: int) -> None:
-        """Row `target` starts with the first `columns` tokens of row `source` (a shared prompt
-        prefix)."""
-        if source != target:
-            for k, v in zip(self.k, self.v):
-                k[target, :, :columns] = k[source, :, :columns]
-                v[target, :, :columns] = v[source, :, :columns]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:  # Qwen3.5: scale by (1 + weight) in float32, then cast
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        # Qwen3-VL: cast back to the activation dtype, then scale (as the reference does)
+        return self.weight * normed.to(x.dtype)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.head_dim, self.output_gate = cfg.head_dim, cfg.attn_output_gate
+        # with the output gate, each head's query is followed by its gate in q_proj's rows
+        width = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
+        self.q_proj = Linear(cfg.hidden_size, width, bias=False)
         self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
 
     def forward(
         self,
@@ -127,7 +56,11 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
+        if self.output_gate:
+            q, gate = self.q_proj(x).unflatten(-1, (self.num_heads, -1)).chunk(2, dim=-1)
+        else:
+            q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # M-RoPE after the q/k norms
@@ -135,7 +68,10 @@ class Attention(nn.Module):
             out = self._prefill(q, k, v, batch, k_cache, v_cache)
         else:
             out = self._decode(q, k, v, batch, k_cache, v_cache)
-        return self.o_proj(out.flatten(-2))
+        out = out.flatten(-2)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate.flatten(-2))
+        return self.o_proj(out)
 
     def _prefill(self, q, k, v, batch, k_cache, v_cache):
         out, start = [], 0
@@ -219,12 +155,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig):
+    """Attention (or, in a hybrid stack's linear layers, Gated DeltaNet), then the MLP."""
+
+    def __init__(self, cfg: TextConfig, linear: bool):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        if linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg)
+        self.linear = linear
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset
+        )
 
     def forward(
         self,
@@ -232,10 +176,14 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: AttentionBatch,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
+        """`state`: this layer's cache tensors, (K, V) or (conv, recurrent)."""
+        normed = self.input_layernorm(x)
+        if self.linear:
+            h = x + self.linear_attn(normed, batch, *state)
+        else:
+            h = x + self.self_attn(normed, cos, sin, batch, *state)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -243,8 +191,10 @@ class TextDecoder(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, cfg.is_linear(i)) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings in the compute dtype (the norms' dtype; the table may be held in a
@@ -257,14 +207,14 @@ class TextDecoder(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: AttentionBatch,
-        cache: KVCache,
+        cache: DecoderCache,
         deepstack: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """hidden [T, H] -> final-normed hidden [T, H]. DeepStack level l ([T, H], zero off the
         image tokens) is added after layer l (prefill only)."""
         cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, batch, cache.k[i], cache.v[i])
+            hidden = layer(hidden, cos, sin, batch, cache.layer(i))
             if deepstack is not None and i < len(deepstack):
                 hidden = hidden + deepstack[i].to(hidden.dtype)
         return self.norm(hidden)

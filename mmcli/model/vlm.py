@@ -1,4 +1,5 @@
-"""Qwen3-VL, shaped like the released checkpoint: model.visual, model.language_model, lm_head."""
+"""A Qwen3-VL or Qwen3.5 model, shaped like their released checkpoints: model.visual,
+model.language_model, lm_head (the two families differ only inside those, by their config)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from mmcli.model.text import TextDecoder
 from mmcli.model.vision import VisionTower
 
 
-class Qwen3VL(nn.Module):
+class VisionLanguageModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -21,7 +22,9 @@ class Qwen3VL(nn.Module):
         self.lm_head = Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
 
     @classmethod
-    def from_weights(cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Qwen3VL:
+    def from_weights(
+        cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]
+    ) -> VisionLanguageModel:
         """Build without allocating, then adopt the loaded tensors (tied lm_head shares
         embed_tokens)."""
         with torch.device("meta"):

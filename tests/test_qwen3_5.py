@@ -1,0 +1,232 @@
+"""Qwen3.5 (hybrid Gated DeltaNet) against transformers' reference, float32, on tiny random
+checkpoints whose weights transformers itself wrote; the engine's per-slot linear states."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import hf_model, hf_processor, photo, reference_prompt_ids
+
+from mmcli.api.labeler import Labeler
+from mmcli.compiled.steps import prefill_step
+from mmcli.engine.positions import mrope_cos_sin
+from mmcli.engine.runner import PrefillItem
+from mmcli.model.qwen3_5 import delta_rule
+from mmcli.testing import QWEN3_5_VARIANTS, make_test_video
+
+QUESTION = "Describe this image."
+LONG = " ".join(["What is in the picture? A cat sits on a red sofa near the window."] * 8)
+CASES = {
+    "one_image": (["chelsea.jpg"], QUESTION),
+    "two_images": (["astronaut.jpg", "coffee.jpg"], QUESTION),
+    "long_text_with_an_image": (["rocket.jpg"], LONG),
+    "text_only": ([], QUESTION),
+}
+TOKENS = 16
+
+
+@pytest.fixture(scope="module", params=QWEN3_5_VARIANTS)
+def pair(request, qwen3_5_dirs):
+    path = qwen3_5_dirs[request.param]
+    return Labeler.from_pretrained(str(path), dtype="float32", device="cpu"), hf_model(path), path
+
+
+def _mm_types(ids, cfg):
+    return torch.tensor(
+        [[1 if i == cfg.image_token_id else 2 if i == cfg.video_token_id else 0 for i in ids]]
+    )
+
+
+def _prefill_logits(labeler, req):
+    item = PrefillItem(
+        0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids
+    )
+    return labeler.model.lm_head(labeler.runner.forward_prompts([item])).float()
+
+
+def _assert_logits_match(labeler, req, model, inputs):
+    """Prefill logits against the reference's exact values (its float64 run): within 2e-4, or,
+    where the reference's own float32 run is farther than that, of its order (4x).
+
+    Gated DeltaNet's RMSNorm rescales each head's delta-rule output, small in random models, to
+    unit size, so rounding upstream reaches the logits magnified in any float32 implementation;
+    over a few hundred tokens the reference's float32 run is itself 1e-3 away from float64."""
+    ours = _prefill_logits(labeler, req).double()
+    with torch.no_grad():
+        ref32 = model(**inputs).logits[0].double()
+        wide = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+        ref64 = model.double()(**wide).logits[0]
+        model.float()
+    ours_error = (ours - ref64).abs().max().item()
+    reference_error = (ref32 - ref64).abs().max().item()
+    print(f"float32 logits from float64: ours {ours_error:.2e}, reference {reference_error:.2e}")
+    assert ours_error <= max(2e-4, 4 * reference_error)
+
+
+def _greedy(labeler, req):
+    return next(iter(labeler.engine.generate([dataclasses.replace(req, stop_ids=frozenset())])))
+
+
+def _reference_greedy(model, inputs) -> list[int]:
+    from transformers import GenerationConfig
+
+    model.generation_config.eos_token_id = None
+    gen = GenerationConfig(
+        max_new_tokens=TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    out = model.generate(**inputs, generation_config=gen)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pixels_positions_logits_and_greedy_tokens_match_transformers(pair, case):
+    labeler, model, path = pair
+    names, question = CASES[case]
+    images = [photo(n) for n in names]
+    processor = hf_processor(path)
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
+    ref = processor(text=[text], images=images or None, return_tensors="pt")
+    req, _ = labeler.request("k", images, question, labeler.sampling(max_new_tokens=TOKENS))
+
+    assert req.input_ids == ref["input_ids"][0].tolist()
+    assert text.endswith("<think>\n\n</think>\n\n")  # thinking off by default
+    if images:
+        torch.testing.assert_close(
+            torch.cat(req.pixel_values), ref["pixel_values"], atol=1e-6, rtol=0
+        )
+    positions, deltas = model.model.get_rope_index(
+        ref["input_ids"],
+        ref["mm_token_type_ids"],
+        ref.get("image_grid_thw"),
+        attention_mask=ref["attention_mask"],
+    )
+    assert torch.equal(req.rotary_position_ids, positions[:, 0]) and req.rope_delta == int(deltas)
+    _assert_logits_match(labeler, req, model, dict(ref))
+    done = _greedy(labeler, req)
+    assert done.token_ids == _reference_greedy(model, dict(ref)) and len(done.token_ids) == TOKENS
+
+
+def test_a_video_matches_transformers(pair, tmp_path):
+    labeler, model, path = pair
+    clip = make_test_video(tmp_path / "clip.mp4", seconds=3, fps=8, width=160, height=96)
+    prepared = labeler.requests.prepare([], [clip])
+    req = labeler.requests.build("k", prepared, QUESTION, labeler.sampling(max_new_tokens=TOKENS))
+    ids = reference_prompt_ids(path, ["video"], prepared.layout, QUESTION, enable_thinking=False)
+    assert req.input_ids == ids
+    grids = prepared.grids
+    video_grid = torch.tensor([[len(grids), grids[0][1], grids[0][2]]])
+    inputs = {
+        "input_ids": torch.tensor([ids]),
+        "pixel_values_videos": torch.cat(prepared.pixels),
+        "video_grid_thw": video_grid,
+        "mm_token_type_ids": _mm_types(ids, model.config),
+    }
+    positions, deltas = model.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], None, video_grid
+    )
+    assert torch.equal(req.rotary_position_ids, positions[:, 0]) and req.rope_delta == int(deltas)
+    _assert_logits_match(labeler, req, model, inputs)
+    assert _greedy(labeler, req).token_ids == _reference_greedy(model, inputs)
+
+
+def test_tasks_sharing_a_prefix_give_each_tasks_single_run(pair):
+    """The linear layers' states are copied at the end of the shared prefix, as the KV rows
+    are: each task's answer is the one it gets alone."""
+    labeler, _, _ = pair
+    items = [("cat", photo("chelsea.jpg")), ("cup", photo("coffee.jpg"))]
+    tasks = labeler.tasks(["caption", "tags", "ocr"], max_new_tokens=12)
+    together = {(r.key, r.task): r.token_ids for r in labeler.label(items, tasks=tasks)}
+    assert labeler.runner.prefixes_prefilled >= 2  # the prefix really was shared
+    for key, image in items:
+        for task in tasks:
+            (alone,) = labeler.label([(key, image)], tasks=[task])
+            assert together[key, task.name] == alone.token_ids
+
+
+def test_results_do_not_depend_on_the_batch(pair):
+    labeler, _, path = pair
+    names = ["chelsea.jpg", "astronaut.jpg", "coffee.jpg", "rocket.jpg"]
+    items = [(n, photo(n)) for n in names]
+    batched = {r.key: r.token_ids for r in labeler.label(items, max_new_tokens=12)}
+    one = Labeler.from_pretrained(
+        str(path), config=dataclasses.replace(labeler.config, engine=_one_seq(labeler.config))
+    )
+    for key, image in reversed(items):  # other slots, other order
+        (alone,) = one.label([(key, image)], max_new_tokens=12)
+        assert batched[key] == alone.token_ids
+
+
+def _one_seq(config):
+    return dataclasses.replace(config.engine, max_seqs=1)
+
+
+def test_chunked_delta_rule_is_the_token_by_token_recurrence():
+    g = torch.Generator().manual_seed(0)
+    length, key_heads, heads, dk, dv = 150, 2, 4, 16, 24  # three chunks, the last one partial
+    q, k = (
+        torch.randn(length, key_heads, dk, generator=g),
+        torch.randn(length, key_heads, dk, generator=g),
+    )
+    v = torch.randn(length, heads, dv, generator=g)
+    decay = -torch.rand(length, heads, generator=g)
+    beta = torch.rand(length, heads, generator=g)
+    start = torch.randn(heads, dk, dv, generator=g)
+    out, state = delta_rule.chunked(q, k, v, decay, beta, start)
+    steps, s = [], start[None]
+    for t in range(length):
+        o, s = delta_rule.step(
+            q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1], beta[t : t + 1], s
+        )
+        steps.append(o[0])
+    torch.testing.assert_close(out, torch.stack(steps), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, s[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_padded_prompt_leaves_the_states_of_its_real_tokens(pair):
+    """Compiled prefill pads a prompt to its bucket: the padding must not reach the conv or
+    recurrent state the decode steps continue from."""
+    labeler, _, _ = pair
+    runner = labeler.runner
+    req, _ = labeler.request("k", [], QUESTION, labeler.sampling(max_new_tokens=4))
+    n = len(req.input_ids)
+    item = PrefillItem(1, req.input_ids, req.rotary_position_ids, [], [], max_tokens=n + 8)
+    runner._reserve([item])
+    runner.forward_prompts([item])
+    cache = runner.cache
+    linear = [i for i, k in enumerate(cache.k) if k is None]
+    expected = [(cache.conv[i][1].clone(), cache.recurrent[i][1].clone()) for i in linear]
+    hidden = labeler.model.language_model.embed(torch.tensor(req.input_ids))
+    pad = 64 - n
+    rotary = torch.nn.functional.pad(req.rotary_position_ids, (0, pad))
+    cos, sin = mrope_cos_sin(rotary, runner.inv_freq, runner.slot_axes)
+    with torch.inference_mode():
+        prefill_step(
+            labeler.model,
+            cache,
+            torch.nn.functional.pad(hidden, (0, 0, 0, pad)),
+            cos,
+            sin,
+            torch.tensor([2]),
+            [],
+            torch.tensor([n - 1]),
+        )
+    for i, (conv, recurrent) in zip(linear, expected):
+        torch.testing.assert_close(cache.conv[i][2], conv, atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.recurrent[i][2], recurrent, atol=1e-5, rtol=0)
+
+
+def test_state_bytes_per_sequence_are_fixed_for_linear_layers(pair):
+    labeler, _, _ = pair
+    cache, cfg = labeler.runner.cache, labeler.model.cfg.text
+    kv_short, fixed_short = cache.row_bytes(256)
+    kv_long, fixed_long = cache.row_bytes(4096)
+    assert fixed_short == fixed_long > 0 and kv_long == 16 * kv_short
+    linear = sum(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
+    recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    assert fixed_short == linear * (4 * recurrent + 4 * cfg.linear_conv_dim * 3)
