@@ -1,7 +1,8 @@
-"""mmcli vs transformers on the same Qwen3-VL checkpoint and images, in one run, with the
-machine's own limits.
+"""mmcli vs transformers on the same checkpoint and images, in one run, with the machine's own
+limits; for each model family asked for (--families qwen3_vl,qwen3_5), side by side.
 
-Random weights with the real Qwen3-VL-2B-Instruct shapes (bfloat16, written once to --cache-dir),
+Random weights with the real Qwen3-VL-2B-Instruct or Qwen3.5-2B shapes (bfloat16, written once to
+--cache-dir),
 16 images from 224x224 to 640x480, per-image output lengths from a fixed schedule between 16 and
 96 tokens (standing in for eos; transformers gets a per-row stopping criterion with the same
 lengths). Both sides compute in --dtype (default float32, what mmcli picks on a CPU). Each side
@@ -53,12 +54,18 @@ LENGTHS = [16, 96, 32, 64, 24, 80, 48, 16, 96, 40, 72, 20, 56, 88, 32, 64]
 PROMPT = "Describe this image."
 
 
-def make_inputs(cache: Path, smoke: bool, count: int = 16) -> tuple[Path, list[Path], list[int]]:
+CHECKPOINTS = {"qwen3_vl": "qwen3-vl-2b-random-bf16", "qwen3_5": "qwen3.5-2b-random-bf16"}
+
+
+def make_inputs(
+    cache: Path, smoke: bool, count: int = 16, family: str = "qwen3_vl"
+) -> tuple[Path, list[Path], list[int]]:
     from PIL import Image
 
     from mmcli.testing import make_tiny_checkpoint
 
-    ckpt = cache / ("tiny" if smoke else "qwen3-vl-2b-random-bf16")
+    name = CHECKPOINTS[family]
+    ckpt = cache / (("tiny" if family == "qwen3_vl" else f"tiny-{family}") if smoke else name)
     if not (ckpt / "config.json").is_file():
         print(
             f"writing {'a tiny' if smoke else 'a 2B-shaped'} random checkpoint to {ckpt} (once)",
@@ -66,6 +73,7 @@ def make_inputs(cache: Path, smoke: bool, count: int = 16) -> tuple[Path, list[P
         )
         make_tiny_checkpoint(
             ckpt,
+            "qwen3_5" if family == "qwen3_5" else "base",
             dtype="bfloat16",
             shapes_2b=not smoke,
             **({} if smoke else {"max_pixels": 16777216, "min_pixels": 65536}),
@@ -206,6 +214,8 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
         "weight_bytes": cap.weight_bytes,
         "decode_weight_bytes": decode_bytes,
         "kv_bytes": runner.cache.nbytes,
+        # one sequence's state at engine.max_len tokens: K/V, and the linear layers' fixed part
+        "state_bytes": runner.cache.row_bytes(cfg.engine.max_len),
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "gpu_peak": gpu,
         "input_wait": cap.engine.input_wait / elapsed,
@@ -244,10 +254,10 @@ def worker_hf(
     device: str = "cpu",
 ) -> dict:
     from PIL import Image
-    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration, StoppingCriteria
+    from transformers import AutoModelForImageTextToText, GenerationConfig, StoppingCriteria
 
     model = (
-        Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=getattr(torch, dtype))
+        AutoModelForImageTextToText.from_pretrained(ckpt, dtype=getattr(torch, dtype))
         .eval()
         .to(device)
     )
@@ -255,7 +265,10 @@ def worker_hf(
     processor = _hf_processor(ckpt)
     content = [{"type": "image"}, {"type": "text", "text": PROMPT}]
     text = processor.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": content}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,  # as mmcli labels (Qwen3-VL's template has no such switch)
     )
 
     class RowLengths(StoppingCriteria):
@@ -327,6 +340,8 @@ def run_worker(args, kind: str, batch_size: int = 0) -> dict:
         str(args.max_len),
         "--settings",
         args.settings,
+        "--families",
+        getattr(args, "family", "qwen3_vl"),
     ] + (["--smoke"] if args.smoke else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -344,6 +359,7 @@ def main() -> None:
     parser.add_argument(
         "--images", type=int, default=16, help="images (the 16 sizes and lengths repeat)"
     )
+    parser.add_argument("--families", default="qwen3_vl", help="qwen3_vl, qwen3_5 or both")
     parser.add_argument("--max-seqs", type=int, default=16, help="mmcli's sequences in flight")
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--settings", default="{}", help="more mmcli settings, JSON")
@@ -355,31 +371,43 @@ def main() -> None:
             Path(tempfile.gettempdir()) / "mmcli-bench" if args.smoke else ROOT / ".bench_cache"
         )
     args.cache_dir.mkdir(parents=True, exist_ok=True)
-    ckpt, images, lengths = make_inputs(args.cache_dir, args.smoke, args.images)
-    if args.worker == "mmcli":
-        print(json.dumps(worker_mmcli(ckpt, images, lengths, mmcli_settings(args))))
+    families = args.families.split(",")
+    if args.worker is not None:
+        ckpt, images, lengths = make_inputs(args.cache_dir, args.smoke, args.images, families[0])
+        if args.worker == "mmcli":
+            print(json.dumps(worker_mmcli(ckpt, images, lengths, mmcli_settings(args))))
+        else:
+            hf = worker_hf(ckpt, images, lengths, args.dtype, args.batch_size, args.device)
+            print(json.dumps(hf))
         return
-    if args.worker == "hf":
-        print(
-            json.dumps(worker_hf(ckpt, images, lengths, args.dtype, args.batch_size, args.device))
-        )
-        return
-
     limits = machine_limits(args.device, args.dtype)
+    runs = {family: run_family(args, family) for family in families}
+    # The machine's limits are what it can do at best: measured again at the end (a shared
+    # machine, or the writeback of a freshly written checkpoint, can slow one measurement), the
+    # higher figure counts.
+    after = machine_limits(args.device, args.dtype)
+    for name, before in (("before", limits), ("after", after)):
+        print(
+            f"machine, {name} the runs: read bandwidth {before['bandwidth'] / 1e9:.1f} GB/s, "
+            f"{args.dtype} matmul {before['matmul_flops'] / 1e9:.1f} GFLOP/s",
+            flush=True,
+        )
+    print_table(args, runs, max(limits["bandwidth"], after["bandwidth"]))
+
+
+def run_family(args, family: str) -> tuple[dict, dict]:
+    """mmcli, then transformers at each batch size, on one family's checkpoint: (ours, best)."""
+    args.family = family
+    _, images, lengths = make_inputs(args.cache_dir, args.smoke, args.images, family)
     print(
-        f"{len(images)} images, output lengths {min(lengths)}-{max(lengths)} tokens "
+        f"{family}: {len(images)} images, output lengths {min(lengths)}-{max(lengths)} tokens "
         f"({sum(lengths)} in all), dtype {args.dtype}, {torch.get_num_threads()} threads",
-        flush=True,
-    )
-    print(
-        f"machine: read bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s, {args.dtype} matmul "
-        f"{limits['matmul_flops'] / 1e9:.1f} GFLOP/s",
         flush=True,
     )
     ours = run_worker(args, "mmcli")
     spent = ours["spent"]
     print(
-        f"mmcli: {ours['images_per_s']:.3f} images/s ({ours['seconds']:.1f} s: vision "
+        f"{family} mmcli: {ours['images_per_s']:.3f} images/s ({ours['seconds']:.1f} s: vision "
         f"{spent['vision']:.1f} s, text prefill {spent['prefill'] - spent['vision']:.1f} s, "
         f"decode {spent['decode']:.1f} s)",
         flush=True,
@@ -388,49 +416,52 @@ def main() -> None:
     for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
         theirs.append(run_worker(args, "hf", bs))
         print(
-            f"transformers, batch {bs}: {theirs[-1]['images_per_s']:.3f} images/s "
+            f"{family} transformers, batch {bs}: {theirs[-1]['images_per_s']:.3f} images/s "
             f"({theirs[-1]['seconds']:.1f} s)",
             flush=True,
         )
-    best = max(theirs, key=lambda r: r["images_per_s"])
-    # The machine's limits are what it can do at best: measured again at the end (a shared machine,
-    # or the writeback
-    # of a freshly written checkpoint, can slow one measurement), the higher figure counts.
-    after = machine_limits(args.device, args.dtype)
-    print(
-        f"machine, after the runs: read bandwidth {after['bandwidth'] / 1e9:.1f} GB/s, "
-        f"{args.dtype} matmul {after['matmul_flops'] / 1e9:.1f} GFLOP/s",
-        flush=True,
-    )
-    bandwidth = max(limits["bandwidth"], after["bandwidth"])
+    return ours, max(theirs, key=lambda r: r["images_per_s"])
+
+
+def _rows(args, ours: dict, best: dict, bandwidth: float) -> dict[str, str]:
+    spent = ours["spent"]
     bound = ours["decode_weight_bytes"] / bandwidth
     budget = ours["weight_bytes"] + ours["kv_bytes"]
-    print("")
-    print("| measure | value |")
-    print("|---|---|")
-    print(f"| mmcli images/s | {ours['images_per_s']:.3f} |")
-    print(
-        f"| transformers images/s (best: batch {best['batch_size']}) | {best['images_per_s']:.3f} |"
-    )
-    print(f"| mmcli decode step, batch 1 | {ours['decode_step'] * 1000:.1f} ms |")
-    print(
-        f"| decode weight bytes / read bandwidth ({bandwidth / 1e9:.1f} GB/s) | "
-        f"{bound * 1000:.1f} ms (step is {ours['decode_step'] / bound:.2f}x) |"
-    )
-    print(f"| mmcli peak RSS | {ours['peak_rss'] / 2**30:.2f} GiB |")
+    kv, fixed = ours["state_bytes"]
+    rows = {
+        "mmcli images/s": f"{ours['images_per_s']:.3f}",
+        "transformers images/s (best batch)": f"{best['images_per_s']:.3f} "
+        f"(batch {best['batch_size']})",
+        "images/s ratio": f"{ours['images_per_s'] / best['images_per_s']:.2f}x",
+        "vision / text prefill / decode": f"{spent['vision']:.1f} / "
+        f"{spent['prefill'] - spent['vision']:.1f} / {spent['decode']:.1f} s",
+        "decode step, batch 1": f"{ours['decode_step'] * 1000:.1f} ms",
+        f"decode weight bytes / {bandwidth / 1e9:.1f} GB/s": f"{bound * 1000:.1f} ms (step "
+        f"{ours['decode_step'] / bound:.2f}x)",
+        "mmcli peak RSS": f"{ours['peak_rss'] / 2**30:.2f} GiB",
+        "weights + cache": f"{ours['weight_bytes'] / 2**30:.2f} + {ours['kv_bytes'] / 2**30:.2f} "
+        f"GiB (RSS {ours['peak_rss'] / budget:.2f}x)",
+        f"state per sequence at {args.max_len} tokens: K/V + linear": f"{kv / 2**20:.1f} + "
+        f"{fixed / 2**20:.1f} MiB",
+        "engine waiting for inputs": f"{100 * ours['input_wait']:.1f}% of the run",
+    }
     if args.device == "cuda":
-        print(
-            f"| GPU memory peak, mmcli / transformers (best) | {ours['gpu_peak'] / 2**30:.2f} / "
-            f"{best['gpu_peak'] / 2**30:.2f} GiB |"
+        rows["GPU memory peak, mmcli / transformers"] = (
+            f"{ours['gpu_peak'] / 2**30:.2f} / {best['gpu_peak'] / 2**30:.2f} GiB"
         )
-    print(f"| mmcli engine waiting for inputs | {100 * ours['input_wait']:.1f}% of the run |")
-    print(
-        f"| weight bytes + KV cache bytes | {ours['weight_bytes'] / 2**30:.2f} + "
-        f"{ours['kv_bytes'] / 2**30:.2f} GiB (RSS is {ours['peak_rss'] / budget:.2f}x) |"
-    )
-    print(
-        f"images/s ratio (mmcli / transformers): {ours['images_per_s'] / best['images_per_s']:.2f}"
-    )
+    return rows
+
+
+def print_table(args, runs: dict[str, tuple[dict, dict]], bandwidth: float) -> None:
+    columns = {family: _rows(args, *run, bandwidth) for family, run in runs.items()}
+    print("")
+    print("| measure | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for measure in next(iter(columns.values())):
+        print(f"| {measure} | " + " | ".join(c[measure] for c in columns.values()) + " |")
+    for family, (ours, best) in runs.items():
+        ratio = ours["images_per_s"] / best["images_per_s"]
+        print(f"images/s ratio (mmcli / transformers), {family}: {ratio:.2f}")
 
 
 if __name__ == "__main__":

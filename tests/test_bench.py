@@ -19,6 +19,8 @@ def test_compare_hf_smoke(tmp_path):
             "--smoke",
             "--hf-batch-sizes",
             "8",
+            "--families",
+            "qwen3_vl,qwen3_5",
             "--cache-dir",
             str(tmp_path),
         ],
@@ -27,10 +29,11 @@ def test_compare_hf_smoke(tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    last = out.stdout.strip().splitlines()[-1]
-    assert (
-        last.startswith("images/s ratio (mmcli / transformers): ") and float(last.split()[-1]) > 0
-    )
+    ratios = out.stdout.strip().splitlines()[-2:]
+    for line, family in zip(ratios, ["qwen3_vl", "qwen3_5"]):
+        assert line.startswith(f"images/s ratio (mmcli / transformers), {family}: ")
+        assert float(line.split()[-1]) > 0
+    assert "| state per sequence at 512 tokens: K/V + linear |" in out.stdout
 
 
 @pytest.mark.slow
