@@ -230,3 +230,20 @@ def test_state_bytes_per_sequence_are_fixed_for_linear_layers(pair):
     linear = sum(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
     recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
     assert fixed_short == linear * (4 * recurrent + 4 * cfg.linear_conv_dim * 3)
+
+
+def test_the_linear_states_are_sized_to_the_job(qwen3_5_dirs):
+    """Rows for the sequences the job runs at once, not engine.max_seqs; their bytes do not grow
+    with the context, the K/V columns do."""
+    labeler = Labeler.from_pretrained(str(qwen3_5_dirs["qwen3_5"]), dtype="float32", device="cpu")
+    cache = labeler.runner.cache
+    assert cache.rows == 1 and labeler.config.engine.max_seqs == 8
+    sampling = labeler.sampling(max_new_tokens=4)
+    names = ["chelsea.jpg", "coffee.jpg", "rocket.jpg"]
+    requests = [labeler.request(n, [photo(n)], QUESTION, sampling)[0] for n in names]
+    assert len(list(labeler.engine.generate(requests))) == 3  # all three admitted at once
+    linear = [i for i, k in enumerate(cache.k) if k is None]
+    assert cache.rows == 3 and all(cache.recurrent[i].shape[0] == 3 for i in linear)
+    assert all(cache.conv[i].shape[0] == 3 for i in linear)
+    kv, fixed = cache.row_bytes(cache.columns)
+    assert cache.nbytes == 3 * (kv + fixed)

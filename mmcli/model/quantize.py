@@ -17,8 +17,10 @@ from mmcli.model.linear import Linear, quantize_linears
 
 @torch.no_grad()
 def fold_norm(norm: nn.Module, linears: list[Linear]) -> None:
-    """Move `norm`'s scale (and bias, for LayerNorm) into the linears that read its output."""
-    scale = norm.weight.detach().float()
+    """Move `norm`'s scale (and bias, for LayerNorm) into the linears that read its output; a
+    norm scaling by 1 + weight (Qwen3.5) is left scaling by 1."""
+    offset = float(getattr(norm, "unit_offset", False))
+    scale = norm.weight.detach().float() + offset
     shift = norm.bias.detach().float() if getattr(norm, "bias", None) is not None else None
     for linear in linears:
         weight = linear.weight.detach().float()
@@ -29,7 +31,7 @@ def fold_norm(norm: nn.Module, linears: list[Linear]) -> None:
             )
         # float32, quantized right after
         linear.weight = nn.Parameter(weight * scale, requires_grad=False)
-    norm.weight.fill_(1.0)
+    norm.weight.fill_(1.0 - offset)
     if shift is not None:
         norm.bias.zero_()
 
@@ -39,9 +41,8 @@ def quantize_model(model: nn.Module) -> int:
     lm_head (which stays the embedding's bfloat16). Returns how many linears were quantized."""
     text = model.language_model
     for layer in text.layers:  # layer by layer: one layer's folded float32 weights at a time
-        attn, mlp = layer.self_attn, layer.mlp
-        fold_norm(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj])
-        fold_norm(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])
+        fold_norm(layer.input_layernorm, _mixer_inputs(layer))
+        fold_norm(layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj])
         quantize_linears(layer)
     for block in model.visual.blocks:
         fold_norm(block.norm1, [block.attn.qkv])
@@ -54,3 +55,12 @@ def quantize_model(model: nn.Module) -> int:
     )
     quantize_linears(model, keep=(model.lm_head,) if tied else ())
     return sum(isinstance(m, Linear) and m.kernel == "int8" for m in model.modules())
+
+
+def _mixer_inputs(layer: nn.Module) -> list[Linear]:
+    """The linears reading a decoder layer's input norm: attention's q/k/v, or Gated DeltaNet's
+    four input projections."""
+    if layer.linear:
+        mixer = layer.linear_attn
+        return [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a]
+    return [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
