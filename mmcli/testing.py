@@ -355,8 +355,8 @@ def random_tensor(
     unit_offset: bool = False,
 ) -> torch.Tensor:
     """One tensor of a random checkpoint, by its name: norms scaling by about 1 (a weight near 1,
-    or near 0 where the text decoder's norms scale by 1 + weight), decay rates (A_log) spread as
-    the reference initialises them, matrices scaled to their fan-in."""
+    or near 0 where the text decoder's norms scale by 1 + weight), Gated DeltaNet's decay rates A
+    from 0.5 to 8, matrices scaled to their fan-in (a depthwise conv's is its kernel)."""
     if name.endswith("A_log"):
         return torch.empty(shape).uniform_(0.5, 8, generator=g).log()
     norm = "norm1" in name or "norm2" in name or name.endswith(("norm.weight", "layernorm.weight"))
