@@ -1,5 +1,5 @@
-"""mmcli against transformers on CUDA, on the tests' tiny random checkpoints (three model
-shapes).
+"""mmcli against transformers on CUDA, on the tests' tiny random checkpoints (three Qwen3-VL
+shapes, two Qwen3.5 ones whose weights transformers wrote).
 
 float32: greedy tokens must be identical (32 tokens, text only, one image, two images). bfloat16:
 the share of positions where the two agree (teacher-forced on transformers' own tokens, so one
@@ -19,12 +19,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from conftest import VARIANTS, hf_processor, photo  # noqa: E402
+from conftest import VARIANTS, hf_processor, hf_written, photo  # noqa: E402
 
 from mmcli.api.labeler import Labeler  # noqa: E402
 from mmcli.engine.positions import rope_index  # noqa: E402
 from mmcli.engine.runner import PrefillItem  # noqa: E402
-from mmcli.testing import make_tiny_checkpoint  # noqa: E402
+from mmcli.testing import QWEN3_5_VARIANTS, make_tiny_checkpoint  # noqa: E402
 
 CASES = {
     "text_only": [],
@@ -40,14 +40,17 @@ DEVICE = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else
 
 def reference(path: Path, dtype: torch.dtype, images: list) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy tokens and its logits at each generated position."""
-    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=dtype).eval().to(DEVICE)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).eval().to(DEVICE)
     model.generation_config.eos_token_id = None
     processor = hf_processor(path)
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": QUESTION}]
     text = processor.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": content}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,  # as mmcli labels (Qwen3-VL's template has no such switch)
     )
     inputs = processor(text=[text], images=images or None, return_tensors="pt").to(DEVICE)
     gen = GenerationConfig(
@@ -86,8 +89,10 @@ def ours_teacher_forced(cap: Labeler, images: list, tokens: list[int]) -> list[i
 def main() -> int:
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for i, variant in enumerate(VARIANTS):
+        for i, variant in enumerate(VARIANTS + list(QWEN3_5_VARIANTS)):
             path = make_tiny_checkpoint(Path(tmp) / variant, variant, seed=i + 1)
+            if variant in QWEN3_5_VARIANTS:
+                path = hf_written(path, seed=i + 1)
             for dtype in ("float32", "bfloat16"):
                 cap = Labeler.from_pretrained(str(path), dtype=dtype, device=DEVICE)
                 for case, names in CASES.items():
