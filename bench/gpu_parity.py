@@ -22,8 +22,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import VARIANTS, hf_processor, hf_written, photo  # noqa: E402
 
 from mmcli.api.labeler import Labeler  # noqa: E402
-from mmcli.engine.positions import rope_index  # noqa: E402
-from mmcli.engine.runner import PrefillItem  # noqa: E402
+from mmcli.engine.runner import DecodeItem, PrefillItem  # noqa: E402
 from mmcli.testing import QWEN3_5_VARIANTS, make_tiny_checkpoint  # noqa: E402
 
 CASES = {
@@ -74,16 +73,24 @@ def ours_greedy(cap: Labeler, images: list) -> list[int]:
 
 
 def ours_teacher_forced(cap: Labeler, images: list, tokens: list[int]) -> list[int]:
-    """mmcli's argmax at each position, given transformers' tokens before it."""
+    """mmcli's argmax at each position, given transformers' tokens before it (fed one decode
+    step at a time: a generated token is text even when its id is a vision placeholder's)."""
     req, _ = cap.request("k", images, QUESTION, cap.sampling())
-    ids = req.input_ids + tokens[:-1]
-    rotary, _ = rope_index(
-        ids, req.vision_grids, cap.model.cfg.image_token_id, cap.image_cfg.merge_size
+    n = len(req.input_ids)
+    item = PrefillItem(
+        0,
+        req.input_ids,
+        req.rotary_position_ids,
+        req.pixel_values,
+        req.vision_grids,
+        max_tokens=n + len(tokens),
     )
-    item = PrefillItem(0, ids, rotary, req.pixel_values, req.vision_grids, max_tokens=len(ids) + 1)
     with torch.inference_mode():
-        hidden = cap.runner.forward_prompts([item])[len(req.input_ids) - 1 :]
-        return cap.model.lm_head(hidden).float().argmax(-1).tolist()
+        chosen = [int(cap.runner.prefill([item])[0].argmax())]
+        for k, token in enumerate(tokens[:-1]):
+            step = DecodeItem(0, token, n + k, req.rope_delta)
+            chosen.append(int(cap.runner.decode([step])[0].argmax()))
+    return chosen
 
 
 def main() -> int:
