@@ -228,6 +228,29 @@ def tiny_config(
 
 
 QWEN3_5_VARIANTS = ("qwen3_5", "qwen3_5_wide")
+MOE_VARIANTS = ("qwen3_vl_moe", "qwen3_5_moe")
+# four experts, two per token; Qwen3-VL MoE's second layer dense (mlp_only_layers), Qwen3.5 MoE's
+# layers each with a shared expert
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+
+
+def tiny_moe_config(variant: str, vocab_size: int, special_ids: dict) -> dict:
+    """config.json of a tiny MoE model, as transformers writes it."""
+    if variant == "qwen3_vl_moe":
+        config = tiny_config("base", "rope_parameters", vocab_size, special_ids)
+        config["text_config"].update(
+            TINY_MOE, model_type="qwen3_vl_moe_text", decoder_sparse_step=1, mlp_only_layers=[1]
+        )
+        config.update(architectures=["Qwen3VLMoeForConditionalGeneration"], model_type=variant)
+        config["vision_config"]["model_type"] = "qwen3_vl_moe"
+        return config
+    config = tiny_qwen3_5_config("qwen3_5", vocab_size, special_ids)
+    config["text_config"].update(
+        TINY_MOE, model_type="qwen3_5_moe_text", shared_expert_intermediate_size=40
+    )
+    config.update(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type=variant)
+    config["vision_config"]["model_type"] = "qwen3_5_moe_vision"
+    return config
 
 
 def tiny_qwen3_5_config(variant: str, vocab_size: int, special_ids: dict) -> dict:
@@ -366,6 +389,8 @@ def random_tensor(
     scale = std if name.endswith("weight") else 0.05
     if "conv1d" in name:  # a depthwise conv: fan-in is its kernel
         scale = 1.5 / shape[-1] ** 0.5
+    elif len(shape) == 3:  # MoE experts [E, out, in]
+        scale = min(std, 1.5 / shape[-1] ** 0.5)
     elif name.endswith("weight") and len(shape) == 2 and "embed" not in name:
         scale = min(std, 1.5 / shape[1] ** 0.5)
     return scale * torch.randn(shape, generator=g)
@@ -389,12 +414,14 @@ def make_tiny_checkpoint(
     variant (random values, for benchmarks)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    hybrid = variant in QWEN3_5_VARIANTS
+    hybrid = variant in QWEN3_5_VARIANTS or variant == "qwen3_5_moe"
     tok = tiny_tokenizer(thinking=hybrid)
     tok.save(str(path / "tokenizer.json"))
     special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     vocab = -(-tok.get_vocab_size() // 64) * 64
-    if hybrid:
+    if variant in MOE_VARIANTS:
+        config = tiny_moe_config(variant, vocab, special_ids)
+    elif hybrid:
         config = (
             qwen3_5_2b_config(special_ids)
             if shapes_2b

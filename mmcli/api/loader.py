@@ -111,6 +111,11 @@ def load(cfg: Config) -> Loaded:
     path = resolve_model(cfg.model)
     plan = plan_run(cfg, path)
     model_cfg = read_model_config(path)
+    if model_cfg.text.num_experts and plan.backend != "eager":
+        raise ConfigError(
+            f"compile.backend {plan.backend}: the MoE models run on the eager backend only (their "
+            "experts are chosen per token, which a fixed-shape graph cannot follow yet)"
+        )
     device = torch.device(plan.device)
     compute = torch_dtype(plan.precision["compute"])
     graphs = None

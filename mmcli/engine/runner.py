@@ -139,7 +139,11 @@ class ModelRunner:
         self.decode_batch_buckets = sorted(buckets.decode_batch_buckets)
         self.decode_context_buckets = sorted(buckets.decode_context_buckets)
         self.graphs = graphs
-        use_cuda_graphs = device.type == "cuda" and graphs is None and buckets.cuda_graphs
+        # the experts' grouping reads the routing on the host: not capturable
+        moe = self.cfg.text.num_experts > 0
+        use_cuda_graphs = (
+            device.type == "cuda" and graphs is None and buckets.cuda_graphs and not moe
+        )
         # Compiled and CUDA graphs hold the cache's shape and addresses: all of it, allocated once.
         # Other runs start small and grow to what the job uses.
         self.fixed_cache = graphs is not None or use_cuda_graphs

@@ -91,11 +91,41 @@ def matrix_weight_names(cfg: ModelConfig) -> set[str]:
     names = {
         f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear)
     }
+    names |= {n for n, _ in model.named_parameters() if n.endswith(_EXPERTS)}
     return names | {
         "model.language_model.embed_tokens.weight",
         "model.visual.pos_embed.weight",
         "model.visual.patch_embed.proj.weight",
     }
+
+
+_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def experts_as_held(tensors: dict[str, torch.Tensor], expected: dict[str, tuple]) -> None:
+    """The MoE experts as the model holds them (gate_up_proj [E, 2I, H], down_proj [E, H, I]),
+    from any layout transformers loads: those shapes, the released checkpoints' transposed ones
+    ([E, H, 2I], [E, I, H]; told apart by shape), or one tensor per expert and projection
+    (`experts.{e}.gate_proj.weight` ..., as `save_pretrained` writes Qwen3.5 MoE). In place."""
+    for name, shape in expected.items():
+        if not name.endswith(_EXPERTS):
+            continue
+        held = tensors.get(name)
+        if held is not None:
+            if tuple(held.shape) != shape and tuple(held.shape) == (shape[0], shape[2], shape[1]):
+                tensors[name] = held.transpose(1, 2).contiguous()
+            continue
+        prefix, fused = name.rsplit(".", 1)
+        parts = ["gate_proj", "up_proj"] if fused == "gate_up_proj" else ["down_proj"]
+        per_expert = [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(shape[0])]
+        if not any(n in tensors for names in per_expert for n in names):
+            continue  # missing: named by the check that follows
+        missing = [n for names in per_expert for n in names if n not in tensors]
+        if missing:
+            raise CheckpointError(f"missing expert tensors: {', '.join(missing[:3])}")
+        tensors[name] = torch.stack(
+            [torch.cat([tensors.pop(n) for n in names]) for names in per_expert]
+        )
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -144,6 +174,10 @@ def load_weights(
                         tensors[name] = t.to(weights_dtype if name in matrices else dtype)
         except (OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{file}: cannot read safetensors ({str(e)[:160]})") from None
+    try:
+        experts_as_held(tensors, expected)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     if "lm_head.weight" not in tensors and cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors.get("model.language_model.embed_tokens.weight")
     missing = sorted(n for n in expected if tensors.get(n) is None)

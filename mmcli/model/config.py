@@ -10,8 +10,14 @@ from dataclasses import dataclass, field
 from mmcli.errors import CheckpointError, UnsupportedModel
 
 DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
-# model_type -> the family's name; the two share the checkpoint layout, vision tower and prompts.
-FAMILIES = {"qwen3_vl": "Qwen3-VL", "qwen3_5": "Qwen3.5"}
+# model_type -> the family's name; all share the checkpoint layout, vision tower and prompts. The
+# MoE models are their dense siblings with sparse MLP blocks.
+FAMILIES = {
+    "qwen3_vl": "Qwen3-VL",
+    "qwen3_5": "Qwen3.5",
+    "qwen3_vl_moe": "Qwen3-VL MoE",
+    "qwen3_5_moe": "Qwen3.5 MoE",
+}
 # Qwen3-VL's vision geometry (preprocessor_config.json and vision_config of the released
 # checkpoints): 16-pixel
 # patches, 2x2 of them merged into one language-model token, two frames per temporal patch.
@@ -63,6 +69,22 @@ class TextConfig:
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
+    # mixture of experts: a router picks num_experts_per_tok experts per token (weights normalised)
+    # in the sparse layers; Qwen3.5's add a shared expert behind a sigmoid gate
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a sparse (mixture-of-experts) MLP block."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def rotary_dim(self) -> int:
@@ -116,7 +138,9 @@ def _text_config(text_raw: dict, family: str, where: str) -> TextConfig:
         raise CheckpointError(
             f"{where}: text_config rope_type {rope_type!r} is not supported (only 'default')"
         )
-    hybrid = family == "qwen3_5"
+    hybrid = family.startswith("qwen3_5")
+    # transformers writes Qwen3-VL MoE's expert count under its alias
+    text_raw.setdefault("num_experts", text_raw.get("num_local_experts", 0))
     text_raw["rope_theta"] = rope.get("rope_theta", text_raw.get("rope_theta", 5_000_000.0))
     default_section = [11, 11, 10] if hybrid else [24, 20, 20]
     text_raw["mrope_section"] = rope.get("mrope_section", default_section)
@@ -155,7 +179,7 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     except KeyError as e:
         raise CheckpointError(f"{where}: missing key {e.args[0]!r}") from None
     text = _text_config(text_raw, family, where)
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5"):
         vision_raw["deepstack_visual_indexes"] = ()  # Qwen3.5's tower has no DeepStack taps
     vision = VisionConfig(**_pick(vision_raw, VisionConfig))
     tie = raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mmcli.model.linear import Linear, quantize_linears
+from mmcli.model.moe import SparseMoeBlock
 
 
 @torch.no_grad()
@@ -42,6 +43,9 @@ def quantize_model(model: nn.Module) -> int:
     text = model.language_model
     for layer in text.layers:  # layer by layer: one layer's folded float32 weights at a time
         fold_norm(layer.input_layernorm, _mixer_inputs(layer))
+        if isinstance(layer.mlp, SparseMoeBlock):  # the router and the 3-D experts stay as loaded
+            quantize_linears(layer, keep=(layer.mlp.gate,))
+            continue
         fold_norm(layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj])
         quantize_linears(layer)
     for block in model.visual.blocks:

@@ -14,6 +14,7 @@ from torch import nn
 from mmcli.model.cache import AttentionBatch, DecoderCache
 from mmcli.model.config import TextConfig
 from mmcli.model.linear import Linear
+from mmcli.model.moe import MLP, SparseMoeBlock
 from mmcli.model.qwen3_5.gated_delta_net import GatedDeltaNet
 from mmcli.model.rope import apply_rotary
 
@@ -143,28 +144,18 @@ class Attention(nn.Module):
         return o.reshape(b, self.num_heads, self.head_dim)
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: TextConfig):
-        super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
-    """Attention (or, in a hybrid stack's linear layers, Gated DeltaNet), then the MLP."""
+    """Attention (or, in a hybrid stack's linear layers, Gated DeltaNet), then the MLP (sparse in
+    an MoE model's sparse layers)."""
 
-    def __init__(self, cfg: TextConfig, linear: bool):
+    def __init__(self, cfg: TextConfig, linear: bool, sparse: bool = False):
         super().__init__()
         if linear:
             self.linear_attn = GatedDeltaNet(cfg)
         else:
             self.self_attn = Attention(cfg)
         self.linear = linear
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.post_attention_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset
@@ -192,7 +183,8 @@ class TextDecoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, cfg.is_linear(i)) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, cfg.is_linear(i), cfg.is_sparse(i))
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
 
