@@ -220,7 +220,7 @@ COUNTS = "a non-empty list of counts >= 1"
 _CHECKS = [
     ("dtype", lambda v, c: v in DTYPES, ", ".join(DTYPES)),
     ("weights_dtype", lambda v, c: v in DTYPES, ", ".join(DTYPES)),
-    ("quantize", lambda v, c: v in ("none", "int8"), "none, int8"),
+    ("quantize", lambda v, c: v in ("none", "int8", "int4"), "none, int8, int4"),
     ("thinking", lambda v, c: isinstance(v, bool), "true or false"),
     ("device", lambda v, c: v in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
     ("inputs.workers", lambda v, c: v >= 0, "0 (one per core but one) or more"),

@@ -231,7 +231,7 @@ QWEN3_5_VARIANTS = ("qwen3_5", "qwen3_5_wide")
 MOE_VARIANTS = ("qwen3_vl_moe", "qwen3_5_moe")
 # four experts, two per token; Qwen3-VL MoE's second layer dense (mlp_only_layers), Qwen3.5 MoE's
 # layers each with a shared expert
-TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
 
 
 def tiny_moe_config(variant: str, vocab_size: int, special_ids: dict) -> dict:

@@ -3,6 +3,7 @@ them."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -143,7 +144,10 @@ def hf_model(path: Path):
     import torch
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    # the experts' loop, which also runs in float64 (the grouped-GEMM one does not)
+    return AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch.float32, experts_implementation="eager"
+    ).eval()
 
 
 def photo(name: str, size: tuple[int, int] | None = None, mode: str = "RGB") -> Image.Image:
@@ -180,3 +184,52 @@ def encoded(im: Image.Image, fmt: str, **kw) -> bytes:
     buf = io.BytesIO()
     im.save(buf, fmt, **kw)
     return buf.getvalue()
+
+
+# Comparing a run with transformers' (the Qwen3.5 and MoE parity tests)
+
+
+def prefill_logits(labeler, req):
+
+    from mmcli.engine.runner import PrefillItem
+
+    item = PrefillItem(
+        0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids
+    )
+    return labeler.model.lm_head(labeler.runner.forward_prompts([item])).float()
+
+
+def assert_logits_match(labeler, req, model, inputs):
+    """Prefill logits against the reference's exact values (its float64 run): within 2e-4, or,
+    where the reference's own float32 run is farther than that, of its order (4x).
+
+    Gated DeltaNet's RMSNorm rescales each head's delta-rule output, small in random models, to
+    unit size, so rounding upstream reaches the logits magnified in any float32 implementation;
+    over a few hundred tokens the reference's float32 run is itself 1e-3 away from float64."""
+    import torch
+
+    ours = prefill_logits(labeler, req).double()
+    with torch.no_grad():
+        ref32 = model(**inputs).logits[0].double()
+        wide = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+        ref64 = model.double()(**wide).logits[0]
+        model.float()
+    ours_error = (ours - ref64).abs().max().item()
+    reference_error = (ref32 - ref64).abs().max().item()
+    print(f"float32 logits from float64: ours {ours_error:.2e}, reference {reference_error:.2e}")
+    assert ours_error <= max(2e-4, 4 * reference_error)
+
+
+def greedy(labeler, req):
+    return next(iter(labeler.engine.generate([dataclasses.replace(req, stop_ids=frozenset())])))
+
+
+def reference_greedy(model, inputs, tokens: int = 16) -> list[int]:
+    from transformers import GenerationConfig
+
+    model.generation_config.eos_token_id = None
+    gen = GenerationConfig(
+        max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    out = model.generate(**inputs, generation_config=gen)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()

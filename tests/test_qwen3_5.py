@@ -5,7 +5,15 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import hf_model, hf_processor, photo, reference_prompt_ids
+from conftest import (
+    assert_logits_match,
+    greedy,
+    hf_model,
+    hf_processor,
+    photo,
+    reference_greedy,
+    reference_prompt_ids,
+)
 
 from mmcli.api.labeler import Labeler
 from mmcli.compiled.steps import prefill_step
@@ -37,47 +45,6 @@ def _mm_types(ids, cfg):
     )
 
 
-def _prefill_logits(labeler, req):
-    item = PrefillItem(
-        0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids
-    )
-    return labeler.model.lm_head(labeler.runner.forward_prompts([item])).float()
-
-
-def _assert_logits_match(labeler, req, model, inputs):
-    """Prefill logits against the reference's exact values (its float64 run): within 2e-4, or,
-    where the reference's own float32 run is farther than that, of its order (4x).
-
-    Gated DeltaNet's RMSNorm rescales each head's delta-rule output, small in random models, to
-    unit size, so rounding upstream reaches the logits magnified in any float32 implementation;
-    over a few hundred tokens the reference's float32 run is itself 1e-3 away from float64."""
-    ours = _prefill_logits(labeler, req).double()
-    with torch.no_grad():
-        ref32 = model(**inputs).logits[0].double()
-        wide = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
-        ref64 = model.double()(**wide).logits[0]
-        model.float()
-    ours_error = (ours - ref64).abs().max().item()
-    reference_error = (ref32 - ref64).abs().max().item()
-    print(f"float32 logits from float64: ours {ours_error:.2e}, reference {reference_error:.2e}")
-    assert ours_error <= max(2e-4, 4 * reference_error)
-
-
-def _greedy(labeler, req):
-    return next(iter(labeler.engine.generate([dataclasses.replace(req, stop_ids=frozenset())])))
-
-
-def _reference_greedy(model, inputs) -> list[int]:
-    from transformers import GenerationConfig
-
-    model.generation_config.eos_token_id = None
-    gen = GenerationConfig(
-        max_new_tokens=TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    out = model.generate(**inputs, generation_config=gen)
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_pixels_positions_logits_and_greedy_tokens_match_transformers(pair, case):
     labeler, model, path = pair
@@ -107,9 +74,9 @@ def test_pixels_positions_logits_and_greedy_tokens_match_transformers(pair, case
         attention_mask=ref["attention_mask"],
     )
     assert torch.equal(req.rotary_position_ids, positions[:, 0]) and req.rope_delta == int(deltas)
-    _assert_logits_match(labeler, req, model, dict(ref))
-    done = _greedy(labeler, req)
-    assert done.token_ids == _reference_greedy(model, dict(ref)) and len(done.token_ids) == TOKENS
+    assert_logits_match(labeler, req, model, dict(ref))
+    done = greedy(labeler, req)
+    assert done.token_ids == reference_greedy(model, dict(ref)) and len(done.token_ids) == TOKENS
 
 
 def test_a_video_matches_transformers(pair, tmp_path):
@@ -131,8 +98,8 @@ def test_a_video_matches_transformers(pair, tmp_path):
         inputs["input_ids"], inputs["mm_token_type_ids"], None, video_grid
     )
     assert torch.equal(req.rotary_position_ids, positions[:, 0]) and req.rope_delta == int(deltas)
-    _assert_logits_match(labeler, req, model, inputs)
-    assert _greedy(labeler, req).token_ids == _reference_greedy(model, inputs)
+    assert_logits_match(labeler, req, model, inputs)
+    assert greedy(labeler, req).token_ids == reference_greedy(model, inputs)
 
 
 def test_tasks_sharing_a_prefix_give_each_tasks_single_run(pair):

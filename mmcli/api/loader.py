@@ -111,6 +111,8 @@ def load(cfg: Config) -> Loaded:
     path = resolve_model(cfg.model)
     plan = plan_run(cfg, path)
     model_cfg = read_model_config(path)
+    if cfg.quantize == "int4":
+        check_int4(plan)
     if model_cfg.text.num_experts and plan.backend != "eager":
         raise ConfigError(
             f"compile.backend {plan.backend}: the MoE models run on the eager backend only (their "
@@ -121,8 +123,16 @@ def load(cfg: Config) -> Loaded:
     graphs = None
     if plan.backend != "eager":
         graphs = CompiledGraphs.for_run(plan.backend, cfg, model_cfg, compute, device)
-    weights = load_weights(path, model_cfg, compute, torch_dtype(plan.precision["loaded"]))
-    model = VisionLanguageModel.from_weights(model_cfg, weights)
+    weights = load_weights(
+        path,
+        model_cfg,
+        compute,
+        torch_dtype(plan.precision["loaded"]),
+        int4=cfg.quantize == "int4",
+    )
+    model = VisionLanguageModel.from_weights(
+        model_cfg, weights.tensors, weights.int4, weights.experts_int4
+    )
     runner = ModelRunner(model, device, cfg, graphs)
     prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id, cfg.thinking)
     image_cfg = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
@@ -142,6 +152,19 @@ def load(cfg: Config) -> Loaded:
         stop_ids=stop_ids(path, prompts),
         graphs=graphs,
     )
+
+
+def check_int4(plan: RunPlan) -> None:
+    """`quantize: int4` runs on the CPU with the eager backend (torch's int4 CPU kernels): refused
+    otherwise, before anything is read."""
+    from mmcli.model.int4 import can_int4
+
+    if plan.device != "cpu" or plan.backend != "eager" or not can_int4():
+        raise ConfigError(
+            "quantize int4 runs on the CPU with the eager backend (torch's int4 CPU kernels); "
+            f"this run has device {plan.device}, backend {plan.backend}, the kernels "
+            f"{'present' if can_int4() else 'missing in this torch'}"
+        )
 
 
 def stop_ids(path: Path, prompts: PromptBuilder) -> frozenset[int]:

@@ -39,6 +39,9 @@ def prepare_weights(
 ) -> str:
     """Choose the linear kernels (see model/linear.py) and convert the weights for them; returns
     which."""
+    if quantize == "int4":  # quantized as read (model/int4_load.py)
+        count = sum(getattr(m, "kernel", "") == "int4" for m in model.modules())
+        return f"int4 ({count} linears and the MoE experts, torch's int4 CPU kernel)"
     if quantize == "int8":
         if device.type != "cpu" or compiled or not can_quantize():
             raise ConfigError(

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from mmcli.errors import CheckpointError, ConfigError
+from mmcli.model import int4_load
 from mmcli.model.config import ModelConfig, parse_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,7 +55,7 @@ def run_precision(
     compute = resolve_dtype(dtype, checkpoint_dtype, device_type)
     loaded = resolve_weights_dtype(weights_dtype, compute, dtype, checkpoint_dtype, device_type)
     return {
-        "weights": "int8" if quantize == "int8" else loaded,
+        "weights": quantize if quantize in ("int8", "int4") else loaded,
         "loaded": loaded,
         "compute": compute,
         "quantize": quantize,
@@ -146,46 +148,86 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+@dataclass
+class Weights:
+    """A checkpoint as read: tensors by name, and with `quantize: int4` the 4-bit matrices (by
+    name) and MoE experts (by `...mlp.experts` prefix) quantized as they were read."""
+
+    tensors: dict[str, torch.Tensor]
+    int4: dict = field(default_factory=dict)
+    experts_int4: dict = field(default_factory=dict)
+
+
 def load_weights(
-    path: Path, cfg: ModelConfig, dtype: torch.dtype, weights_dtype: torch.dtype | None = None
-) -> dict[str, torch.Tensor]:
+    path: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    weights_dtype: torch.dtype | None = None,
+    int4: bool = False,
+) -> Weights:
     """All tensors, checked by name and shape against the config (safetensors only): the matrices
-    in `weights_dtype` (default `dtype`), the rest in `dtype`. A tensor already in its dtype is
-    not copied again."""
+    in `weights_dtype` (default `dtype`), the rest in `dtype`; with `int4`, the matrices int4
+    takes quantized as read. A tensor already in its dtype is not copied again."""
     expected = expected_shapes(cfg)
-    matrices = matrix_weight_names(cfg) if weights_dtype not in (None, dtype) else set()
-    tensors: dict[str, torch.Tensor] = {}
+    matrices = matrix_weight_names(cfg) if weights_dtype not in (None, dtype) or int4 else set()
+    weights = Weights({})
+
+    def keep(name: str, tensor: torch.Tensor) -> None:
+        if int4 and int4_load.eligible(
+            name, tuple(tensor.shape), matrices, cfg.tie_word_embeddings
+        ):
+            weights.int4[name] = int4_load.quantize_read(name, tensor, expected.get(name))
+        else:
+            weights.tensors[name] = tensor.to(weights_dtype or dtype if name in matrices else dtype)
+
     for file in _weight_files(path):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                # released Qwen3.5 checkpoints carry a multi-token-prediction head, unused here
-                names = [n for n in f.keys() if not n.startswith("mtp.")]
-            while names:
-                # Reopen every ~512 MB: closing unmaps the file, so its pages stop counting as
-                # resident memory
-                # while the copies in `dtype` are made (peak stays near the loaded weights, not
-                # weights + file).
-                with safe_open(str(file), framework="pt") as f:
-                    read = 0
-                    while names and read < 512 << 20:
-                        name = names.pop(0)
-                        t = f.get_tensor(name)
-                        read += t.numel() * t.element_size()
-                        tensors[name] = t.to(weights_dtype if name in matrices else dtype)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{file}: cannot read safetensors ({str(e)[:160]})") from None
+        _read_file(file, keep)
     try:
-        experts_as_held(tensors, expected)
+        if int4:
+            weights.experts_int4 = int4_load.experts_int4(weights.int4, expected)
+        experts_as_held(weights.tensors, expected)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
+    tensors = weights.tensors
     if "lm_head.weight" not in tensors and cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors.get("model.language_model.embed_tokens.weight")
-    missing = sorted(n for n in expected if tensors.get(n) is None)
-    unexpected = sorted(n for n in tensors if n not in expected)
+    shapes = {n: tuple(t.shape) for n, t in tensors.items() if t is not None}
+    shapes.update({n: tuple(w.shape) for n, w in weights.int4.items()})
+    for prefix in weights.experts_int4:
+        for held in ("gate_up_proj", "down_proj"):
+            shapes[f"{prefix}.{held}"] = expected[f"{prefix}.{held}"]
+    _check(path, expected, shapes)
+    return weights
+
+
+def _read_file(file: Path, keep) -> None:
+    """Every tensor of one safetensors file to `keep(name, tensor)`."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            # released Qwen3.5 checkpoints carry a multi-token-prediction head, unused here
+            names = [n for n in f.keys() if not n.startswith("mtp.")]
+        while names:
+            # Reopen every ~512 MB: closing unmaps the file, so its pages stop counting as
+            # resident memory while the copies are made (the peak stays near the weights as
+            # held, not those plus the file).
+            with safe_open(str(file), framework="pt") as f:
+                read = 0
+                while names and read < 512 << 20:
+                    name = names.pop(0)
+                    t = f.get_tensor(name)
+                    read += t.numel() * t.element_size()
+                    keep(name, t)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{file}: cannot read safetensors ({str(e)[:160]})") from None
+
+
+def _check(path: Path, expected: dict[str, tuple], shapes: dict[str, tuple]) -> None:
+    missing = sorted(n for n in expected if n not in shapes)
+    unexpected = sorted(n for n in shapes if n not in expected)
     wrong = [
-        f"{n} {tuple(tensors[n].shape)} != {expected[n]}"
+        f"{n} {shapes[n]} != {expected[n]}"
         for n in expected
-        if tensors.get(n) is not None and tuple(tensors[n].shape) != expected[n]
+        if n in shapes and shapes[n] != expected[n]
     ]
     problems = []
     for label, names in (
@@ -198,4 +240,3 @@ def load_weights(
             problems.append(f"{label}: {', '.join(names[:3])}{more}")
     if problems:
         raise CheckpointError(f"{path}: {'; '.join(problems)}")
-    return tensors

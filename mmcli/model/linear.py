@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from mmcli.model import cpu_kernel
+from mmcli.model.int4 import int4_linear, quantize_int4
 
 # the crossover with the chunked path, from bench/cpu.py's kernel table
 KERNEL_ROWS = 24
@@ -142,7 +143,14 @@ class Linear(nn.Linear):
         self.packed_weight = quantize_int8(self.weight)
         self.weight, self.kernel = None, "int8"
 
+    def quantize_int4(self) -> None:
+        """4-bit weights with a scale and zero per group of input channels (model/int4.py)."""
+        self.packed_weight = quantize_int4(self.weight)
+        self.weight, self.kernel = None, "int4"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "int4":
+            return int4_linear(x, self.packed_weight, self.bias)
         if self.kernel == "packed":
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed_weight, self.bias, "none", [], ""
@@ -203,4 +211,7 @@ def held_bytes(model: nn.Module) -> int:
             total += layer.packed_weight.numel() * layer.packed_weight.element_size()
         elif isinstance(layer, Linear) and layer.kernel == "int8":
             total += layer.in_features * layer.out_features + 16 * layer.out_features
+        elif isinstance(layer, Linear) and layer.kernel == "int4":
+            total += layer.packed_weight.nbytes
+    total += sum(getattr(m, "int4_bytes", 0) for m in model.modules())  # MoE experts
     return total

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmcli.model.config import TextConfig
+from mmcli.model.int4 import Int4Weight, int4_linear
 from mmcli.model.linear import Linear
 
 
@@ -28,11 +29,35 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
+    int4: list[tuple[Int4Weight, Int4Weight, Int4Weight]] | None = (
+        None  # per expert: gate, up, down
+    )
+
     def __init__(self, cfg: TextConfig):
         super().__init__()
         experts, hidden, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
+
+    def adopt_int4(self, weights: list[tuple[Int4Weight, Int4Weight, Int4Weight]]) -> None:
+        """Hold the experts as 4-bit weights (quantized as they were read) instead of the 3-D
+        parameters."""
+        del self.gate_up_proj, self.down_proj
+        self.int4 = weights
+
+    @property
+    def int4_bytes(self) -> int:
+        return sum(w.nbytes for expert in self.int4 or [] for w in expert)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None:
+            gate, up, down = self.int4[expert]
+            return int4_linear(
+                F.silu(int4_linear(x, gate, None)) * int4_linear(x, up, None), down, None
+            )
+        # weights held lower (bfloat16 on the CPU) compute in x's dtype
+        gate, up = F.linear(x, self.gate_up_proj[expert].to(x.dtype)).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[expert].to(x.dtype))
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor):
         """x [T, H]; chosen, weights [T, k] -> the weighted sum of each token's experts [T, H]."""
@@ -41,16 +66,13 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)
         rows = order // chosen.shape[1]  # the token of each (token, choice), grouped by expert
         scales = weights.flatten()[order]
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=len(self.int4 or self.gate_up_proj)).tolist()
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             group = rows[start : start + count]
-            # weights held lower (bfloat16 on the CPU) compute in x's dtype
-            gate_up = self.gate_up_proj[expert].to(x.dtype)
-            gate, up = F.linear(x[group], gate_up).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert].to(x.dtype))
+            y = self._expert(expert, x[group])
             out.index_add_(0, group, y * scales[start : start + count, None])
             start += count
         return out

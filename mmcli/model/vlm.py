@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmcli.model import int4_load
 from mmcli.model.config import ModelConfig
 from mmcli.model.linear import Linear
 from mmcli.model.text import TextDecoder
@@ -23,13 +24,18 @@ class VisionLanguageModel(nn.Module):
 
     @classmethod
     def from_weights(
-        cls, cfg: ModelConfig, tensors: dict[str, torch.Tensor]
+        cls,
+        cfg: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        int4: dict | None = None,
+        experts_int4: dict | None = None,
     ) -> VisionLanguageModel:
         """Build without allocating, then adopt the loaded tensors (tied lm_head shares
-        embed_tokens)."""
+        embed_tokens) and any 4-bit weights (checkpoint.Weights)."""
         with torch.device("meta"):
             model = cls(cfg)
-        model.load_state_dict(tensors, strict=True, assign=True)
+        model.load_state_dict(tensors, strict=not (int4 or experts_int4), assign=True)
+        int4_load.adopt(model, int4 or {}, experts_int4 or {})
         return model.eval().requires_grad_(False)
 
     @property
