@@ -189,7 +189,7 @@ class Config:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"  # computation: activations and accumulation
     weights_dtype: str = "auto"  # weights as held in memory
-    quantize: str = "none"  # none or int8 (CPU)
+    quantize: str = "none"  # none, int8 or int4 (CPU)
     device: str = "auto"
     prompt: str = "Describe this image."
     # Qwen3.5's thinking mode (the chat template's enable_thinking): reasoning before each answer

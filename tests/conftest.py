@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmcli.testing import QWEN3_5_VARIANTS, make_tiny_checkpoint
+from mmcli.testing import MOE_VARIANTS, QWEN3_5_VARIANTS, make_tiny_checkpoint
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 VARIANTS = ["base", "wide_attn", "deepstack_last"]
@@ -58,6 +58,22 @@ def qwen3_5_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def qwen3_5_dir(qwen3_5_dirs) -> Path:
     return qwen3_5_dirs["qwen3_5"]
+
+
+@pytest.fixture(scope="session")
+def moe_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny MoE checkpoints transformers wrote: Qwen3-VL MoE (fused experts, a dense layer by
+    mlp_only_layers) and Qwen3.5 MoE (one tensor per expert, a shared expert)."""
+    root = tmp_path_factory.mktemp("moe")
+    return {
+        v: hf_written(make_tiny_checkpoint(root / v, v, seed=i + 3), seed=i + 3)
+        for i, v in enumerate(MOE_VARIANTS)
+    }
+
+
+@pytest.fixture(scope="session")
+def moe_dir(moe_dirs) -> Path:
+    return moe_dirs["qwen3_5_moe"]
 
 
 def hf_processor(path: Path):

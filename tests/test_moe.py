@@ -2,6 +2,7 @@
 checkpoints transformers wrote; the experts' layouts; int4."""
 
 import dataclasses
+import json
 import shutil
 
 import pytest
@@ -11,7 +12,6 @@ from conftest import (
     assert_logits_match,
     greedy,
     hf_model,
-    hf_written,
     photo,
     prefill_logits,
     reference_greedy,
@@ -30,18 +30,9 @@ from mmcli.model.int4_load import eligible
 from mmcli.model.linear import Linear
 from mmcli.model.moe import Experts
 from mmcli.testing import MOE_VARIANTS, make_test_video
-from mmcli.testing import make_tiny_checkpoint as make
 
 QUESTION = "Describe this image."
 needs_int4 = pytest.mark.skipif(not can_int4(), reason="no int4 CPU kernels in this torch")
-
-
-@pytest.fixture(scope="session")
-def moe_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    return {
-        v: hf_written(make(root / v, v, seed=i + 3), seed=i + 3) for i, v in enumerate(MOE_VARIANTS)
-    }
 
 
 @pytest.fixture(scope="module", params=MOE_VARIANTS)
@@ -342,3 +333,20 @@ def test_int4_holds_half_a_byte_a_parameter_and_keeps_the_router(moe_dirs):
     cfg = labeler.model.cfg.text
     parameters = 3 * cfg.num_experts * cfg.moe_intermediate_size * cfg.hidden_size
     assert experts.int4_bytes == parameters // 2 + parameters // GROUP * 4  # values, scale and zero
+
+
+@needs_int4
+def test_caption_runs_an_moe_checkpoint_with_tasks_at_int4(moe_dir, tmp_path):
+    root = tmp_path / "im"
+    root.mkdir()
+    for name in ("chelsea.jpg", "coffee.jpg"):
+        shutil.copy(SAMPLES / name, root / name)
+    out = tmp_path / "labels.jsonl"
+    command = ["caption", str(root), "-o", str(out), "--model", str(moe_dir), "--quantize", "int4"]
+    command += ["--task", "caption", "--task", "tags", "--max-new-tokens", "6"]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert "int4 (" in result.output  # the load line names the kernels
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 4 and all(r["status"] == "ok" for r in records)
+    assert {r["precision"]["weights"] for r in records} == {"int4"}

@@ -52,9 +52,10 @@ def _env():
     return env
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_5_moe"])
 def test_ray_replicas_match_a_local_run_and_resume_does_nothing(request, family, tmp_path):
-    tiny_dir = request.getfixturevalue("tiny_dir" if family == "qwen3_vl" else "qwen3_5_dir")
+    fixtures = {"qwen3_vl": "tiny_dir", "qwen3_5": "qwen3_5_dir", "qwen3_5_moe": "moe_dir"}
+    tiny_dir = request.getfixturevalue(fixtures[family])
     root = _images(tmp_path / "imgs")
     local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     assert subprocess.run(_cmd(root, local, tiny_dir), timeout=300).returncode == 0

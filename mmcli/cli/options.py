@@ -18,7 +18,7 @@ Dtype = _option(str | None, "--dtype", help="auto, float32, bfloat16 or float16.
 Device = _option(str | None, "--device", help="auto, cpu or cuda.")
 Backend = _option(str | None, "--backend", help="compile.backend: auto, eager, inductor or neuron.")
 Quantize = _option(
-    str | None, "--quantize", help="none, or int8: linear layers in 8-bit integers (CPU)."
+    str | None, "--quantize", help="none, int8 or int4: weights in 8 or 4 bits (CPU)."
 )
 Thinking = _option(
     bool | None,

@@ -126,10 +126,8 @@ class ModelRunner:
         self.cfg: ModelConfig = model.cfg
         self.device = device
         self.dtype = model.language_model.norm.weight.dtype  # compute dtype; matrices may be lower
-        self.kernels = prepare_weights(model, device, config.quantize, compiled=graphs is not None)
-        linear_layers = choose_delta_rule(model, device)
-        if linear_layers is not None:
-            self.kernels += f"; {linear_layers}"
+        kernels = [prepare_weights(model, device, config.quantize, compiled=graphs is not None)]
+        self.kernels = "; ".join(kernels + [k for k in [choose_delta_rule(model, device)] if k])
         backend = "eager" if graphs is None else graphs.backend
         model.visual.block_attention = choose_block_attention(backend, device.type)
         text = self.cfg.text
