@@ -71,11 +71,11 @@ def test_a_family_mmcli_does_not_run_and_a_missing_tensor_are_one_line(qwen3_5_d
     result = CliRunner().invoke(app, [*ask, "--model", str(broken)])
     assert result.exit_code == 3 and f"missing tensors: {gone}" in result.output
     config = json.loads((broken / "config.json").read_text())
-    config["model_type"] = "qwen3_5_moe"
+    config["model_type"] = "qwen2_5_vl"
     (broken / "config.json").write_text(json.dumps(config))
     result = CliRunner().invoke(app, [*ask, "--model", str(broken)])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
-    assert "model_type 'qwen3_5_moe'" in result.output and "qwen3_5 (Qwen3.5)" in result.output
+    assert "model_type 'qwen2_5_vl'" in result.output and "qwen3_5_moe (Qwen3.5 MoE)" in result.output
 
 
 def test_the_thinking_prompt_is_the_references(qwen3_5_dir):
