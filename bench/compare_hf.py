@@ -75,7 +75,7 @@ def make_inputs(
             ckpt,
             "qwen3_5" if family == "qwen3_5" else "base",
             dtype="bfloat16",
-            shapes_2b=not smoke,
+            released_shapes=not smoke,
             **({} if smoke else {"max_pixels": 16777216, "min_pixels": 65536}),
         )
     images = []
@@ -161,7 +161,9 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
     from mmcli.model.checkpoint import expected_shapes
 
     cfg = load_config(None, settings)
+    loading = time.perf_counter()
     cap = Labeler.from_pretrained(str(ckpt), config=cfg)
+    load_seconds = time.perf_counter() - loading
     spent = phase_timers(cap)
     start = time.perf_counter()
 
@@ -198,7 +200,9 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
     # A decode step reads every text weight but the embedding (one row of it), and the lm_head (tied
     # or not).
     shapes = expected_shapes(cap.model.cfg)
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}[cap.precision["weights"]]
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int4": 0.625}[
+        cap.precision["weights"]
+    ]
     decode_bytes = itemsize * sum(
         math.prod(shape)
         for name, shape in shapes.items()
@@ -210,19 +214,32 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
     return {
         "images_per_s": len(images) / elapsed,
         "seconds": elapsed,
+        "load_seconds": load_seconds,
         "decode_step": statistics.median(steps[2:]),
         "weight_bytes": cap.weight_bytes,
         "decode_weight_bytes": decode_bytes,
         "kv_bytes": runner.cache.nbytes,
         # one sequence's state at engine.max_len tokens: K/V, and the linear layers' fixed part
         "state_bytes": runner.cache.row_bytes(cfg.engine.max_len),
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": peak_rss(),
         "gpu_peak": gpu,
         "input_wait": cap.engine.input_wait / elapsed,
         "generated": sum(lengths),
         "spent": split,
         "precision": cap.precision,
     }
+
+
+def peak_rss() -> int:
+    """This process's peak resident bytes since it started: VmHWM (getrusage's ru_maxrss is kept
+    across exec on Linux, so a worker started by a large parent would report the parent's)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _hf_processor(ckpt: Path):
@@ -300,7 +317,7 @@ def worker_hf(
         "images_per_s": len(images) / elapsed,
         "seconds": elapsed,
         "batch_size": batch_size,
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": peak_rss(),
         "rows_computed": generated,
         "gpu_peak": torch.cuda.max_memory_allocated() if device == "cuda" else 0,
     }

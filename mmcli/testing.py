@@ -332,6 +332,37 @@ def qwen3_5_2b_config(special_ids: dict) -> dict:
     return config
 
 
+def qwen3_vl_30b_a3b_config(special_ids: dict) -> dict:
+    """config.json with the shapes of the released Qwen3-VL-30B-A3B-Instruct (128 experts, 8 a
+    token), for benchmarks on random weights."""
+    config = tiny_moe_config("qwen3_vl_moe", 151936, special_ids)
+    config["text_config"].update(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        max_position_embeddings=262144,
+    )
+    config["tie_word_embeddings"] = False
+    config["vision_config"].update(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        out_hidden_size=2048,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=[8, 16, 24],
+    )
+    return config
+
+
 def qwen3_vl_2b_config(special_ids: dict) -> dict:
     """config.json with the shapes of the released Qwen3-VL-2B-Instruct, for benchmarks on random
     weights."""
@@ -407,11 +438,13 @@ def make_tiny_checkpoint(
     template_file: str = "json",
     max_pixels: int = 128 * 128,
     min_pixels: int = 32 * 32,
-    shapes_2b: bool = False,
+    released_shapes: bool = False,
+    layers: int | None = None,
 ) -> Path:
     """Write config.json, weights, tokenizer, chat template, preprocessor and generation configs
-    to `path`. `shapes_2b` gives the tensors of Qwen3-VL-2B, or Qwen3.5-2B with a Qwen3.5
-    variant (random values, for benchmarks)."""
+    to `path`. `released_shapes` gives the tensors of Qwen3-VL-2B, Qwen3.5-2B with a Qwen3.5
+    variant, or Qwen3-VL-30B-A3B with `qwen3_vl_moe` (random values, for benchmarks); `layers`
+    keeps the text decoder's first layers only."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hybrid = variant in QWEN3_5_VARIANTS or variant == "qwen3_5_moe"
@@ -419,22 +452,29 @@ def make_tiny_checkpoint(
     tok.save(str(path / "tokenizer.json"))
     special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     vocab = -(-tok.get_vocab_size() // 64) * 64
-    if variant in MOE_VARIANTS:
+    if variant == "qwen3_vl_moe" and released_shapes:
+        config = qwen3_vl_30b_a3b_config(special_ids)
+    elif variant in MOE_VARIANTS:
         config = tiny_moe_config(variant, vocab, special_ids)
     elif hybrid:
         config = (
             qwen3_5_2b_config(special_ids)
-            if shapes_2b
+            if released_shapes
             else tiny_qwen3_5_config(variant, vocab, special_ids)
         )
-    elif shapes_2b:
+    elif released_shapes:
         config = qwen3_vl_2b_config(special_ids)
     else:
         config = tiny_config(variant, rope_form, vocab, special_ids)
     config["dtype"] = dtype
+    if layers is not None:
+        config["text_config"]["num_hidden_layers"] = layers
+        for key in ("layer_types",):
+            if key in config["text_config"]:
+                config["text_config"][key] = config["text_config"][key][:layers]
     (path / "config.json").write_text(json.dumps(config, indent=2))
     weights = random_weights(
-        config, seed, std=0.02 if shapes_2b else 0.15, dtype=getattr(torch, dtype)
+        config, seed, std=0.02 if released_shapes else 0.15, dtype=getattr(torch, dtype)
     )
     if config["tie_word_embeddings"]:
         weights.pop("lm_head.weight")

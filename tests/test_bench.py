@@ -100,3 +100,15 @@ def test_shards_bench_smoke():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1].startswith("peak RSS, a ")
+
+
+@pytest.mark.slow
+def test_moe_bench_smoke(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke", "--cache-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| MoE, first 4 layers, int4 |" in out.stdout and out.stdout.count("\nint") == 2

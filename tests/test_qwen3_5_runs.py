@@ -75,7 +75,9 @@ def test_a_family_mmcli_does_not_run_and_a_missing_tensor_are_one_line(qwen3_5_d
     (broken / "config.json").write_text(json.dumps(config))
     result = CliRunner().invoke(app, [*ask, "--model", str(broken)])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
-    assert "model_type 'qwen2_5_vl'" in result.output and "qwen3_5_moe (Qwen3.5 MoE)" in result.output
+    assert (
+        "model_type 'qwen2_5_vl'" in result.output and "qwen3_5_moe (Qwen3.5 MoE)" in result.output
+    )
 
 
 def test_the_thinking_prompt_is_the_references(qwen3_5_dir):
