@@ -452,26 +452,13 @@ def make_tiny_checkpoint(
     tok.save(str(path / "tokenizer.json"))
     special_ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     vocab = -(-tok.get_vocab_size() // 64) * 64
-    if variant == "qwen3_vl_moe" and released_shapes:
-        config = qwen3_vl_30b_a3b_config(special_ids)
-    elif variant in MOE_VARIANTS:
-        config = tiny_moe_config(variant, vocab, special_ids)
-    elif hybrid:
-        config = (
-            qwen3_5_2b_config(special_ids)
-            if released_shapes
-            else tiny_qwen3_5_config(variant, vocab, special_ids)
-        )
-    elif released_shapes:
-        config = qwen3_vl_2b_config(special_ids)
-    else:
-        config = tiny_config(variant, rope_form, vocab, special_ids)
+    config = _variant_config(variant, rope_form, vocab, special_ids, released_shapes)
     config["dtype"] = dtype
-    if layers is not None:
-        config["text_config"]["num_hidden_layers"] = layers
-        for key in ("layer_types",):
-            if key in config["text_config"]:
-                config["text_config"][key] = config["text_config"][key][:layers]
+    if layers is not None:  # the first layers only
+        text = config["text_config"]
+        text["num_hidden_layers"] = layers
+        if "layer_types" in text:
+            text["layer_types"] = text["layer_types"][:layers]
     (path / "config.json").write_text(json.dumps(config, indent=2))
     weights = random_weights(
         config, seed, std=0.02 if released_shapes else 0.15, dtype=getattr(torch, dtype)
@@ -489,6 +476,22 @@ def make_tiny_checkpoint(
     }
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return path
+
+
+def _variant_config(
+    variant: str, rope_form: str, vocab: int, special_ids: dict, released_shapes: bool
+) -> dict:
+    if variant == "qwen3_vl_moe" and released_shapes:
+        return qwen3_vl_30b_a3b_config(special_ids)
+    if variant in MOE_VARIANTS:
+        return tiny_moe_config(variant, vocab, special_ids)
+    if variant in QWEN3_5_VARIANTS:
+        if released_shapes:
+            return qwen3_5_2b_config(special_ids)
+        return tiny_qwen3_5_config(variant, vocab, special_ids)
+    if released_shapes:
+        return qwen3_vl_2b_config(special_ids)
+    return tiny_config(variant, rope_form, vocab, special_ids)
 
 
 def _save_weights(path: Path, weights: dict, shards: int) -> None:
