@@ -209,25 +209,6 @@ def test_int4_and_moe_on_a_backend_that_cannot_run_them_are_refused_before_loadi
     assert result.exit_code == 2 and "MoE models run on the eager backend only" in result.output
 
 
-def _teacher_forced(labeler, tokens):
-    """Log-probs of every position given `tokens` (one image), one decode step at a time."""
-    req, _ = labeler.request("k", [photo("chelsea.jpg")], QUESTION, labeler.sampling())
-    n = len(req.input_ids)
-    item = PrefillItem(
-        0,
-        req.input_ids,
-        req.rotary_position_ids,
-        req.pixel_values,
-        req.vision_grids,
-        max_tokens=n + len(tokens),
-    )
-    with torch.inference_mode():
-        rows = [labeler.runner.prefill([item])[0]]
-        for k, token in enumerate(tokens[:-1]):
-            rows.append(labeler.runner.decode([DecodeItem(0, token, n + k, req.rope_delta)])[0])
-    return torch.log_softmax(torch.stack(rows).float(), -1)
-
-
 def _fake_int4(weight: torch.Tensor) -> torch.Tensor:
     """The values a 4-bit weight stands for, in float32."""
     q, scale, zero = int4_values(weight)
@@ -299,24 +280,6 @@ def test_int4_computes_what_its_4bit_weights_say(moe_dirs, tiny_dir, which):
     # rounding (tests/test_qwen3_5.py's parity notes), 9% measured
     bound = 0.15 if which == "qwen3_5_moe" else 0.02
     assert ((ours - reference).norm() / reference.norm()).item() < bound
-
-
-def agreement(path, quantize: str, count: int = 24) -> tuple[float, float]:
-    """(top-1 agreement, mean |log-prob difference| of the reference token), teacher-forced on
-    the unquantized run's greedy tokens."""
-    reference = Labeler.from_pretrained(str(path), config=load_config(None, {"device": "cpu"}))
-    req, _ = reference.request(
-        "k", [photo("chelsea.jpg")], QUESTION, reference.sampling(max_new_tokens=count)
-    )
-    tokens = greedy(reference, req).token_ids
-    ours = Labeler.from_pretrained(
-        str(path), config=load_config(None, {"device": "cpu", "quantize": quantize})
-    )
-    base, quantized = _teacher_forced(reference, tokens), _teacher_forced(ours, tokens)
-    index = torch.tensor(tokens)[:, None]
-    same = (base.argmax(-1) == quantized.argmax(-1)).float().mean().item()
-    diff = (base.gather(1, index) - quantized.gather(1, index)).abs().mean().item()
-    return same, diff
 
 
 @needs_int4
