@@ -164,6 +164,8 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
     loading = time.perf_counter()
     cap = Labeler.from_pretrained(str(ckpt), config=cfg)
     load_seconds = time.perf_counter() - loading
+    load_peak, loaded = peak_rss(), resident()
+    reset_peak_rss()  # from here VmHWM is the run's own peak
     spent = phase_timers(cap)
     start = time.perf_counter()
 
@@ -221,7 +223,10 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
         "kv_bytes": runner.cache.nbytes,
         # one sequence's state at engine.max_len tokens: K/V, and the linear layers' fixed part
         "state_bytes": runner.cache.row_bytes(cfg.engine.max_len),
-        "peak_rss": peak_rss(),
+        "peak_rss": max(load_peak, peak_rss()),
+        "load_peak_rss": load_peak,  # the load's, and what it leaves resident
+        "loaded_rss": loaded,
+        "run_peak_rss": peak_rss(),
         "gpu_peak": gpu,
         "input_wait": cap.engine.input_wait / elapsed,
         "generated": sum(lengths),
@@ -230,16 +235,34 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
     }
 
 
-def peak_rss() -> int:
-    """This process's peak resident bytes since it started: VmHWM (getrusage's ru_maxrss is kept
-    across exec on Linux, so a worker started by a large parent would report the parent's)."""
+def _status(key: str) -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
+
+
+def resident() -> int:
+    return _status("VmRSS") or 0
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM again from the resident bytes now (Linux: 5 to clear_refs)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss() -> int:
+    """This process's peak resident bytes since it started or since reset_peak_rss: VmHWM
+    (getrusage's ru_maxrss is kept across exec on Linux, so a worker started by a large parent
+    would report the parent's)."""
+    peak = _status("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _hf_processor(ckpt: Path):

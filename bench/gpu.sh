@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
 start=$(date +%s)
-timeout 240 python bench/gpu_parity.py 2>&1 | grep -v "Loading weights"
+timeout 300 python bench/gpu_parity.py 2>&1 | grep -v "Loading weights"
 echo "parity: $(( $(date +%s) - start )) s"
 timeout 420 python bench/compare_hf.py --device cuda --dtype bfloat16 --images 256 --max-seqs 64 --max-len 512 \
     --hf-batch-sizes "${HF_BATCH_SIZES:-16,64}" --cache-dir "${CACHE_DIR:-/tmp/mmcli-gpu-bench}"

@@ -1,5 +1,5 @@
 """mmcli against transformers on CUDA, on the tests' tiny random checkpoints (three Qwen3-VL
-shapes, two Qwen3.5 ones whose weights transformers wrote).
+shapes; two Qwen3.5 ones and the two MoE families, whose weights transformers wrote).
 
 float32: greedy tokens must be identical (32 tokens, text only, one image, two images). bfloat16:
 the share of positions where the two agree (teacher-forced on transformers' own tokens, so one
@@ -23,7 +23,7 @@ from conftest import VARIANTS, hf_processor, hf_written, photo  # noqa: E402
 
 from mmcli.api.labeler import Labeler  # noqa: E402
 from mmcli.engine.runner import DecodeItem, PrefillItem  # noqa: E402
-from mmcli.testing import QWEN3_5_VARIANTS, make_tiny_checkpoint  # noqa: E402
+from mmcli.testing import MOE_VARIANTS, QWEN3_5_VARIANTS, make_tiny_checkpoint  # noqa: E402
 
 CASES = {
     "text_only": [],
@@ -96,9 +96,9 @@ def ours_teacher_forced(cap: Labeler, images: list, tokens: list[int]) -> list[i
 def main() -> int:
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for i, variant in enumerate(VARIANTS + list(QWEN3_5_VARIANTS)):
+        for i, variant in enumerate([*VARIANTS, *QWEN3_5_VARIANTS, *MOE_VARIANTS]):
             path = make_tiny_checkpoint(Path(tmp) / variant, variant, seed=i + 1)
-            if variant in QWEN3_5_VARIANTS:
+            if variant not in VARIANTS:
                 path = hf_written(path, seed=i + 1)
             for dtype in ("float32", "bfloat16"):
                 cap = Labeler.from_pretrained(str(path), dtype=dtype, device=DEVICE)

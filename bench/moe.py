@@ -9,6 +9,8 @@ so. Next to them the dense Qwen3-VL-2B (compare_hf's checkpoint) at int4 and at 
 (b) On the dense 2B, int4 against int8 and the default: images/s, bytes a parameter, and agreement
 with the default run (bench/cpu.py's: teacher-forced on its greedy tokens, top-1 and the mean
 |difference| of the reference token's log-prob).
+(c) The same agreement for int4 and int8 on the tests' tiny configurations (dense, both MoE
+families) and on the int8 test's outlier-channel checkpoint.
 
 python bench/moe.py [--layers 2] [--smoke]"""
 
@@ -25,7 +27,7 @@ import compare_hf
 
 from mmcli.model.checkpoint import expected_shapes
 from mmcli.model.config import parse_config
-from mmcli.testing import make_tiny_checkpoint
+from mmcli.testing import MOE_VARIANTS, make_outlier_checkpoint, make_tiny_checkpoint
 
 LAYERS = 48
 PATHS = {"default": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"}}
@@ -66,6 +68,31 @@ def run(args, ckpt: Path, settings: dict, lengths: list[int]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def load_overshoot(ckpt: Path, settings: dict) -> int:
+    """The most an int4 load's resident bytes rise above what it already holds while it reads one
+    file (the mapped pages read, a tensor's quantization temporaries): measured file by file, so
+    the extrapolated peak can add it on top of everything 48 layers hold, as if at the last file."""
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import compare_hf; "
+        "from mmcli.model import checkpoint; from mmcli.api.labeler import Labeler; "
+        "from mmcli.config import load_config; read, rise = checkpoint._read_file, [0]\n"
+        "def each(file, keep):\n"
+        "    before = compare_hf.resident(); compare_hf.reset_peak_rss(); read(file, keep)\n"
+        "    rise[0] = max(rise[0], compare_hf.peak_rss() - before)\n"
+        "checkpoint._read_file = each\n"
+        "Labeler.from_pretrained(sys.argv[2], config=load_config(None, json.loads(sys.argv[3])))\n"
+        "print(rise[0])"
+    )
+    command = [sys.executable, "-c", code, str(Path(__file__).parent), str(ckpt)]
+    out = subprocess.run([*command, json.dumps({"device": "cpu", **settings})], **_CAPTURE)
+    if out.returncode:
+        sys.exit(f"load worker failed on {ckpt.name}:\n{out.stderr[-3000:]}")
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+_CAPTURE = {"capture_output": True, "text": True}
+
+
 def agreement(args, ckpt: Path, image: Path, settings: dict, reference: dict | None) -> dict:
     command = [sys.executable, str(Path(__file__).parent / "cpu.py"), "--worker", "forced"]
     command += ["--ckpt", str(ckpt), "--image", str(image), "--settings", json.dumps(settings)]
@@ -79,7 +106,8 @@ def agreement(args, ckpt: Path, image: Path, settings: dict, reference: dict | N
 def _line(name: str, r: dict, parameters: int) -> str:
     spent = r["spent"]
     return (
-        f"| {name} | {r['load_seconds']:.1f} s | {r['peak_rss'] / 2**30:.2f} GiB | "
+        f"| {name} | {r['load_seconds']:.1f} s | {r['peak_rss'] / 2**30:.2f} GiB "
+        f"(load {r['load_peak_rss'] / 2**30:.2f}, run {r['run_peak_rss'] / 2**30:.2f}) | "
         f"{r['weight_bytes'] / 2**30:.2f} GiB ({r['weight_bytes'] / parameters:.2f} B/param) | "
         f"{r['images_per_s']:.3f} | {spent['vision']:.1f} / "
         f"{spent['prefill'] - spent['vision']:.1f}"
@@ -87,12 +115,18 @@ def _line(name: str, r: dict, parameters: int) -> str:
     )
 
 
-def extrapolate(small: dict, large: dict, step: int, have: int) -> dict:
-    """The 48-layer figures from two runs `step` layers apart, the larger with `have` layers."""
+def extrapolate(small: dict, large: dict, step: int, have: int, overshoot: int) -> dict:
+    """The 48-layer figures from two runs `step` layers apart, the larger with `have` layers.
+    What the load leaves resident and the run's peak (its K/V and activations grow with the
+    layers too) are linear in the layers; the load's peak is what it leaves plus its largest
+    overshoot while reading a file."""
     grow = (LAYERS - have) / step
     out = dict(large)
-    for key in ("load_seconds", "peak_rss", "weight_bytes", "decode_step", "seconds"):
+    linear = ("load_seconds", "loaded_rss", "run_peak_rss", "weight_bytes", "decode_step")
+    for key in (*linear, "seconds"):
         out[key] = large[key] + grow * (large[key] - small[key])
+    out["load_peak_rss"] = out["loaded_rss"] + overshoot
+    out["peak_rss"] = max(out["load_peak_rss"], out["run_peak_rss"])
     out["spent"] = {
         k: large["spent"][k] + grow * (large["spent"][k] - small["spent"][k])
         for k in large["spent"]
@@ -147,23 +181,24 @@ def main() -> None:
         print(_line(name, r, _parameters(ckpt)))
     if not args.smoke:
         (a, _), (b, _) = list(runs.values())[:2]
-        whole = extrapolate(a, b, args.layers, 2 * args.layers)
+        overshoot = load_overshoot(large, PATHS["int4"])
+        whole = extrapolate(a, b, args.layers, 2 * args.layers, overshoot)
         parameters = round(
             _parameters(large)
             + (LAYERS - 2 * args.layers) * (_parameters(large) - _parameters(small)) / args.layers
         )
         print(_line("MoE, 48 layers, int4 (extrapolated)", whole, parameters))
+        print(
+            f"\nMoE at 48 layers (extrapolated): the load leaves {whole['loaded_rss'] / 2**30:.2f} "
+            f"GiB resident and peaks at {whole['load_peak_rss'] / 2**30:.2f} GiB (its largest rise "
+            f"while reading one file, {overshoot / 2**30:.2f} GiB, put on top of everything held); "
+            f"the run peaks at {whole['run_peak_rss'] / 2**30:.2f} GiB"
+        )
     print(
         f"\n(b) {DENSE} | images/s | bytes a parameter | top-1 agreement | mean abs log-prob "
         "difference"
     )
-    reference = agreement(args, dense, images[0], {}, None)
-    for name in ("int4", "int8"):
-        forced = agreement(args, dense, images[0], PATHS[name], reference)
-        same = sum(a == b for a, b in zip(reference["top1"], forced["top1"])) / len(forced["top1"])
-        diff = sum(
-            abs(a - b) for a, b in zip(reference["reference_logprob"], forced["reference_logprob"])
-        ) / len(forced["top1"])
+    for name, (same, diff) in agreements(args, dense, images[0], ("int4", "int8")).items():
         r = runs[f"{DENSE}, {name}"][0]
         print(
             f"{name} | {r['images_per_s']:.3f} | {r['weight_bytes'] / _parameters(dense):.2f} | "
@@ -173,6 +208,44 @@ def main() -> None:
     print(
         f"default | {r['images_per_s']:.3f} | {r['weight_bytes'] / _parameters(dense):.2f} | - | -"
     )
+    tiny_agreement(args, images[0])
+
+
+def agreements(args, ckpt: Path, image: Path, precisions) -> dict[str, tuple[float, float]]:
+    """Per precision: (top-1 agreement, mean |log-prob difference| of the reference token),
+    teacher-forced on the default run's greedy tokens."""
+    reference = agreement(args, ckpt, image, {}, None)
+    out = {}
+    for name in precisions:
+        forced = agreement(args, ckpt, image, PATHS[name], reference)
+        same = sum(a == b for a, b in zip(reference["top1"], forced["top1"])) / len(forced["top1"])
+        diff = sum(
+            abs(a - b) for a, b in zip(reference["reference_logprob"], forced["reference_logprob"])
+        ) / len(forced["top1"])
+        out[name] = (same, diff)
+    return out
+
+
+def tiny_agreement(args, image: Path) -> None:
+    """(c) The same agreement on the tests' tiny configurations (their seeds; bfloat16 as stored)
+    and on the int8 test's outlier-channel copy of the dense one."""
+    root = args.cache_dir / "agreement"
+    dense = make_tiny_checkpoint(root / "dense", dtype="bfloat16")
+    outlier = make_outlier_checkpoint(dense, root / "outlier")
+    checkpoints = {"tiny dense, outlier channels x30": outlier}
+    if not args.smoke:  # with --smoke the script is checked on this one only
+        checkpoints = {"tiny dense": dense, **checkpoints}
+        for seed, variant in enumerate(MOE_VARIANTS, start=3):
+            checkpoints[f"tiny {variant}"] = make_tiny_checkpoint(
+                root / variant, variant, seed=seed, dtype="bfloat16"
+            )
+    print("\n(c) checkpoint | int4 top-1 | int4 mean abs log-prob diff | int8 top-1 | int8 diff")
+    for name, ckpt in checkpoints.items():
+        found = agreements(args, ckpt, image, ("int4", "int8"))
+        print(
+            f"{name} | "
+            + " | ".join(f"{100 * same:.1f}% | {diff:.4f}" for same, diff in found.values())
+        )
 
 
 if __name__ == "__main__":

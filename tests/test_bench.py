@@ -112,3 +112,4 @@ def test_moe_bench_smoke(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| MoE, first 4 layers, int4 |" in out.stdout and out.stdout.count("\nint") == 2
+    assert "\ntiny dense, outlier channels x30 | " in out.stdout

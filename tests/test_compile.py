@@ -292,6 +292,32 @@ def test_inductor_compile_ahead_then_load_with_zero_compilations(tiny_dir, tmp_p
     assert "0 compiled in this run" in again.stderr
 
 
+@pytest.mark.slow
+def test_an_moe_checkpoint_compiles_its_buckets_and_runs_them_as_eager(moe_dir, tmp_path):
+    """The experts' grouping is a custom op inside the fixed-shape graphs: compiled ahead,
+    loaded with nothing compiled in the run, the eager run's tokens."""
+    cfg = tmp_path / "cfg.yaml"
+    compiled = {"backend": "inductor", "cache_dir": str(tmp_path / "cache")}
+    compiled |= {"prefill_buckets": [256], "decode_batch_buckets": [2]}  # the text graphs only
+    cfg.write_text(json.dumps({**SMALL, "compile": {**SMALL["compile"], **compiled}}))
+    common = ["--model", moe_dir, "-c", cfg]
+    first, _ = _mmcli("compile", "--buckets", "prefill 256, decode 2x256", *common, cwd=tmp_path)
+    assert first.stdout.count(" new ") == 2, first.stdout
+    root = _images(tmp_path / "im", 3)
+    records, said = {}, {}
+    for backend in ("inductor", "eager"):
+        out = tmp_path / f"{backend}.jsonl"
+        flags = ["--max-new-tokens", "8", "--logprobs", "-q", "--backend", backend]
+        run, _ = _mmcli("caption", root, "-o", out, *flags, *common, cwd=tmp_path)
+        said[backend] = run.stderr
+        records[backend] = {
+            r["key"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())
+        }
+    assert "0 compiled in this run" in said["inductor"], said
+    assert "prefill" not in said["inductor"].split("shapes run eagerly:")[1], said
+    assert len(records["eager"]) == 3 and records["inductor"] == records["eager"]
+
+
 def test_cuda_graphs_use_the_configured_decode_buckets_clipped_to_the_engine():
     from mmcli.compiled.cuda_graphs import DecodeGraphs
     from mmcli.engine.runner import _covering

@@ -24,11 +24,12 @@ from mmcli.api.labeler import Labeler
 from mmcli.cli.app import app
 from mmcli.config import load_config
 from mmcli.engine.runner import DecodeItem, PrefillItem
-from mmcli.model.checkpoint import matrix_weight_names
+from mmcli.model import int4 as int4_module
+from mmcli.model import moe
+from mmcli.model.checkpoint import load_weights, matrix_weight_names, read_model_config
 from mmcli.model.int4 import GROUP, can_int4, int4_values
 from mmcli.model.int4_load import eligible
 from mmcli.model.linear import Linear
-from mmcli.model.moe import Experts
 from mmcli.testing import MOE_VARIANTS, make_test_video
 
 QUESTION = "Describe this image."
@@ -105,9 +106,9 @@ def test_results_do_not_depend_on_the_batch(pair):
 def test_each_expert_reads_its_weights_once_for_the_tokens_routed_to_it(pair, monkeypatch):
     labeler, _, _ = pair
     calls = []
-    original = Experts._expert
+    original = moe.expert_ffn
     monkeypatch.setattr(
-        Experts, "_expert", lambda self, e, x: calls.append((e, x.shape[0])) or original(self, e, x)
+        moe, "expert_ffn", lambda g_u, d, x: calls.append((g_u, x.shape[0])) or original(g_u, d, x)
     )
     cfg = labeler.model.cfg.text
     req, _ = labeler.request("k", [photo("chelsea.jpg")], QUESTION, labeler.sampling())
@@ -193,7 +194,7 @@ def test_missing_or_misshaped_experts_are_named(moe_dirs, tmp_path, variant, cha
 
 
 def test_int4_and_moe_on_a_backend_that_cannot_run_them_are_refused_before_loading(
-    moe_dirs, tiny_dir
+    moe_dirs, tiny_dir, monkeypatch
 ):
     ask = ["ask", "--image", str(SAMPLES / "coffee.jpg"), "q"]
     result = CliRunner().invoke(
@@ -203,10 +204,11 @@ def test_int4_and_moe_on_a_backend_that_cannot_run_them_are_refused_before_loadi
         result.exit_code == 2
         and "quantize int4 runs on the CPU with the eager backend" in result.output
     )
+    monkeypatch.setattr("mmcli.compiled.backends.require_neuron", lambda: None)  # as if present
     result = CliRunner().invoke(
-        app, [*ask, "--model", str(moe_dirs["qwen3_vl_moe"]), "--backend", "inductor"]
+        app, [*ask, "--model", str(moe_dirs["qwen3_vl_moe"]), "--backend", "neuron"]
     )
-    assert result.exit_code == 2 and "MoE models run on the eager backend only" in result.output
+    assert result.exit_code == 2 and "MoE models run on eager or inductor" in result.output
 
 
 def _fake_int4(weight: torch.Tensor) -> torch.Tensor:
@@ -226,7 +228,7 @@ def _dequantized_run(path) -> Labeler:
     linears = matrix_weight_names(model.cfg)
     with torch.no_grad():
         for name, module in model.named_modules():
-            if isinstance(module, Experts):
+            if isinstance(module, moe.Experts):
                 inner = module.gate_up_proj.shape[1] // 2
                 gate_up = _stored_experts(stored, name, "gate_up_proj", module.gate_up_proj)
                 module.gate_up_proj.copy_(
@@ -313,3 +315,70 @@ def test_caption_runs_an_moe_checkpoint_with_tasks_at_int4(moe_dir, tmp_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 4 and all(r["status"] == "ok" for r in records)
     assert {r["precision"]["weights"] for r in records} == {"int4"}
+
+
+@needs_int4
+def test_int4_in_row_blocks_in_one_slab_packs_as_the_whole_matrix(monkeypatch):
+    weight = torch.randn(208, 96)
+    whole = int4_module.quantize_int4(weight)
+    monkeypatch.setattr(int4_module, "ROWS", 64)  # 64, 64, 64 and a last block of 16 rows
+    slab = int4_module.Slab(1 << 20)
+    blocks = [int4_module.quantize_int4(weight, slab) for _ in range(2)]
+    for held in blocks:
+        assert torch.equal(held.packed, whole.packed)
+        assert torch.equal(held.scales_zeros, whole.scales_zeros)
+    # both carved from one block, not allocated apart
+    assert blocks[0].packed.untyped_storage().data_ptr() == slab.block.data_ptr()
+    assert blocks[1].scales_zeros.untyped_storage().data_ptr() == slab.block.data_ptr()
+
+
+def _mapped(path) -> list[str]:
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if str(path) in line]
+
+
+@needs_int4
+def test_an_int4_load_keeps_no_page_of_the_checkpoint_mapped(moe_dir, tmp_path):
+    """safetensors maps each file; a tensor held as stored would keep every page read of its
+    file resident, a whole layer's experts among them."""
+    path = shutil.copytree(moe_dir, tmp_path / "ckpt")  # mapped by this load only
+    cfg = read_model_config(path)
+    weights = load_weights(path, cfg, torch.float32, torch.bfloat16, int4=True)
+    assert weights.tensors["model.language_model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert _mapped(path) == []
+    kept = load_weights(path, cfg, torch.float32, torch.bfloat16)  # held as stored: mapped
+    assert _mapped(path) and kept.tensors
+
+
+def _routed(tokens: int, experts: int, top_k: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=generator)
+    logits[:, 0] = -1e9  # an expert no token chooses
+    weights, chosen = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    return chosen, weights / weights.sum(-1, keepdim=True), generator
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="no grouped GEMM in this torch")
+def test_the_grouped_gemm_gives_the_grouped_loops_sum():
+    """CUDA's path (one grouped GEMM, offsets on the device) run by torch's CPU grouped GEMM."""
+    chosen, weights, generator = _routed(13, 8, 3, seed=0)
+    x = torch.randn(13, 64, generator=generator)
+    gate_up = torch.randn(8, 64, 64, generator=generator) / 8
+    down = torch.randn(8, 64, 32, generator=generator) / 6
+    expected = moe.grouped_experts(x, chosen, weights, gate_up, down)
+    torch.testing.assert_close(
+        moe.grouped_gemm(x, chosen, weights, gate_up, down), expected, atol=1e-5, rtol=1e-5
+    )
+
+
+def test_the_grouped_experts_trace_into_one_fixed_shape_graph():
+    """The host-side grouping is an opaque op to the compiler: fullgraph tracing does not break."""
+    chosen, weights, generator = _routed(5, 8, 2, seed=1)
+    x = torch.randn(5, 64, generator=generator)
+    gate_up = torch.randn(8, 64, 64, generator=generator)
+    down = torch.randn(8, 64, 32, generator=generator)
+    traced = torch.compile(moe.grouped_experts, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(
+        traced(x, chosen, weights, gate_up, down),
+        moe.grouped_experts(x, chosen, weights, gate_up, down),
+    )

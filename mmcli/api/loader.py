@@ -113,10 +113,10 @@ def load(cfg: Config) -> Loaded:
     model_cfg = read_model_config(path)
     if cfg.quantize == "int4":
         check_int4(plan)
-    if model_cfg.text.num_experts and plan.backend != "eager":
+    if model_cfg.text.num_experts and plan.backend == "neuron":
         raise ConfigError(
-            f"compile.backend {plan.backend}: the MoE models run on the eager backend only (their "
-            "experts are chosen per token, which a fixed-shape graph cannot follow yet)"
+            "compile.backend neuron: the MoE models run on eager or inductor (their experts are "
+            "grouped by the routing read on the host, which a NEFF cannot call out to)"
         )
     device = torch.device(plan.device)
     compute = torch_dtype(plan.precision["compute"])

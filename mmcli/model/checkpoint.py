@@ -171,14 +171,19 @@ def load_weights(
     expected = expected_shapes(cfg)
     matrices = matrix_weight_names(cfg) if weights_dtype not in (None, dtype) or int4 else set()
     weights = Weights({})
+    slab = int4_load.Slab()
 
     def keep(name: str, tensor: torch.Tensor) -> None:
         if int4 and int4_load.eligible(
             name, tuple(tensor.shape), matrices, cfg.tie_word_embeddings
         ):
-            weights.int4[name] = int4_load.quantize_read(name, tensor, expected.get(name))
+            weights.int4[name] = int4_load.quantize_read(name, tensor, expected.get(name), slab)
         else:
-            weights.tensors[name] = tensor.to(weights_dtype or dtype if name in matrices else dtype)
+            held = tensor.to(weights_dtype or dtype if name in matrices else dtype)
+            # safetensors maps the file: a tensor held as stored shares its pages. With int4 most
+            # of each file is read once and dropped, so own a copy and let the mapping go (else
+            # every page read stays resident while one small tensor of its file lives).
+            weights.tensors[name] = held.clone() if int4 and held is tensor else held
 
     for file in _weight_files(path):
         _read_file(file, keep)

@@ -7,6 +7,7 @@ float32's GEMM for a few rows (decode) and slower for many (prefill): bench/moe.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +43,39 @@ def int4_values(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return q.to(torch.int32), scale[..., 0], (low + 8 * scale)[..., 0]
 
 
-def quantize_int4(weight: torch.Tensor) -> Int4Weight:
-    q, scale, zero = int4_values(weight)
-    pairs = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    return Int4Weight(packed, pairs, tuple(weight.shape))
+ROWS = 2048  # quantized a block of rows at a time: a multiple of the kernel's 64-row blocks
+
+
+class Slab:
+    """The 4-bit weights of one load, carved out of large blocks. Thousands of sub-MiB weights
+    allocated one by one between the quantizer's freed temporaries fragment malloc's heap (a
+    30B MoE's load held 1.6x its weights); blocks this size are mapped apart from the heap."""
+
+    def __init__(self, block_bytes: int = 256 << 20):
+        self.block_bytes = block_bytes  # 0: each tensor allocated apart, at its own size
+        self.block, self.used = torch.empty(0, dtype=torch.uint8), 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = -(-self.used // 64) * 64
+        if start + nbytes > len(self.block):
+            self.block, start = torch.empty(max(self.block_bytes, nbytes), dtype=torch.uint8), 0
+        self.used = start + nbytes
+        return self.block[start : start + nbytes].view(dtype).view(shape)
+
+
+def quantize_int4(weight: torch.Tensor, slab: Slab | None = None) -> Int4Weight:
+    """Row blocks pack exactly as the whole matrix would; quantizing a block at a time keeps the
+    float32 and int32 temporaries small (the whole of a 151936-row lm_head's would be 4 GiB)."""
+    out, inner = weight.shape
+    slab = slab or Slab(0)
+    packed = slab.take((out, inner // 2), torch.uint8)
+    pairs = slab.take((inner // GROUP, out, 2), torch.bfloat16)
+    for start in range(0, out, ROWS):
+        q, scale, zero = int4_values(weight[start : start + ROWS])
+        pairs[:, start : start + ROWS] = torch.stack([scale, zero], -1).transpose(0, 1)
+        packed[start : start + ROWS] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return Int4Weight(packed, pairs, (out, inner))
 
 
 def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:

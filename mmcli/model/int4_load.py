@@ -12,7 +12,7 @@ import re
 import torch
 
 from mmcli.errors import CheckpointError
-from mmcli.model.int4 import GROUP, Int4Weight, quantize_int4
+from mmcli.model.int4 import GROUP, Int4Weight, Slab, quantize_int4
 
 _PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up|down)_proj$")
@@ -33,18 +33,18 @@ def eligible(name: str, shape: tuple[int, ...], linear_weights: set[str], tied: 
     return out % 16 == 0 and min(shape[-2:]) % GROUP == 0 and max(shape[-2:]) % GROUP == 0
 
 
-def quantize_read(name: str, tensor: torch.Tensor, expected: tuple[int, ...] | None):
-    """The int4 form of one tensor as read: an Int4Weight, or for a fused experts tensor (either
-    orientation) a list per expert of (gate, up) or (down,) Int4Weights."""
+def quantize_read(name: str, tensor: torch.Tensor, expected: tuple[int, ...] | None, slab: Slab):
+    """The int4 form of one tensor as read, held in `slab`: an Int4Weight, or for a fused experts
+    tensor (either orientation) a list per expert of (gate, up) or (down,) Int4Weights."""
     fused = _FUSED.match(name)
     if fused is None:
-        return quantize_int4(tensor)
+        return quantize_int4(tensor, slab)
     if expected is not None and tuple(tensor.shape) != expected:
         tensor = tensor.transpose(1, 2)  # the released [E, in, out] layout
     if fused.group(2) == "down":
-        return [(quantize_int4(e),) for e in tensor]
+        return [(quantize_int4(e, slab),) for e in tensor]
     half = tensor.shape[1] // 2
-    return [(quantize_int4(e[:half]), quantize_int4(e[half:])) for e in tensor]
+    return [(quantize_int4(e[:half], slab), quantize_int4(e[half:], slab)) for e in tensor]
 
 
 def experts_int4(held: dict, expected: dict[str, tuple]) -> dict[str, list]:

@@ -28,6 +28,80 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def expert_ffn(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One expert on the rows routed to it; weights held lower (bfloat16 on the CPU) compute in
+    x's dtype."""
+    gate, up = F.linear(x, gate_up.to(x.dtype)).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down.to(x.dtype))
+
+
+def int4_expert_ffn(weights: tuple[Int4Weight, Int4Weight, Int4Weight], x: torch.Tensor):
+    gate, up, down = weights
+    return int4_linear(F.silu(int4_linear(x, gate, None)) * int4_linear(x, up, None), down, None)
+
+
+def _grouped(chosen: torch.Tensor, weights: torch.Tensor):
+    """Each (token, choice) pair's token row and weight, sorted by expert (stable: a token's order
+    within its expert is its order in the batch)."""
+    order = chosen.flatten().argsort(stable=True)
+    return order // chosen.shape[1], weights.flatten()[order]
+
+
+def grouped_loop(x, chosen, weights, experts: int, ffn) -> torch.Tensor:
+    """x [T, H]; chosen, weights [T, k] -> the weighted sum of each token's experts [T, H]:
+    `ffn(e, rows)` once per expert chosen, on its rows (the counts are read on the host)."""
+    rows, scales = _grouped(chosen, weights)
+    counts = torch.bincount(chosen.flatten(), minlength=experts).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        group = rows[start : start + count]
+        y = ffn(expert, x[group])
+        out.index_add_(0, group, y * scales[start : start + count, None])
+        start += count
+    return out
+
+
+# The loop reads the routing on the host, which a fixed-shape graph cannot trace: as a custom op
+# the compiler calls it as it is (inductor's fullgraph buckets then hold MoE layers too).
+@torch.library.custom_op("mmcli::grouped_experts", mutates_args=())
+def grouped_experts(
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    def ffn(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return expert_ffn(gate_up_proj[expert], down_proj[expert], rows)
+
+    return grouped_loop(x, chosen, weights, len(gate_up_proj), ffn)
+
+
+@grouped_experts.register_fake
+def _(x, chosen, weights, gate_up_proj, down_proj):
+    return torch.empty_like(x)
+
+
+def grouped_gemm(x, chosen, weights, gate_up_proj, down_proj) -> torch.Tensor:
+    """The same sum by torch's grouped GEMM (one kernel over every expert's rows, offsets kept on
+    the device: no host sync). For CUDA with bfloat16 weights and activations."""
+    rows, scales = _grouped(chosen, weights)
+    counts = torch.bincount(chosen.flatten(), minlength=len(gate_up_proj))
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    gate, up = grouped_mm(x[rows], gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    y = grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)
+    return torch.zeros_like(x).index_add_(0, rows, y * scales[:, None])
+
+
+def can_grouped_gemm(x: torch.Tensor, held: torch.Tensor) -> bool:
+    has = hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")
+    return has and x.is_cuda and x.dtype == held.dtype == torch.bfloat16
+
+
 class Experts(nn.Module):
     int4: list[tuple[Int4Weight, Int4Weight, Int4Weight]] | None = (
         None  # per expert: gate, up, down
@@ -49,33 +123,17 @@ class Experts(nn.Module):
     def int4_bytes(self) -> int:
         return sum(w.nbytes for expert in self.int4 or [] for w in expert)
 
-    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None:
-            gate, up, down = self.int4[expert]
-            return int4_linear(
-                F.silu(int4_linear(x, gate, None)) * int4_linear(x, up, None), down, None
-            )
-        # weights held lower (bfloat16 on the CPU) compute in x's dtype
-        gate, up = F.linear(x, self.gate_up_proj[expert].to(x.dtype)).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[expert].to(x.dtype))
-
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor):
         """x [T, H]; chosen, weights [T, k] -> the weighted sum of each token's experts [T, H]."""
-        out = torch.zeros_like(x)
-        flat = chosen.flatten()
-        order = flat.argsort(stable=True)
-        rows = order // chosen.shape[1]  # the token of each (token, choice), grouped by expert
-        scales = weights.flatten()[order]
-        counts = torch.bincount(flat, minlength=len(self.int4 or self.gate_up_proj)).tolist()
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            group = rows[start : start + count]
-            y = self._expert(expert, x[group])
-            out.index_add_(0, group, y * scales[start : start + count, None])
-            start += count
-        return out
+        if self.int4 is not None:
+            experts = self.int4
+            return grouped_loop(
+                x, chosen, weights, len(experts), lambda e, rows: int4_expert_ffn(experts[e], rows)
+            )
+        held = (self.gate_up_proj, self.down_proj)
+        if can_grouped_gemm(x, self.gate_up_proj):
+            return grouped_gemm(x, chosen, weights, *held)
+        return grouped_experts(x, chosen, weights, *held)
 
 
 class SparseMoeBlock(nn.Module):
