@@ -113,11 +113,7 @@ def load(cfg: Config) -> Loaded:
     model_cfg = read_model_config(path)
     if cfg.quantize == "int4":
         check_int4(plan)
-    if model_cfg.text.num_experts and plan.backend == "neuron":
-        raise ConfigError(
-            "compile.backend neuron: the MoE models run on eager or inductor (their experts are "
-            "grouped by the routing read on the host, which a NEFF cannot call out to)"
-        )
+    check_moe_backend(model_cfg, plan.backend)
     device = torch.device(plan.device)
     compute = torch_dtype(plan.precision["compute"])
     graphs = None
@@ -152,6 +148,14 @@ def load(cfg: Config) -> Loaded:
         stop_ids=stop_ids(path, prompts),
         graphs=graphs,
     )
+
+
+def check_moe_backend(model_cfg, backend: str) -> None:
+    if model_cfg.text.num_experts and backend == "neuron":
+        raise ConfigError(
+            "compile.backend neuron: the MoE models run on eager or inductor (their experts are "
+            "grouped by the routing read on the host, which a NEFF cannot call out to)"
+        )
 
 
 def check_int4(plan: RunPlan) -> None:

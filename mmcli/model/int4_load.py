@@ -1,9 +1,10 @@
 """`quantize: int4` at load: each matrix is quantized as it is read, so no full-precision copy of
 the model is ever held (a 30B MoE's experts are most of its bytes).
 
-Quantized: every linear layer's weight whose shape torch's int4 CPU kernel takes (rows a multiple
-of 16, columns of GROUP) and the MoE experts, one expert's gate, up and down projections at a
-time; kept as loaded: the embeddings, the norms, the MoE routers and a tied lm_head."""
+Quantized: every linear layer's weight of the text decoder (and an untied lm_head) whose shape
+torch's int4 CPU kernel takes (rows a multiple of 16, columns of GROUP) and the MoE experts, one
+expert's gate, up and down projections at a time; kept as loaded: the vision tower, the
+embeddings, the norms, the MoE routers and a tied lm_head."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ def eligible(name: str, shape: tuple[int, ...], linear_weights: set[str], tied: 
     """Whether int4 takes this tensor: a linear layer's or an expert's [out, in] matrix whose
     sides the kernel takes (out a multiple of 16, in of GROUP), not a router or a tied head."""
     if name.endswith(".mlp.gate.weight") or (tied and name == "lm_head.weight"):
+        return False
+    # The vision tower stays as stored (llama.cpp keeps its mmproj in 16 bits too): a few percent
+    # of the parameters, and its many rows a call run faster in float32 than in torch's int4 kernel.
+    if name.startswith("model.visual."):
         return False
     if "embed" in name:  # embed_tokens, the vision patch and position embeddings
         return False
