@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -184,12 +185,22 @@ class CompileConfig:
     cuda_graphs: bool = True
 
 
+def cache_root(setting: str) -> Path:
+    """The cache_dir setting as a path: given, or the XDG default."""
+    if setting:
+        return Path(setting).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "mmcli"
+
+
 @dataclass(frozen=True)
 class Config:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"  # computation: activations and accumulation
     weights_dtype: str = "auto"  # weights as held in memory
     quantize: str = "none"  # none, int8 or int4 (CPU)
+    # int8 values computed once, read back by later runs: under <cache_dir>/weights
+    weights_cache: bool = True
+    cache_dir: str = ""  # empty: $XDG_CACHE_HOME/mmcli, else ~/.cache/mmcli
     device: str = "auto"
     prompt: str = "Describe this image."
     # Qwen3.5's thinking mode (the chat template's enable_thinking): reasoning before each answer
@@ -222,6 +233,7 @@ _CHECKS = [
     ("weights_dtype", lambda v, c: v in DTYPES, ", ".join(DTYPES)),
     ("quantize", lambda v, c: v in ("none", "int8", "int4"), "none, int8, int4"),
     ("thinking", lambda v, c: isinstance(v, bool), "true or false"),
+    ("weights_cache", lambda v, c: isinstance(v, bool), "true or false"),
     ("device", lambda v, c: v in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
     ("inputs.workers", lambda v, c: v >= 0, "0 (one per core but one) or more"),
     ("engine.max_seqs", lambda v, c: v >= 1, "at least 1"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,8 @@ from PIL import Image
 
 from mmcli.testing import MOE_VARIANTS, QWEN3_5_VARIANTS, make_tiny_checkpoint
 
+# mmcli's default cache (prepared int8 weights) in a directory of this session's, not ~/.cache
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="mmcli-tests-cache-")
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 VARIANTS = ["base", "wide_attn", "deepstack_last"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmcli.compiled.backends import resolve_backend
-from mmcli.config import Config, check_vision_budget
+from mmcli.config import Config, cache_root, check_vision_budget
 from mmcli.errors import ConfigError
 from mmcli.inputs.images import ImageProcessorConfig, image_processor_config
 from mmcli.inputs.video import VideoSampling
@@ -106,6 +106,7 @@ def load(cfg: Config) -> Loaded:
     from mmcli.engine.runner import ModelRunner
     from mmcli.inputs.prompt import PromptBuilder
     from mmcli.model.checkpoint import load_weights, read_model_config, torch_dtype
+    from mmcli.model.prepared import PreparedWeights
     from mmcli.model.vlm import VisionLanguageModel
 
     path = resolve_model(cfg.model)
@@ -129,7 +130,10 @@ def load(cfg: Config) -> Loaded:
     model = VisionLanguageModel.from_weights(
         model_cfg, weights.tensors, weights.int4, weights.experts_int4
     )
-    runner = ModelRunner(model, device, cfg, graphs)
+    prepared = None
+    if cfg.quantize == "int8" and cfg.weights_cache:
+        prepared = PreparedWeights(cache_root(cfg.cache_dir), path)
+    runner = ModelRunner(model, device, cfg, graphs, prepared)
     prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id, cfg.thinking)
     image_cfg = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
     check_vision_budget(

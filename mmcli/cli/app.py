@@ -63,6 +63,7 @@ def ask(
     device: o.Device = None,
     backend: o.Backend = None,
     quantize: o.Quantize = None,
+    no_cache: o.NoCache = False,
     thinking: o.Thinking = None,
     max_new_tokens: o.MaxNewTokens = None,
     temperature: o.Temperature = None,
@@ -96,6 +97,7 @@ def ask(
             compile={"backend": backend},
             generation=given,
             thinking=thinking,
+            weights_cache=False if no_cache else None,
             **precision,
         )
         if question is None and task is None:
@@ -169,6 +171,7 @@ def caption(
     device: o.Device = None,
     backend: o.Backend = None,
     quantize: o.Quantize = None,
+    no_cache: o.NoCache = False,
     thinking: o.Thinking = None,
     logprobs: o.Logprobs = False,
     recursive: o.Recursive = True,
@@ -208,6 +211,7 @@ def caption(
         given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
         run = dict(model=model, prompt=prompt, task=tuple(task) or None, generation=given)
         run["thinking"] = thinking
+        run["weights_cache"] = False if no_cache else None
         precision = dict(dtype=dtype, device=device, quantize=quantize)
         cfg = _load_config(config, compile={"backend": backend}, **run, **precision)
         job = CaptionJob(config=cfg, ray=ray_options, sampling=given, **_job_options(options))

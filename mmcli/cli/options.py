@@ -26,6 +26,9 @@ Thinking = _option(
     help="Qwen3.5's thinking mode: reason before answering (kept apart in `reasoning`).",
     show_default=False,
 )
+NoCache = _option(
+    bool, "--no-cache", help="Neither read nor write prepared (int8) weights in the cache."
+)
 MaxNewTokens = _option(int | None, "--max-new-tokens", help="Most tokens to generate.")
 Temperature = _option(float | None, "--temperature", help="0 is greedy.")
 TopP = _option(float | None, "--top-p", help="Nucleus sampling mass.")

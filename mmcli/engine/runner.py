@@ -29,16 +29,21 @@ from mmcli.model.attention import choose_block_attention
 from mmcli.model.cache import AttentionBatch, DecoderCache
 from mmcli.model.config import ModelConfig
 from mmcli.model.linear import KERNEL_ROWS, can_quantize, pack_linears
+from mmcli.model.prepared import PreparedWeights
 from mmcli.model.quantize import quantize_model
 from mmcli.model.qwen3_5 import delta_rule
 from mmcli.model.vlm import VisionLanguageModel
 
 
 def prepare_weights(
-    model: VisionLanguageModel, device: torch.device, quantize: str, compiled: bool
+    model: VisionLanguageModel,
+    device: torch.device,
+    quantize: str,
+    compiled: bool,
+    prepared: PreparedWeights | None = None,
 ) -> str:
-    """Choose the linear kernels (see model/linear.py) and convert the weights for them; returns
-    which."""
+    """Choose the linear kernels (see model/linear.py) and convert the weights for them (int8's
+    through the `prepared` cache file when given); returns which."""
     if quantize == "int4":  # quantized as read (model/int4_load.py)
         count = sum(getattr(m, "kernel", "") == "int4" for m in model.modules())
         return f"int4 ({count} linears and the MoE experts, torch's int4 CPU kernel)"
@@ -48,6 +53,8 @@ def prepare_weights(
                 "quantize int8 runs on the CPU with the eager backend and fbgemm (x86); this run "
                 f"has device {device.type}, compiled {compiled}, fbgemm {can_quantize()}"
             )
+        if prepared is not None:
+            return f"int8 ({prepared.quantize(model)})"
         return f"int8 ({quantize_model(model)} linears, fbgemm)"
     if compiled:
         return "plain (traced into the compiled graphs)"
@@ -121,12 +128,13 @@ class ModelRunner:
         device: torch.device,
         config: Config,
         graphs: CompiledGraphs | None = None,
+        prepared: PreparedWeights | None = None,
     ):
         self.model = model.to(device)
         self.cfg: ModelConfig = model.cfg
         self.device = device
         self.dtype = model.language_model.norm.weight.dtype  # compute dtype; matrices may be lower
-        kernels = [prepare_weights(model, device, config.quantize, compiled=graphs is not None)]
+        kernels = [prepare_weights(model, device, config.quantize, graphs is not None, prepared)]
         self.kernels = "; ".join(kernels + [k for k in [choose_delta_rule(model, device)] if k])
         backend = "eager" if graphs is None else graphs.backend
         model.visual.block_attention = choose_block_attention(backend, device.type)

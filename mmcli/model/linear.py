@@ -96,12 +96,18 @@ def quantize_int8(weight: torch.Tensor):
     magnitude -> 127)."""
     w = weight.detach().float()
     scale = (w.abs().amax(1) / 127).clamp_min(1e-12).double()
+    zero = torch.zeros(w.shape[0], dtype=torch.long)
     # deprecated for new code, but fbgemm's prepack takes only a quantized tensor
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        q = torch.quantize_per_channel(
-            w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8
-        )
+        q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+    return torch.ops.quantized.linear_prepack(q, None)
+
+
+def pack_int8(values: torch.Tensor, scale: torch.Tensor):
+    """fbgemm's packed weight from int8 values and their per-channel scales (as stored)."""
+    zero = torch.zeros(len(scale), dtype=torch.long)
+    q = torch._make_per_channel_quantized_tensor(values, scale, zero, 0)
     return torch.ops.quantized.linear_prepack(q, None)
 
 
@@ -137,11 +143,22 @@ class Linear(nn.Linear):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
         self.weight, self.kernel = None, "packed"
 
-    def quantize(self) -> None:
+    def quantize(self, prepared: dict[str, torch.Tensor] | None = None) -> None:
         """int8 weights, quantized from this layer's weight alone (no float32 copy of the model
-        is made)."""
-        self.packed_weight = quantize_int8(self.weight)
+        is made), or packed from `prepared` values, scale (and bias) written by an earlier run."""
+        if prepared is None:
+            self.packed_weight = quantize_int8(self.weight)
+        else:
+            self.packed_weight = pack_int8(prepared["values"], prepared["scale"])
+            if "bias" in prepared:
+                self.bias = nn.Parameter(prepared["bias"], requires_grad=False)
         self.weight, self.kernel = None, "int8"
+
+    def int8_prepared(self) -> dict[str, torch.Tensor]:
+        """What `quantize(prepared)` takes back: the int8 values, their scales and the bias."""
+        q, _ = torch.ops.quantized.linear_unpack(self.packed_weight)
+        out = {"values": q.int_repr(), "scale": q.q_per_channel_scales()}
+        return out if self.bias is None else {**out, "bias": self.bias.detach()}
 
     def quantize_int4(self) -> None:
         """4-bit weights with a scale and zero per group of input channels (model/int4.py)."""

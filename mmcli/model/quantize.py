@@ -12,18 +12,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmcli.model.linear import Linear, quantize_linears
+from mmcli.model.linear import Linear
 from mmcli.model.moe import SparseMoeBlock
 
 
 @torch.no_grad()
-def fold_norm(norm: nn.Module, linears: list[Linear]) -> None:
+def fold_norm(norm: nn.Module, linears: list[Linear], into_linears: bool = True) -> None:
     """Move `norm`'s scale (and bias, for LayerNorm) into the linears that read its output; a
-    norm scaling by 1 + weight (Qwen3.5) is left scaling by 1."""
+    norm scaling by 1 + weight (Qwen3.5) is left scaling by 1. Without `into_linears` the norm
+    only: the linears' folded values come prepared from an earlier run."""
     offset = float(getattr(norm, "unit_offset", False))
     scale = norm.weight.detach().float() + offset
     shift = norm.bias.detach().float() if getattr(norm, "bias", None) is not None else None
-    for linear in linears:
+    for linear in linears if into_linears else []:
         weight = linear.weight.detach().float()
         if shift is not None:
             extra = weight @ shift
@@ -37,28 +38,51 @@ def fold_norm(norm: nn.Module, linears: list[Linear]) -> None:
         norm.bias.zero_()
 
 
-def quantize_model(model: nn.Module) -> int:
-    """Fold the decoder's and the vision blocks' norms, then int8 for every linear but a tied
-    lm_head (which stays the embedding's bfloat16). Returns how many linears were quantized."""
+def int8_linears(model: nn.Module) -> dict[str, Linear]:
+    """The linears int8 takes, by name: all but the MoE routers (the experts, 3-D, stay as
+    loaded too) and a tied lm_head (which stays the embedding's bfloat16)."""
     text = model.language_model
-    for layer in text.layers:  # layer by layer: one layer's folded float32 weights at a time
-        fold_norm(layer.input_layernorm, _mixer_inputs(layer))
-        if isinstance(layer.mlp, SparseMoeBlock):  # the router and the 3-D experts stay as loaded
-            quantize_linears(layer, keep=(layer.mlp.gate,))
-            continue
-        fold_norm(layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj])
-        quantize_linears(layer)
-    for block in model.visual.blocks:
-        fold_norm(block.norm1, [block.attn.qkv])
-        fold_norm(block.norm2, [block.mlp.linear_fc1])
-        quantize_linears(block)
     # load_state_dict(assign=True) makes two Parameters over one storage: tied means the same memory
     tied = (
-        model.lm_head.weight.untyped_storage().data_ptr()
+        model.lm_head.weight is not None
+        and model.lm_head.weight.untyped_storage().data_ptr()
         == text.embed_tokens.weight.untyped_storage().data_ptr()
     )
-    quantize_linears(model, keep=(model.lm_head,) if tied else ())
-    return sum(isinstance(m, Linear) and m.kernel == "int8" for m in model.modules())
+    keep = {model.lm_head} if tied else set()
+    keep |= {layer.mlp.gate for layer in text.layers if isinstance(layer.mlp, SparseMoeBlock)}
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and module not in keep
+    }
+
+
+def quantize_model(model: nn.Module, prepared: dict[str, dict] | None = None) -> int:
+    """Fold the decoder's and the vision blocks' norms, then int8 for every linear of
+    int8_linears, layer by layer (one layer's folded float32 weights at a time); with `prepared`
+    (int8_linears' names to what Linear.quantize takes) the values are packed as given. Returns
+    how many linears were quantized."""
+    targets = {module: name for name, module in int8_linears(model).items()}
+    fold = prepared is None
+
+    def quantize(scope: nn.Module) -> None:
+        for module in scope.modules():
+            if module in targets and module.kernel != "int8":
+                module.quantize(None if prepared is None else prepared[targets[module]])
+
+    for layer in model.language_model.layers:
+        fold_norm(layer.input_layernorm, _mixer_inputs(layer), fold)
+        if not isinstance(layer.mlp, SparseMoeBlock):
+            fold_norm(
+                layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj], fold
+            )
+        quantize(layer)
+    for block in model.visual.blocks:
+        fold_norm(block.norm1, [block.attn.qkv], fold)
+        fold_norm(block.norm2, [block.mlp.linear_fc1], fold)
+        quantize(block)
+    quantize(model)
+    return len(targets)
 
 
 def _mixer_inputs(layer: nn.Module) -> list[Linear]:

@@ -1,0 +1,127 @@
+"""Prepared weights, made once: the int8 values a `quantize: int8` run computes (norms folded,
+a scale per output channel) are written to the cache by the first run and read back by later
+ones instead of computed again.
+
+A file per checkpoint and recipe (its name: a digest of the checkpoint's identity, each weight
+file's name, size and modification time and config.json's bytes, and the recipe). Inside, the
+full key (adding mmcli's quantization code and torch's version) and a CRC-32 of the values: a
+file that cannot be read, whose values do not match their CRC, whose tensors are not the model's
+or whose key differs is ignored with one line saying so and written again. Written to a file of
+its own beside it and renamed, so a reader sees a whole file or none, and two runs at once
+each write theirs."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from mmcli.model.quantize import int8_linears, quantize_model
+
+RECIPE = "int8: symmetric per output channel, norms folded into the linears that read them"
+# the code whose output the file holds
+CODE = ("quantize.py", "linear.py", "prepared.py")
+
+
+def checkpoint_identity(path: Path) -> dict:
+    files = sorted(path.glob("*.safetensors"))
+    return {
+        "config": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
+        "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+    }
+
+
+def code_digest() -> str:
+    digest = hashlib.sha256()
+    for name in CODE:
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+_KEYS = {"recipe": "recipe", "code": "mmcli quantization code", "torch": "torch version"}
+
+
+def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+    crc = 0
+    for name in sorted(tensors):
+        crc = zlib.crc32(memoryview(tensors[name].contiguous().view(torch.uint8).numpy()), crc)
+    return f"{crc:08x}"
+
+
+class PreparedWeights:
+    """The cache file of one checkpoint's int8 weights under `directory`."""
+
+    def __init__(self, directory: Path, checkpoint: Path):
+        identity = checkpoint_identity(checkpoint)
+        name = hashlib.sha256(json.dumps([identity, RECIPE]).encode()).hexdigest()[:24]
+        self.file = Path(directory).expanduser() / "weights" / f"{name}.safetensors"
+        self.key = {"recipe": RECIPE, "code": code_digest(), "torch": torch.__version__}
+
+    def quantize(self, model: torch.nn.Module) -> str:
+        """int8 for `model` (quantize.quantize_model), from the file when it holds this key,
+        else computed and written; says which."""
+        prepared, problem = self._read(model)
+        if prepared is not None:
+            count = quantize_model(model, prepared)
+            return f"{count} linears, fbgemm; prepared weights read from {self.file}"
+        if problem is not None:
+            print(
+                f"mmcli: prepared weights {self.file}: {problem}; preparing again", file=sys.stderr
+            )
+        count = quantize_model(model)
+        written = self._write(model)
+        return f"{count} linears, fbgemm; {written}"
+
+    def _read(self, model) -> tuple[dict | None, str | None]:
+        if not self.file.is_file():
+            return None, None
+        try:
+            with safe_open(str(self.file), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+            return None, f"unreadable ({str(e)[:120]})"
+        key = json.loads(meta.get("key", "{}"))
+        if key != self.key:
+            changed = [_KEYS[k] for k in self.key if key.get(k) != self.key[k]]
+            return None, f"written under another {' and '.join(changed)}"
+        if meta.get("crc32") != _checksum(tensors):
+            return None, "damaged (its values do not match their CRC-32)"
+        prepared: dict[str, dict] = {}
+        for name, tensor in tensors.items():
+            module, part = name.rsplit(".", 1)
+            prepared.setdefault(module, {})[part] = tensor
+        linears = int8_linears(model)
+        shapes_match = set(prepared) == set(linears) and all(
+            tuple(prepared[n]["values"].shape) == (m.out_features, m.in_features)
+            for n, m in linears.items()
+        )
+        return (prepared, None) if shapes_match else (None, "not this model's linears")
+
+    def _write(self, model) -> str:
+        tensors = {
+            f"{name}.{part}": value.contiguous()
+            for name, linear in int8_linears(model).items()
+            for part, value in linear.int8_prepared().items()
+        }
+        metadata = {"key": json.dumps(self.key), "crc32": _checksum(tensors)}
+        partial = self.file.with_name(f"{self.file.name}.{os.getpid()}.partial")
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            save_file(tensors, str(partial), metadata=metadata)
+            with open(partial, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(partial, self.file)
+        except (OSError, SafetensorError) as e:  # a full disk, a read-only cache
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            return f"prepared weights not written ({getattr(e, 'strerror', None) or e})"
+        return f"prepared weights written to {self.file}"

@@ -1,0 +1,143 @@
+"""Prepared int8 weights: written by the first run, read back by later ones; a damaged,
+truncated or stale file, or two runs at once, never give wrong weights."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import photo
+from typer.testing import CliRunner
+
+from mmcli.api.labeler import Labeler
+from mmcli.cli.app import app
+from mmcli.config import load_config
+from mmcli.engine.runner import PrefillItem
+from mmcli.model import prepared as prepared_module
+from mmcli.model.linear import can_quantize
+
+pytestmark = pytest.mark.skipif(not can_quantize(), reason="no fbgemm in this torch")
+
+
+def _int8(path, cache, **settings):
+    settings = {"device": "cpu", "quantize": "int8", "cache_dir": str(cache), **settings}
+    return Labeler.from_pretrained(str(path), config=load_config(None, settings))
+
+
+def _logits(labeler):
+    req, _ = labeler.request(
+        "k", [photo("chelsea.jpg")], "Describe this image.", labeler.sampling()
+    )
+    item = PrefillItem(
+        0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids
+    )
+    with torch.inference_mode():
+        return labeler.model.lm_head(labeler.runner.forward_prompts([item]))
+
+
+def _files(cache):
+    return sorted((cache / "weights").iterdir()) if (cache / "weights").is_dir() else []
+
+
+def test_the_second_run_reads_what_the_first_prepared(tiny_dir, tmp_path):
+    first = _int8(tiny_dir, tmp_path)
+    assert "prepared weights written to" in first.runner.kernels
+    (written,) = _files(tmp_path)
+    second = _int8(tiny_dir, tmp_path)
+    assert f"prepared weights read from {written}" in second.runner.kernels
+    assert torch.equal(_logits(first), _logits(second))  # the same int8 weights, bit for bit
+    uncached = _int8(tiny_dir, tmp_path / "none", weights_cache=False)
+    assert "prepared" not in uncached.runner.kernels and not _files(tmp_path / "none")
+    assert torch.equal(_logits(first), _logits(uncached))
+
+
+def _flip_last_byte(file):
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 0x5A
+    file.write_bytes(bytes(data))
+
+
+def _truncate(file):
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    "spoil, said",
+    [
+        (_flip_last_byte, "damaged (its values do not match their CRC-32)"),
+        (_truncate, "unreadable"),
+        ("torch", "written under another torch version"),
+        ("code", "written under another mmcli quantization code"),
+    ],
+)
+def test_a_damaged_truncated_or_stale_file_is_said_and_prepared_again(
+    tiny_dir, tmp_path, monkeypatch, capsys, spoil, said
+):
+    reference = _logits(_int8(tiny_dir, tmp_path))
+    (file,) = _files(tmp_path)
+    if spoil == "torch":
+        monkeypatch.setattr(prepared_module.torch, "__version__", "0.0.0")
+    elif spoil == "code":
+        monkeypatch.setattr(prepared_module, "code_digest", lambda: "edited")
+    else:
+        spoil(file)
+    capsys.readouterr()
+    again = _int8(tiny_dir, tmp_path)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"mmcli: prepared weights {file}: {lines[0].split(': ', 2)[2]}"]
+    assert said in lines[0] and "preparing again" in lines[0]
+    assert "prepared weights written to" in again.runner.kernels
+    assert torch.equal(_logits(again), reference)
+    assert "read from" in _int8(tiny_dir, tmp_path).runner.kernels  # whole again
+
+
+def test_a_file_of_another_models_linears_is_not_used(tiny_dir, variant_dirs, tmp_path):
+    _int8(tiny_dir, tmp_path)
+    (file,) = _files(tmp_path)
+    other = prepared_module.PreparedWeights(tmp_path, variant_dirs["wide_attn"])
+    other.file.parent.mkdir(parents=True, exist_ok=True)
+    other.file.write_bytes(file.read_bytes())  # this model's key, another model's tensors
+    labeler = _int8(variant_dirs["wide_attn"], tmp_path)
+    assert "prepared weights written to" in labeler.runner.kernels
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_run_going(tiny_dir, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "weights").write_text("a file where the directory would be")
+    labeler = _int8(tiny_dir, cache)
+    assert "prepared weights not written" in labeler.runner.kernels
+    assert labeler.ask([photo("coffee.jpg")], "What?", max_new_tokens=3).token_ids
+
+
+def test_two_runs_at_once_each_write_a_whole_file(tiny_dir, tmp_path):
+    code = (
+        "import sys; from mmcli.api.labeler import Labeler; from mmcli.config import load_config; "
+        "s = {'device': 'cpu', 'quantize': 'int8', 'cache_dir': sys.argv[2]}; "
+        "print(Labeler.from_pretrained(sys.argv[1], config=load_config(None, s)).runner.kernels)"
+    )
+    command = [sys.executable, "-c", code, str(tiny_dir), str(tmp_path)]
+    runs = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    said = [run.communicate(timeout=300)[0] for run in runs]
+    assert all(run.returncode == 0 for run in runs), said
+    # both prepared and wrote, or the later one read what the first had renamed into place
+    assert (
+        all("written to" in s or "read from" in s for s in said)
+        and "written to" in said[0] + said[1]
+    )
+    (file,) = _files(tmp_path)  # no partial file left
+    assert "read from" in _int8(tiny_dir, tmp_path).runner.kernels
+
+
+def test_no_cache_on_the_command_line(tiny_dir, tmp_path):
+    settings = tmp_path / "s.yaml"
+    settings.write_text(json.dumps({"cache_dir": str(tmp_path / "cache")}))
+    image = tmp_path / "a.png"
+    photo("coffee.jpg").save(image)
+    ask = ["ask", "-i", str(image), "q", "--model", str(tiny_dir), "--quantize", "int8"]
+    ask += ["-c", str(settings), "--max-new-tokens", "2"]
+    result = CliRunner().invoke(app, [*ask, "--no-cache"])
+    assert result.exit_code == 0, result.output
+    assert not _files(tmp_path / "cache")
+    assert CliRunner().invoke(app, ask).exit_code == 0 and len(_files(tmp_path / "cache")) == 1
