@@ -6,7 +6,9 @@ packed), the default (the checkpoint's bfloat16 weights, float32 compute) and `q
 against the float32 path and against transformers (float32, its best batch size of
 --hf-batch-sizes); (b) `mmcli ask` for one 448x448 image and 16 tokens: wall time split into
 start, load, vision, prefill, decode, next to its floor = checkpoint bytes / read bandwidth +
-FLOPs / float32 matmul peak + decode weight bytes / bandwidth; (c) peak RSS against weight bytes
+FLOPs / float32 matmul peak + decode weight bytes / bandwidth, and the command with `--quantize
+int8` twice on an empty cache (the first prepares the int8 weights, the second reads them);
+(c) peak RSS against weight bytes
 + KV bytes used (each (a) run, and the ask); (d) int8 against the unquantized run, teacher-forced
 on the default run's greedy tokens: top-1 agreement and mean |difference| of the reference
 token's log-prob, on the 2B-shaped checkpoint and on a tiny one whose decoder RMSNorm weights
@@ -19,10 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -169,6 +173,21 @@ def start_times() -> None:
         print(f"mmcli {' '.join(command)}: {best:.3f} s")
 
 
+def cli_ask(command: list[str], env: dict | None = None) -> tuple[float, float]:
+    """The command's wall time and peak RSS, from a fresh interpreter that runs it
+    (RUSAGE_CHILDREN here would be the largest of every child this bench has waited for)."""
+    probe = (
+        "import resource, subprocess, sys, time; t = time.perf_counter(); "
+        "subprocess.run(sys.argv[1:], check=True, capture_output=True); print(time.perf_counter() "
+        "- t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *command], check=True, capture_output=True, text=True, env=env
+    )
+    wall, rss = (float(v) for v in out.stdout.split())
+    return wall, rss
+
+
 def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
     """(b) and (c) for `mmcli ask`: the instrumented run, then the real command for its wall time
     and peak RSS."""
@@ -191,18 +210,10 @@ def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
         "16",
         compare_hf.PROMPT,
     ]
-    # A fresh interpreter runs the command and reports its peak RSS (RUSAGE_CHILDREN here would be
-    # the largest of
-    # every child this bench has waited for, the float32 worker included).
-    probe = (
-        "import resource, subprocess, sys, time; t = time.perf_counter(); "
-        "subprocess.run(sys.argv[1:], check=True, capture_output=True); print(time.perf_counter() "
-        "- t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", probe, *command], check=True, capture_output=True, text=True
-    )
-    cli_wall, cli_rss = (float(v) for v in out.stdout.split())
+    cli_wall, cli_rss = cli_ask(command)
+    with tempfile.TemporaryDirectory() as cache:  # an empty cache: the first int8 ask prepares it
+        env = {**os.environ, "XDG_CACHE_HOME": cache}
+        int8 = [cli_ask([*command, "--quantize", "int8"], env) for _ in range(2)]
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
     shapes = expected_shapes(cfg)
     vision = sum(
@@ -241,6 +252,12 @@ def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
     print(
         f"the command itself: {cli_wall:.1f} s wall = {cli_wall / sum(floor.values()):.2f}x the "
         "floor"
+    )
+    whole = sum(floor.values())
+    print(
+        f"int8: the first ask {int8[0][0]:.1f} s ({int8[0][0] / whole:.2f}x the floor; it prepares "
+        f"the cache), the second {int8[1][0]:.1f} s ({int8[1][0] / whole:.2f}x; "
+        f"{int8[1][0] / cli_wall:.2f}x the default ask), peak RSS {int8[1][1] / 2**30:.2f} GiB"
     )
     used = timed["weight_bytes"] + timed["kv_bytes"]
     print(

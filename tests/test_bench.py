@@ -74,6 +74,7 @@ def test_cpu_bench_smoke(tmp_path):
     assert (
         "(a) images/s" in out.stdout
         and "(b) mmcli ask" in out.stdout
+        and "int8: the first ask" in out.stdout
         and "outlier channels x30" in out.stdout
     )
 

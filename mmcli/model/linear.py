@@ -111,6 +111,17 @@ def pack_int8(values: torch.Tensor, scale: torch.Tensor):
     return torch.ops.quantized.linear_prepack(q, None)
 
 
+def _rows_buffer(shape: torch.Size) -> torch.Tensor:
+    """A float32 [rows, columns] buffer reused across calls (one per width, grown to the most
+    rows seen): a fresh one of a prefill's size is mapped and page-faulted at every call."""
+    rows, columns = shape
+    held = _scratch.get(("rows", columns))
+    if held is None or held.shape[0] < rows:
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of it
+            held = _scratch[("rows", columns)] = torch.empty(rows, columns)
+    return held[:rows]
+
+
 def int8_linear(
     x: torch.Tensor, packed, out_features: int, bias: torch.Tensor | None, per_token: bool = True
 ) -> torch.Tensor:
@@ -118,12 +129,15 @@ def int8_linear(
     scale."""
     x2 = x.reshape(-1, x.shape[-1]).float()
     if per_token:
-        scale = x2.abs().amax(1, keepdim=True).clamp_min(1e-12)
-        y = torch.ops.quantized.linear_dynamic(x2 / scale, packed, True) * scale
+        # Each row's largest magnitude as max(max, -min): two vectorised reductions, no |x| copy.
+        # The scaled rows go to a reused buffer, the output is rescaled (and biased) in place.
+        scale = torch.maximum(x2.amax(1, keepdim=True), x2.amin(1, keepdim=True).neg_())
+        scaled = torch.div(x2, scale.clamp_min_(1e-12), out=_rows_buffer(x2.shape))
+        y = torch.ops.quantized.linear_dynamic(scaled, packed, True).mul_(scale)
     else:
         y = torch.ops.quantized.linear_dynamic(x2, packed, True)
     if bias is not None:
-        y = y + bias
+        y.add_(bias)
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
