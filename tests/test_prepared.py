@@ -141,3 +141,16 @@ def test_no_cache_on_the_command_line(tiny_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert not _files(tmp_path / "cache")
     assert CliRunner().invoke(app, ask).exit_code == 0 and len(_files(tmp_path / "cache")) == 1
+
+
+def test_compile_buckets_warms_the_int8_weights_on_the_eager_backend(tiny_dir, tmp_path):
+    settings = tmp_path / "s.yaml"
+    settings.write_text(json.dumps({"cache_dir": str(tmp_path / "cache")}))
+    command = ["compile", "--buckets", "--model", str(tiny_dir), "-c", str(settings)]
+    result = CliRunner().invoke(app, [*command, "--quantize", "int8"])
+    assert result.exit_code == 0 and "prepared weights written to" in result.output, result.output
+    assert len(_files(tmp_path / "cache")) == 1
+    again = CliRunner().invoke(app, [*command, "--quantize", "int8"])
+    assert "prepared weights read from" in again.output
+    # without int8 the eager backend still has nothing to warm
+    assert CliRunner().invoke(app, command).exit_code == 2

@@ -263,7 +263,7 @@ def compile_cmd(
       mmcli compile --buckets --backend inductor
       mmcli compile --buckets 'decode 8x1024, prefill 512' --backend inductor
     """
-    from mmcli.cli.compile import compile_buckets
+    from mmcli.cli.compile import compile_buckets, prepare_weights_only
 
     with exit_codes():
         if not buckets:
@@ -278,6 +278,8 @@ def compile_cmd(
             quantize=quantize,
             compile={"backend": backend},
         )
+        if cfg.compile.backend in ("auto", "eager") and cfg.quantize == "int8":
+            return prepare_weights_only(cfg)
         if cfg.compile.backend in ("auto", "eager"):
             raise ConfigError(
                 f"compile.backend {cfg.compile.backend} runs eagerly here: nothing to compile "

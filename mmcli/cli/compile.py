@@ -32,3 +32,16 @@ def compile_buckets(cfg: Config, bucket_list: str | None) -> None:
     console.print(table)
     summary = ", ".join(f"{n} {status}" for status, n in counts.items())
     console.print(f"{len(todo)} buckets ({summary}) in {time.perf_counter() - started:.1f} s")
+
+
+def prepare_weights_only(cfg: Config) -> None:
+    """The eager backend has no graphs to compile; with `quantize: int8` the warm-up is the
+    prepared int8 weights (model/prepared.py): load once, and say where they are."""
+    from mmcli.api.labeler import Labeler
+
+    started = time.perf_counter()
+    labeler = Labeler.from_pretrained(config=cfg)
+    Console(width=100).print(
+        f"eager backend, nothing to compile; {labeler.runner.kernels} "
+        f"({time.perf_counter() - started:.1f} s)"
+    )
