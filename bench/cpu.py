@@ -7,7 +7,8 @@ against the float32 path and against transformers (float32, its best batch size 
 --hf-batch-sizes); (b) `mmcli ask` for one 448x448 image and 16 tokens: wall time split into
 start, load, vision, prefill, decode, next to its floor = checkpoint bytes / read bandwidth +
 FLOPs / float32 matmul peak + decode weight bytes / bandwidth, and the command with `--quantize
-int8` twice on an empty cache (the first prepares the int8 weights, the second reads them);
+int8` twice on an empty cache (the first prepares the int8 weights, the second reads them), and
+cold (the checkpoint's pages dropped first) without and with the read-ahead;
 (c) peak RSS against weight bytes
 + KV bytes used (each (a) run, and the ask); (d) int8 against the unquantized run, teacher-forced
 on the default run's greedy tokens: top-1 agreement and mean |difference| of the reference
@@ -188,6 +189,16 @@ def cli_ask(command: list[str], env: dict | None = None) -> tuple[float, float]:
     return wall, rss
 
 
+def evict(ckpt: Path) -> None:
+    """Drop the checkpoint's pages from the page cache (POSIX_FADV_DONTNEED: no root needed)."""
+    for file in ckpt.glob("*.safetensors"):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
     """(b) and (c) for `mmcli ask`: the instrumented run, then the real command for its wall time
     and peak RSS."""
@@ -211,6 +222,10 @@ def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
         compare_hf.PROMPT,
     ]
     cli_wall, cli_rss = cli_ask(command)
+    cold = {}
+    for label, env in (("without read-ahead", {"MMCLI_READ_AHEAD": "0"}), ("with it", {})):
+        evict(ckpt)
+        cold[label] = cli_ask(command, {**os.environ, **env})[0]
     with tempfile.TemporaryDirectory() as cache:  # an empty cache: the first int8 ask prepares it
         env = {**os.environ, "XDG_CACHE_HOME": cache}
         int8 = [cli_ask([*command, "--quantize", "int8"], env) for _ in range(2)]
@@ -258,6 +273,10 @@ def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
         f"int8: the first ask {int8[0][0]:.1f} s ({int8[0][0] / whole:.2f}x the floor; it prepares "
         f"the cache), the second {int8[1][0]:.1f} s ({int8[1][0] / whole:.2f}x; "
         f"{int8[1][0] / cli_wall:.2f}x the default ask), peak RSS {int8[1][1] / 2**30:.2f} GiB"
+    )
+    print(
+        "cold (the checkpoint's pages dropped from the page cache first): "
+        + ", ".join(f"{label} {seconds:.1f} s" for label, seconds in cold.items())
     )
     used = timed["weight_bytes"] + timed["kv_bytes"]
     print(

@@ -75,6 +75,7 @@ def test_cpu_bench_smoke(tmp_path):
         "(a) images/s" in out.stdout
         and "(b) mmcli ask" in out.stdout
         and "int8: the first ask" in out.stdout
+        and "cold (the checkpoint's pages dropped" in out.stdout
         and "outlier channels x30" in out.stdout
     )
 

@@ -10,6 +10,7 @@ from mmcli.api.labeler import Labeler
 from mmcli.cli.app import app
 from mmcli.errors import CheckpointError
 from mmcli.model.checkpoint import load_weights, parse_config, read_model_config
+from mmcli.model.hub import read_ahead
 from mmcli.testing import make_tiny_checkpoint, tiny_config
 
 
@@ -97,3 +98,11 @@ def test_unreachable_hub_says_how_to_pass_a_local_directory(tmp_path, monkeypatc
     assert result.exit_code == 3
     assert "pass the local directory with --model /path/to/checkpoint" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_read_ahead_asks_for_every_weight_file_and_can_be_turned_off(tiny_dir, monkeypatch):
+    expected = sum(f.stat().st_size for f in tiny_dir.glob("*.safetensors"))
+    assert read_ahead(str(tiny_dir)) == expected > 0
+    assert read_ahead("no/such-model-here") == 0  # not downloaded: nothing to read ahead
+    monkeypatch.setenv("MMCLI_READ_AHEAD", "0")
+    assert read_ahead(str(tiny_dir)) == 0

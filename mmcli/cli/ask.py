@@ -24,6 +24,9 @@ def run_ask(
     record; returns 0, or 1 when the item failed (its error is on stderr and in the record).
     `inputs` is (image files, video files)."""
     images, videos = inputs
+    from mmcli.model.hub import read_ahead
+
+    read_ahead(config.model)  # before torch is imported
     from rich.console import Console
 
     from mmcli.api.labeler import Labeler

@@ -62,3 +62,25 @@ def snapshot_revision(path: Path) -> str | None:
     """The hub snapshot hash when `path` is a huggingface_hub snapshot, else None."""
     parts = Path(os.path.realpath(path)).parts
     return parts[-1] if len(parts) > 2 and parts[-2] == "snapshots" else None
+
+
+def read_ahead(model: str) -> int:
+    """Ask the kernel to start reading the checkpoint's weight files into the page cache now
+    (POSIX_FADV_WILLNEED: asynchronous), so a cold read overlaps torch's import and the setup
+    that follow instead of waiting for them. Returns the bytes asked for; MMCLI_READ_AHEAD=0
+    turns it off (bench/cpu.py compares both)."""
+    path = local_checkpoint(model)
+    if path is None or os.environ.get("MMCLI_READ_AHEAD") == "0":
+        return 0
+    asked = 0
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                asked += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+        except (OSError, AttributeError):  # no posix_fadvise on this platform: nothing to gain
+            return asked
+    return asked
