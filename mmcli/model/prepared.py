@@ -113,7 +113,10 @@ class PreparedWeights:
             for part, value in linear.int8_prepared().items()
         }
         metadata = {"key": json.dumps(self.key), "crc32": _checksum(tensors)}
-        partial = self.file.with_name(f"{self.file.name}.{os.getpid()}.partial")
+        # this process's own name: runs on two hosts sharing the cache may have equal pids
+        partial = self.file.with_name(
+            f"{self.file.name}.{os.getpid()}.{os.urandom(4).hex()}.partial"
+        )
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             save_file(tensors, str(partial), metadata=metadata)
