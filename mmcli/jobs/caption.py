@@ -26,6 +26,7 @@ from mmcli.jobs.resume import (
     task_resume_keys,
 )
 from mmcli.jobs.scan import parse_shard, scan, shard_of
+from mmcli.model.hub import read_ahead
 from mmcli.tasks import Task, resolve_tasks
 
 
@@ -189,6 +190,8 @@ def run_caption_job(job: CaptionJob, progress) -> int:
             for t in job.tasks
             if job.sidecar_ext(t)
         }
+        if job.ray is None:  # work to do here: the checkpoint's pages read while torch loads
+            read_ahead(job.config.model)
         return _run(job, items, out, clashes, progress)
     finally:
         if out is not None:
