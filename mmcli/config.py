@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 import types
 import typing
@@ -18,6 +17,7 @@ import yaml
 
 from mmcli.errors import ConfigError
 from mmcli.model.config import DEFAULT_MODEL, QWEN_MERGE_SIZE, QWEN_PATCH_SIZE
+from mmcli.model.hub import mmcli_cache
 
 
 @dataclass(frozen=True)
@@ -187,9 +187,7 @@ class CompileConfig:
 
 def cache_root(setting: str) -> Path:
     """The cache_dir setting as a path: given, or the XDG default."""
-    if setting:
-        return Path(setting).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "mmcli"
+    return Path(setting).expanduser() if setting else mmcli_cache()
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,14 @@ from pathlib import Path
 
 import torch
 
+from mmcli.model.hub import mmcli_cache
+
 SOURCE = Path(__file__).with_name("bf16_linear.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "mmcli" / "kernels"
+    return mmcli_cache() / "kernels"
 
 
 def why_unavailable() -> str | None:

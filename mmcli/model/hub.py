@@ -64,6 +64,11 @@ def snapshot_revision(path: Path) -> str | None:
     return parts[-1] if len(parts) > 2 and parts[-2] == "snapshots" else None
 
 
+def mmcli_cache() -> Path:
+    """mmcli's own cache directory: $XDG_CACHE_HOME/mmcli, else ~/.cache/mmcli."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "mmcli"
+
+
 def read_ahead(model: str) -> int:
     """Ask the kernel to start reading the checkpoint's weight files into the page cache now
     (POSIX_FADV_WILLNEED: asynchronous), so a cold read overlaps torch's import and the setup
