@@ -15,7 +15,7 @@ on the default run's greedy tokens: top-1 agreement and mean |difference| of the
 token's log-prob, on the 2B-shaped checkpoint and on a tiny one whose decoder RMSNorm weights
 carry three channels scaled by 30 (outliers in the activations, as real models show).
 
-python bench/cpu.py [--smoke] [--hf-batch-sizes 1,8] [--skip-hf]"""
+python bench/cpu.py [--smoke] [--hf-batch-sizes 1,8] [--skip-hf] [--only-ask]"""
 
 from __future__ import annotations
 
@@ -292,6 +292,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=None)
     parser.add_argument("--hf-batch-sizes", default="1,8")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--only-ask", action="store_true", help="only (b) and (c) for `mmcli ask`")
     parser.add_argument("--worker", choices=["ask", "forced"], help=argparse.SUPPRESS)
     for name in ("--ckpt", "--image", "--settings", "--tokens"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -326,6 +327,9 @@ def main() -> None:
         f"{len(images)} images, {sum(lengths)} output tokens",
         flush=True,
     )
+    if args.only_ask:
+        ask_part(args, ckpt, images[ASK_IMAGE % len(images)], limits)
+        return
     rate_args = argparse.Namespace(
         cache_dir=args.cache_dir,
         dtype="float32",

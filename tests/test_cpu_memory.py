@@ -20,11 +20,10 @@ from mmcli.config import load_config
 from mmcli.engine.runner import PrefillItem
 from mmcli.model import cpu_kernel
 from mmcli.model.checkpoint import expected_shapes
-from mmcli.model.linear import Linear, can_quantize, quantize_linears
+from mmcli.model.linear import X_MAX, Linear, quantize_linears
 from mmcli.testing import make_outlier_checkpoint, make_tiny_checkpoint
 
 IMAGE = [SAMPLES / "chelsea.jpg"]
-needs_fbgemm = pytest.mark.skipif(not can_quantize(), reason="no fbgemm in this torch")
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +105,6 @@ def _relative_error(logits, reference) -> float:
     return float((logits - reference).norm() / reference.norm())
 
 
-@needs_fbgemm
 def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
     """int8 (norms folded into the next linears, a scale per token) stays within 12% (relative L2
     of the prefill logits) of the float32 run on a model with outlier channels; one activation
@@ -136,7 +134,6 @@ def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
     assert _relative_error(_logits(naive), reference) > 0.12
 
 
-@needs_fbgemm
 def test_quantization_is_in_the_record_and_the_resume_key(tiny_dir, tmp_path):
     root = tmp_path / "imgs"
     root.mkdir()
@@ -201,3 +198,53 @@ def test_the_commands_that_load_no_model_start_fast(args):
     )
     seconds = time.perf_counter() - started
     assert done.returncode == 0 and seconds < 2.0, (seconds, done.stderr)
+
+
+def _int8_layer(out_features, in_features, seed):
+    generator = torch.Generator().manual_seed(seed)
+    layer = Linear(in_features, out_features, bias=True).requires_grad_(False)
+    layer.weight.data = torch.randn(out_features, in_features, generator=generator)
+    layer.bias.data = torch.randn(out_features, generator=generator)
+    reference = {"weight": layer.weight.clone(), "bias": layer.bias.clone()}
+    layer.quantize()
+    return layer, reference
+
+
+def _int8_expected(layer, x):
+    """What the int8 layer computes, in exact integers: 7-bit levels of each row times the 8-bit
+    weights (unpacked from the kernel's layout), then both scales and the bias."""
+    weight = layer.packed_weight
+    n, k = layer.out_features, layer.in_features
+    scale = torch.maximum(x.amax(1, keepdim=True), -x.amin(1, keepdim=True)) / X_MAX
+    levels = (x / scale).round().long()
+    sums = levels @ weight.rows()[:n, :k].long().t()
+    return sums.double() * scale.double() * weight.scale[:n].double() + weight.bias[:n].double()
+
+
+@pytest.mark.skipif(
+    cpu_kernel.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
+)
+@pytest.mark.parametrize("build", ["this CPU's", "AVX2"])
+@pytest.mark.parametrize("rows", [1, 5, 7, 130])
+def test_the_int8_kernel_sums_exactly_in_both_builds(rows, build, monkeypatch):
+    """Sides off the kernel's tiles and blocks (70 channels: 64 + 6, padded to 80; 262 inputs:
+    a block of 256 and 6 more, padded to 264), against exact integer sums; the AVX2 build too
+    where the CPU has VNNI; the float32 fallback (no kernel) agrees."""
+    if build == "AVX2":
+        monkeypatch.setenv("MMCLI_CPU_KERNEL", "avx2")
+    cpu_kernel.load.cache_clear()
+    try:
+        assert cpu_kernel.load()[0] is not None, cpu_kernel.load()[1]
+        layer, reference = _int8_layer(70, 262, rows)
+        x = torch.randn(rows, 262, generator=torch.Generator().manual_seed(100 + rows))
+        expected = _int8_expected(layer, x)
+        torch.testing.assert_close(layer(x).double(), expected, rtol=1e-6, atol=1e-5)
+        monkeypatch.setenv("MMCLI_CPU_KERNEL", "0")
+        cpu_kernel.load.cache_clear()
+        torch.testing.assert_close(layer(x).double(), expected, rtol=1e-6, atol=1e-5)
+        # and the quantization itself: within half a step of each weight's own channel scale
+        exact = x.double() @ reference["weight"].double().t() + reference["bias"].double()
+        assert (layer(x).double() - exact).abs().max() < 0.05 * exact.abs().max()
+    finally:
+        monkeypatch.undo()
+        cpu_kernel.load.cache_clear()

@@ -16,7 +16,7 @@ from mmcli.cli.app import app
 from mmcli.config import load_config
 from mmcli.engine.grammar import AfterReasoning
 from mmcli.engine.runner import PrefillItem
-from mmcli.model.linear import Linear, can_quantize
+from mmcli.model.linear import Linear
 from mmcli.model.quantize import _mixer_inputs, fold_norm
 from mmcli.testing import EXAMPLE_SCHEMA
 
@@ -217,7 +217,6 @@ def test_folding_norms_that_scale_by_one_plus_weight_is_exact(qwen3_5_dir):
     torch.testing.assert_close(_image_logits(labeler), before, atol=1e-4, rtol=0)
 
 
-@pytest.mark.skipif(not can_quantize(), reason="no fbgemm in this torch")
 def test_int8_runs_the_hybrid_layers_close_to_float32(qwen3_5_dir):
     reference = _image_logits(
         Labeler.from_pretrained(str(qwen3_5_dir), dtype="float32", device="cpu")

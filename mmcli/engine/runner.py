@@ -28,7 +28,7 @@ from mmcli.model import cpu_kernel
 from mmcli.model.attention import choose_block_attention
 from mmcli.model.cache import AttentionBatch, DecoderCache
 from mmcli.model.config import ModelConfig
-from mmcli.model.linear import KERNEL_ROWS, can_quantize, pack_linears
+from mmcli.model.linear import KERNEL_ROWS, int8_kernel_name, pack_linears
 from mmcli.model.prepared import PreparedWeights
 from mmcli.model.quantize import quantize_model
 from mmcli.model.qwen3_5 import delta_rule
@@ -48,14 +48,14 @@ def prepare_weights(
         count = sum(getattr(m, "kernel", "") == "int4" for m in model.modules())
         return f"int4 ({count} linears and the MoE experts, torch's int4 CPU kernel)"
     if quantize == "int8":
-        if device.type != "cpu" or compiled or not can_quantize():
+        if device.type != "cpu" or compiled:
             raise ConfigError(
-                "quantize int8 runs on the CPU with the eager backend and fbgemm (x86); this run "
-                f"has device {device.type}, compiled {compiled}, fbgemm {can_quantize()}"
+                "quantize int8 runs on the CPU with the eager backend; this run has device "
+                f"{device.type}, compiled {compiled}"
             )
         if prepared is not None:
             return f"int8 ({prepared.quantize(model)})"
-        return f"int8 ({quantize_model(model)} linears, fbgemm)"
+        return f"int8 ({quantize_model(model)} linears, {int8_kernel_name()})"
     if compiled:
         return "plain (traced into the compiled graphs)"
     if device.type == "cpu" and pack_linears(model):

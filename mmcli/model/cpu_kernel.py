@@ -1,5 +1,6 @@
-"""The bfloat16-weight, float32-activation linear for few rows (decode), built from
-`bf16_linear.c` on first use.
+"""Our two CPU linear kernels, built on first use: `bf16_linear.c`, bfloat16 weights with float32
+activations for few rows (decode), and `int8_linear.c`, int8 weights in a layout that is stored as
+it runs.
 
 PyTorch has no such kernel on AVX2 CPUs: its bfloat16 GEMM rounds the activations, and converting
 weights in one call and multiplying in another costs as much as reading float32 weights. This kernel
@@ -9,8 +10,9 @@ float32.
 
 It is compiled with the system C compiler (as Inductor compiles its CPU kernels) into
 ~/.cache/mmcli/kernels, linked to the OpenMP runtime torch itself loaded so that both share one
-thread pool. Where the CPU lacks AVX2/FMA, no compiler is found or the build fails, `load` returns
-None with the reason and the caller keeps the portable path.
+thread pool; with AVX-512 VNNI where the CPU has it (int8's vpdpbusd). Where the CPU lacks
+AVX2/FMA, no compiler is found or the build fails, `load` returns None with the reason and the
+caller keeps the portable path.
 """
 
 from __future__ import annotations
@@ -28,8 +30,21 @@ import torch
 
 from mmcli.model.hub import mmcli_cache
 
-SOURCE = Path(__file__).with_name("bf16_linear.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("bf16_linear.c", "int8_linear.c")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+
+
+def has_vnni() -> bool:
+    """AVX-512 VNNI (and BW), from the kernel's CPU flags; MMCLI_CPU_KERNEL=avx2 leaves it out."""
+    if os.environ.get("MMCLI_CPU_KERNEL") == "avx2":
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
+    return {"avx512_vnni", "avx512bw", "avx512vl"} <= set(flags)
 
 
 def cache_dir() -> Path:
@@ -48,12 +63,13 @@ def why_unavailable() -> str | None:
 
 
 def _build(compiler: str, torch_lib: Path) -> Path:
-    command = [compiler, *FLAGS, str(SOURCE)]
+    command = [compiler, *FLAGS, *(VNNI_FLAGS if has_vnni() else []), *map(str, SOURCES)]
     # torch's own OpenMP runtime, already loaded: one thread pool
     if (torch_lib / "libgomp.so.1").exists():
         command += [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(command).encode()).hexdigest()[:16]
-    target = cache_dir() / f"bf16_linear-{digest}.so"
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    digest = hashlib.sha256(sources + " ".join(command).encode()).hexdigest()[:16]
+    target = cache_dir() / f"linear-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # built aside, renamed: concurrent runs are safe
@@ -80,12 +96,19 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         detail = getattr(error, "stderr", b"") or b""
         return (
             None,
-            f"building {SOURCE.name} failed: {error} "
+            f"building {' and '.join(s.name for s in SOURCES)} failed: {error} "
             f"{detail.decode(errors='replace')[:300]}".strip(),
         )
     library.bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     library.bf16_linear.restype = None
+    library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    library.int8_linear.restype = None
     return library, ""
+
+
+def name() -> str:
+    """Which build runs here, in words."""
+    return "AVX-512 VNNI" if has_vnni() else "AVX2"
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -102,6 +125,30 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out.data_ptr(),
         rows,
         weight.shape[0],
+        width,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def int8_linear(x: torch.Tensor, x_scale: torch.Tensor, weight) -> torch.Tensor:
+    """x (rows, padded in) uint8 (7-bit levels plus 64) with a float32 scale a row, @ an
+    Int8Weight (linear.py); float32 (rows, padded out) out."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    rows, width = x.shape
+    out = torch.empty(rows, weight.values.shape[0], dtype=torch.float32)
+    library.int8_linear(
+        x.data_ptr(),
+        x_scale.data_ptr(),
+        weight.values.data_ptr(),
+        weight.sums.data_ptr(),
+        weight.scale.data_ptr(),
+        weight.bias.data_ptr(),
+        out.data_ptr(),
+        rows,
+        out.shape[1],
         width,
         torch.get_num_threads(),
     )

@@ -9,17 +9,17 @@
   stays in cache, then multiplied. A bfloat16 value converts to float32 exactly, so the numbers are
   those of the float32 path. MKL's kernel choice depends on the orientation, so the product is taken
   as x @ chunk.T or (chunk @ x.T).T by row count.
-- int8: 8-bit weights with a scale per output channel (fbgemm's packed weights) and dynamic 8-bit
-  activations with a scale per token: each row is divided by its own largest magnitude before
-  fbgemm's dynamic quantization (which takes one scale per call), so a token with large values never
-  coarsens the others.
+- int8: 8-bit weights with a scale per output channel, in the layout our kernel reads
+  (int8_linear.c), so that they load as stored (fbgemm's packed weights cannot be stored, and
+  packing them took longer than the rest of a one-image ask); activations quantized on the fly to
+  7 bits with a scale per token, so a token with large values never coarsens the others.
 
 bench/cpu.py prints what each kernel gives on the machine it runs on (docs/performance.md).
 """
 
 from __future__ import annotations
 
-import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,12 +43,6 @@ def can_pack(weight: torch.Tensor) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
-
-
-def can_quantize() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
-        torch.ops.quantized, "linear_dynamic"
     )
 
 
@@ -91,24 +85,49 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def quantize_int8(weight: torch.Tensor):
-    """fbgemm's packed int8 weight with one scale per output channel (symmetric: largest
-    magnitude -> 127)."""
+@dataclass
+class Int8Weight:
+    """A layer's int8 weights in the kernel's layout (int8_linear.c: groups of 16 output channels,
+    4 input channels interleaved; out_features padded to 16, in_features to 4 with zeros), as
+    computed and as the prepared file stores them: the kernel runs them as they are."""
+
+    values: torch.Tensor  # int8 [padded out, padded in], in the kernel's order
+    scale: torch.Tensor  # float32 per output channel (zero for padding)
+    sums: torch.Tensor  # int32: each output channel's sum of values
+    bias: torch.Tensor  # float32 (zeros when the layer has none)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"values": self.values, "scale": self.scale, "sums": self.sums, "bias": self.bias}
+
+    def rows(self) -> torch.Tensor:
+        """The values as [padded out, padded in] rows (a strided view of the kernel's layout)."""
+        n, k = self.values.shape
+        return self.values.view(n // 16, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(n, k)
+
+
+def _padded(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+def quantize_int8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Weight:
+    """Symmetric int8 with one scale per output channel (largest magnitude -> 127), in the
+    kernel's layout."""
     w = weight.detach().float()
-    scale = (w.abs().amax(1) / 127).clamp_min(1e-12).double()
-    zero = torch.zeros(w.shape[0], dtype=torch.long)
-    # deprecated for new code, but fbgemm's prepack takes only a quantized tensor
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
-    return torch.ops.quantized.linear_prepack(q, None)
-
-
-def pack_int8(values: torch.Tensor, scale: torch.Tensor):
-    """fbgemm's packed weight from int8 values and their per-channel scales (as stored)."""
-    zero = torch.zeros(len(scale), dtype=torch.long)
-    q = torch._make_per_channel_quantized_tensor(values, scale, zero, 0)
-    return torch.ops.quantized.linear_prepack(q, None)
+    out_features, in_features = w.shape
+    n, k = _padded(out_features, 16), _padded(in_features, 4)
+    scale = torch.zeros(n)
+    scale[:out_features] = torch.maximum(w.amax(1), w.amin(1).neg()).div_(127).clamp_min_(1e-12)
+    rows = torch.zeros(n, k, dtype=torch.int8)
+    rows[:out_features, :in_features] = w.div(scale[:out_features, None]).round_()
+    full_bias = torch.zeros(n)
+    if bias is not None:
+        full_bias[:out_features] = bias.detach().float()
+    return Int8Weight(
+        values=rows.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n, k),
+        scale=scale,
+        sums=rows.sum(1, dtype=torch.int32),
+        bias=full_bias,
+    )
 
 
 def _rows_buffer(shape: torch.Size) -> torch.Tensor:
@@ -122,32 +141,55 @@ def _rows_buffer(shape: torch.Size) -> torch.Tensor:
     return held[:rows]
 
 
+def int8_shape(linear: nn.Linear) -> tuple[int, int]:
+    """The shape of a layer's int8 values: its sides padded for the kernel."""
+    return _padded(linear.out_features, 16), _padded(linear.in_features, 4)
+
+
+def int8_kernel_name() -> str:
+    library, reason = cpu_kernel.load()
+    if library is None:
+        return f"int8 in float32 ({reason})"
+    return f"int8_linear.c ({cpu_kernel.name()})"
+
+
+# activations take 7 bits (-63..63): the kernel's AVX2 path multiplies them without saturating
+X_MAX = 63
+
+
 def int8_linear(
-    x: torch.Tensor, packed, out_features: int, bias: torch.Tensor | None, per_token: bool = True
+    x: torch.Tensor, weight: Int8Weight, out_features: int, per_token: bool = True
 ) -> torch.Tensor:
-    """x @ W.T with fbgemm's dynamic int8 GEMM; with per_token each row gets its own activation
-    scale."""
+    """x @ W.T with the activations quantized on the fly, each row with its own scale (or one
+    for the call without `per_token`), summed exactly in int32 by int8_linear.c where it builds,
+    else by the same arithmetic in float32 (exact while the sums stay under 2**24)."""
     x2 = x.reshape(-1, x.shape[-1]).float()
-    if per_token:
-        # Each row's largest magnitude as max(max, -min): two vectorised reductions, no |x| copy.
-        # The scaled rows go to a reused buffer, the output is rescaled (and biased) in place.
-        scale = torch.maximum(x2.amax(1, keepdim=True), x2.amin(1, keepdim=True).neg_())
-        scaled = torch.div(x2, scale.clamp_min_(1e-12), out=_rows_buffer(x2.shape))
-        y = torch.ops.quantized.linear_dynamic(scaled, packed, True).mul_(scale)
+    rows, k = x2.shape[0], weight.values.shape[1]
+    scale = torch.maximum(x2.amax(1, keepdim=True), x2.amin(1, keepdim=True).neg_())
+    if not per_token:
+        scale = scale.amax().expand(rows, 1)
+    scale = scale.div(X_MAX).clamp_min_(1e-12)
+    levels = torch.div(x2, scale, out=_rows_buffer(x2.shape)).round_()
+    if cpu_kernel.load()[0] is not None:
+        unsigned = torch.full((rows, k), X_MAX + 1, dtype=torch.uint8)
+        unsigned[:, : x2.shape[1]] = levels.add_(X_MAX + 1)
+        y = cpu_kernel.int8_linear(unsigned, scale.reshape(rows).contiguous(), weight)
     else:
-        y = torch.ops.quantized.linear_dynamic(x2, packed, True)
-    if bias is not None:
-        y.add_(bias)
+        padded = torch.nn.functional.pad(levels, (0, k - x2.shape[1]))
+        y = upcast_linear(padded, weight.rows(), None).mul_(scale).mul_(weight.scale)
+        y.add_(weight.bias)
+    if y.shape[1] != out_features:
+        y = y[:, :out_features]
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
 class Linear(nn.Linear):
     """nn.Linear whose kernel the runner's `prepare_weights` chooses: packed (oneDNN float32),
-    upcast (bfloat16 weight, float32 compute), int8 (fbgemm), or plain (PyTorch's; on the CPU in
-    float32, 2-16 rows as weight @ x.T, where MKL takes a GEMV-like kernel)."""
+    upcast (bfloat16 weight, float32 compute), int8 (int8_linear.c), or plain (PyTorch's; on the
+    CPU in float32, 2-16 rows as weight @ x.T, where MKL takes a GEMV-like kernel)."""
 
     kernel = "plain"
-    packed_weight = None  # oneDNN's blocked float32 weight, or fbgemm's packed int8 one
+    packed_weight = None  # oneDNN's blocked float32 weight, an Int8Weight or int4's
     per_token = True
 
     def pack(self) -> None:
@@ -158,21 +200,13 @@ class Linear(nn.Linear):
         self.weight, self.kernel = None, "packed"
 
     def quantize(self, prepared: dict[str, torch.Tensor] | None = None) -> None:
-        """int8 weights, quantized from this layer's weight alone (no float32 copy of the model
-        is made), or packed from `prepared` values, scale (and bias) written by an earlier run."""
+        """int8 weights (and the bias beside them), quantized from this layer's weight alone (no
+        float32 copy of the model is made), or as `prepared` holds them from an earlier run."""
         if prepared is None:
-            self.packed_weight = quantize_int8(self.weight)
+            self.packed_weight = quantize_int8(self.weight, self.bias)
         else:
-            self.packed_weight = pack_int8(prepared["values"], prepared["scale"])
-            if "bias" in prepared:
-                self.bias = nn.Parameter(prepared["bias"], requires_grad=False)
-        self.weight, self.kernel = None, "int8"
-
-    def int8_prepared(self) -> dict[str, torch.Tensor]:
-        """What `quantize(prepared)` takes back: the int8 values, their scales and the bias."""
-        q, _ = torch.ops.quantized.linear_unpack(self.packed_weight)
-        out = {"values": q.int_repr(), "scale": q.q_per_channel_scales()}
-        return out if self.bias is None else {**out, "bias": self.bias.detach()}
+            self.packed_weight = Int8Weight(**prepared)
+        self.weight, self.bias, self.kernel = None, None, "int8"
 
     def quantize_int4(self) -> None:
         """4-bit weights with a scale and zero per group of input channels (model/int4.py)."""
@@ -187,7 +221,7 @@ class Linear(nn.Linear):
                 x, self.packed_weight, self.bias, "none", [], ""
             )
         if self.kernel == "int8":
-            return int8_linear(x, self.packed_weight, self.out_features, self.bias, self.per_token)
+            return int8_linear(x, self.packed_weight, self.out_features, self.per_token)
         if self.weight.dtype != x.dtype:
             return upcast_linear(x, self.weight, self.bias)
         if (
@@ -229,8 +263,7 @@ def quantize_linears(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
 
 def held_bytes(model: nn.Module) -> int:
     """Bytes the model's weights take as held: every tensor's storage once (a tied weight is
-    shared), plus the packed oneDNN and fbgemm weights (int8 values, and a float64 scale and
-    int64 zero point per output channel)."""
+    shared), plus the packed oneDNN, int8 and int4 weights."""
     storages = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         if tensor.device.type != "meta":
@@ -241,7 +274,7 @@ def held_bytes(model: nn.Module) -> int:
         if isinstance(layer, Linear) and layer.kernel == "packed":
             total += layer.packed_weight.numel() * layer.packed_weight.element_size()
         elif isinstance(layer, Linear) and layer.kernel == "int8":
-            total += layer.in_features * layer.out_features + 16 * layer.out_features
+            total += sum(t.nbytes for t in layer.packed_weight.tensors().values())
         elif isinstance(layer, Linear) and layer.kernel == "int4":
             total += layer.packed_weight.nbytes
     total += sum(getattr(m, "int4_bytes", 0) for m in model.modules())  # MoE experts

@@ -24,9 +24,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from mmcli.model.linear import int8_kernel_name as kernel_name
+from mmcli.model.linear import int8_shape
 from mmcli.model.quantize import int8_linears, quantize_model
 
-RECIPE = "int8: symmetric per output channel, norms folded into the linears that read them"
+RECIPE = (
+    "int8: symmetric per output channel, norms folded into the linears that read them; "
+    "int8_linear.c's layout"
+)
 # the code whose output the file holds
 CODE = ("quantize.py", "linear.py", "prepared.py")
 
@@ -71,14 +76,14 @@ class PreparedWeights:
         prepared, problem = self._read(model)
         if prepared is not None:
             count = quantize_model(model, prepared)
-            return f"{count} linears, fbgemm; prepared weights read from {self.file}"
+            return f"{count} linears, {kernel_name()}; prepared weights read from {self.file}"
         if problem is not None:
             print(
                 f"mmcli: prepared weights {self.file}: {problem}; preparing again", file=sys.stderr
             )
         count = quantize_model(model)
         written = self._write(model)
-        return f"{count} linears, fbgemm; {written}"
+        return f"{count} linears, {kernel_name()}; {written}"
 
     def _read(self, model) -> tuple[dict | None, str | None]:
         if not self.file.is_file():
@@ -101,8 +106,7 @@ class PreparedWeights:
             prepared.setdefault(module, {})[part] = tensor
         linears = int8_linears(model)
         shapes_match = set(prepared) == set(linears) and all(
-            tuple(prepared[n]["values"].shape) == (m.out_features, m.in_features)
-            for n, m in linears.items()
+            tuple(prepared[n]["values"].shape) == int8_shape(m) for n, m in linears.items()
         )
         return (prepared, None) if shapes_match else (None, "not this model's linears")
 
@@ -110,7 +114,7 @@ class PreparedWeights:
         tensors = {
             f"{name}.{part}": value.contiguous()
             for name, linear in int8_linears(model).items()
-            for part, value in linear.int8_prepared().items()
+            for part, value in linear.packed_weight.tensors().items()
         }
         metadata = {"key": json.dumps(self.key), "crc32": _checksum(tensors)}
         # this process's own name: runs on two hosts sharing the cache may have equal pids

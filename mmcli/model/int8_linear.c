@@ -1,0 +1,128 @@
+/* y = (x @ w.T) * x_scale[m] * w_scale[n] + bias[n], summed exactly in int32: the int8 kernel cpu_kernel.py builds.
+
+   x: M rows of Kp bytes, each activation a 7-bit integer in [-63, 63] stored plus 64 (so unsigned, in [1, 127]).
+   w: the weights in the layout linear.py's quantize_int8 writes and the prepared file stores as it is: groups of 16
+   output channels, and in each group, for every 4 input channels, the 16 channels' 4 bytes (the operand layout of
+   vpdpbusd; Np a multiple of 16, Kp of 4, zero padded). A weight lies in [-127, 127]. w_sum[n] is the sum of row
+   n: the 64 added to x is taken off as 64 * w_sum[n]. Activations of 7 bits keep vpmaddubsw (AVX2) from saturating:
+   a pair of products is at most 2 * 127 * 127, within int16. With AVX-512 VNNI one vpdpbusd does the 64 products
+   and sums of a 16-channel, 4-input step; both paths give the same integers. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef KC
+#define KC 256 /* inputs per block, a multiple of 4 */
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define MR 6  /* x rows per tile */
+#define NV 4  /* vectors per tile: 64 output channels */
+#define VLEN 16
+typedef __m512i ivec;
+static inline ivec izero(void) { return _mm512_setzero_si512(); }
+static inline ivec iload(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline void istore(int32_t *p, ivec v) { _mm512_storeu_si512((void *)p, v); }
+static inline ivec wload(const int8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline ivec xbroadcast(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+static inline ivec dot4(ivec acc, ivec x, ivec w) { return _mm512_dpbusd_epi32(acc, x, w); }
+static inline void store(float *y, ivec acc, const int32_t *w_sum, const float *w_scale, const float *bias, float xs) {
+    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_slli_epi32(_mm512_loadu_si512(w_sum), 6)));
+    v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs)), _mm512_loadu_ps(w_scale));
+    _mm512_storeu_ps(y, _mm512_add_ps(v, _mm512_loadu_ps(bias)));
+}
+#else
+#define MR 4
+#define NV 2  /* 16 output channels: one group */
+#define VLEN 8
+typedef __m256i ivec;
+static inline ivec izero(void) { return _mm256_setzero_si256(); }
+static inline ivec iload(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void istore(int32_t *p, ivec v) { _mm256_storeu_si256((__m256i *)p, v); }
+static inline ivec wload(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline ivec xbroadcast(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+static inline ivec dot4(ivec acc, ivec x, ivec w) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), _mm256_set1_epi16(1)));
+}
+static inline void store(float *y, ivec acc, const int32_t *w_sum, const float *w_scale, const float *bias, float xs) {
+    __m256i sums = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)w_sum), 6);
+    __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, sums));
+    v = _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(xs)), _mm256_loadu_ps(w_scale));
+    _mm256_storeu_ps(y, _mm256_add_ps(v, _mm256_loadu_ps(bias)));
+}
+#endif
+
+/* Output channels n0 .. n0 + nv * VLEN of rows x[0 .. mr), over inputs k0 .. k1: the int32 sums so far are kept in
+   y's own memory (as int32) between input blocks, and the last block writes the scaled float32 values over them. */
+static inline __attribute__((always_inline)) void tile(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0,
+                                                       int64_t k1, int64_t n0, int mr, int nv, const float *x_scale,
+                                                       const int32_t *w_sum, const float *w_scale, const float *bias,
+                                                       float *y, int64_t ldy) {
+    const int8_t *column[NV];
+    for (int j = 0; j < nv; j++) { /* vector j: its group of 16, and its place in that group */
+        int64_t c = n0 + j * VLEN;
+        column[j] = w + (c / 16) * Kp * 16 + (c % 16) * 4;
+    }
+    ivec acc[MR][NV];
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < nv; j++) acc[m][j] = k0 ? iload((const int32_t *)(y + m * ldy + n0 + j * VLEN)) : izero();
+    for (int64_t k = k0; k < k1; k += 4) {
+        ivec wv[NV];
+        for (int j = 0; j < nv; j++) wv[j] = wload(column[j] + k * 16);
+        for (int m = 0; m < mr; m++) {
+            ivec xb = xbroadcast(x + m * Kp + k);
+            for (int j = 0; j < nv; j++) acc[m][j] = dot4(acc[m][j], xb, wv[j]);
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < nv; j++) {
+            int64_t c = n0 + j * VLEN;
+            if (k1 < Kp) istore((int32_t *)(y + m * ldy + c), acc[m][j]);
+            else store(y + m * ldy + c, acc[m][j], w_sum + c, w_scale + c, bias + c, x_scale[m]);
+        }
+}
+
+#define TILE(R, V) tile(x, w, Kp, k0, k1, n0, R, V, x_scale, w_sum, w_scale, bias, y, ldy)
+#define ROWS(R) case R: if (nv == NV) TILE(R, NV); else TILE(R, 1); break;
+
+/* Constant tile sizes, so that the accumulators stay in registers. */
+static void tile_any(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int64_t n0, int mr, int nv,
+                     const float *x_scale, const int32_t *w_sum, const float *w_scale, const float *bias, float *y,
+                     int64_t ldy) {
+    switch (mr) {
+    ROWS(1) ROWS(2) ROWS(3)
+#if MR > 4
+    ROWS(4) ROWS(5) default: if (nv == NV) TILE(6, NV); else TILE(6, 1);
+#else
+    default: if (nv == NV) TILE(4, NV); else TILE(4, 1);
+#endif
+    }
+}
+
+/* Output channels n0 .. n0 + nv * VLEN of every row, a block of KC inputs at a time: the block's weights (nv * VLEN
+   x KC bytes) stay in L1 while every row passes over them. */
+static void columns(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t n0, int nv, int64_t M,
+                    const float *x_scale, const int32_t *w_sum, const float *w_scale, const float *bias, float *y,
+                    int64_t Np) {
+    for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
+        int64_t k1 = k0 + KC < Kp ? k0 + KC : Kp;
+        for (int64_t m = 0; m < M; m += MR) {
+            int mr = M - m >= MR ? MR : (int)(M - m);
+            tile_any(x + m * Kp, w, Kp, k0, k1, n0, mr, nv, x_scale + m, w_sum, w_scale, bias, y + m * Np, Np);
+        }
+    }
+}
+
+/* y is M x Np float32; w_sum, w_scale and bias hold Np values (zero past the layer's own channels). */
+void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum, const float *w_scale,
+                 const float *bias, float *y, int64_t M, int64_t Np, int64_t Kp, int threads) {
+    const int64_t width = NV * VLEN, tiles = (Np + width - 1) / width;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n0 = t * width;
+        if (Np - n0 >= width)
+            columns(x, w, Kp, n0, NV, M, x_scale, w_sum, w_scale, bias, y, Np);
+        else /* a last, narrower tile: a vector at a time */
+            for (int64_t n = n0; n < Np; n += VLEN) columns(x, w, Kp, n, 1, M, x_scale, w_sum, w_scale, bias, y, Np);
+    }
+}
