@@ -103,6 +103,9 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     library.bf16_linear.restype = None
     library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     library.int8_linear.restype = None
+    library.quantize_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+    library.quantize_rows.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    library.quantize_rows.restype = None
     return library, ""
 
 
@@ -131,25 +134,32 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def int8_linear(x: torch.Tensor, x_scale: torch.Tensor, weight) -> torch.Tensor:
-    """x (rows, padded in) uint8 (7-bit levels plus 64) with a float32 scale a row, @ an
-    Int8Weight (linear.py); float32 (rows, padded out) out."""
+def int8_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """x (rows, in) float32, contiguous, @ an Int8Weight (linear.py), each row quantized to 7 bits
+    with its own scale on the way; float32 (rows, padded out) out."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
     rows, width = x.shape
-    out = torch.empty(rows, weight.values.shape[0], dtype=torch.float32)
+    padded_out, padded_in = weight.values.shape
+    threads = torch.get_num_threads()
+    levels = torch.empty(rows, padded_in, dtype=torch.uint8)
+    scale = torch.empty(rows)
+    library.quantize_rows(
+        x.data_ptr(), rows, width, levels.data_ptr(), padded_in, scale.data_ptr(), threads
+    )
+    out = torch.empty(rows, padded_out)
     library.int8_linear(
-        x.data_ptr(),
-        x_scale.data_ptr(),
+        levels.data_ptr(),
+        scale.data_ptr(),
         weight.values.data_ptr(),
         weight.sums.data_ptr(),
         weight.scale.data_ptr(),
         weight.bias.data_ptr(),
         out.data_ptr(),
         rows,
-        out.shape[1],
-        width,
-        torch.get_num_threads(),
+        padded_out,
+        padded_in,
+        threads,
     )
     return out

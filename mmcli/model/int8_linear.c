@@ -9,6 +9,7 @@
    and sums of a 16-channel, 4-input step; both paths give the same integers. */
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #ifndef KC
@@ -124,5 +125,37 @@ void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const 
             columns(x, w, Kp, n0, NV, M, x_scale, w_sum, w_scale, bias, y, Np);
         else /* a last, narrower tile: a vector at a time */
             for (int64_t n = n0; n < Np; n += VLEN) columns(x, w, Kp, n, 1, M, x_scale, w_sum, w_scale, bias, y, Np);
+    }
+}
+
+/* Each row of x (M x K float32) to int8_linear's activations: its scale (largest magnitude / 63, at least 1e-12) in
+   x_scale[m], and its values divided by it, rounded to the nearest (ties to even) and offset by 64, into q (M x Kp,
+   the padding 64: zero). The same arithmetic as linear.py's float32 path, in one pass over x. */
+void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp, float *x_scale, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        uint8_t *out = q + m * Kp;
+        __m256 top = _mm256_setzero_ps();
+        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(row + k), magnitude));
+        float lanes[8], largest = 0.0f;
+        _mm256_storeu_ps(lanes, top);
+        for (int i = 0; i < 8; i++) largest = lanes[i] > largest ? lanes[i] : largest;
+        for (; k < K; k++) largest = fabsf(row[k]) > largest ? fabsf(row[k]) : largest;
+        float s = largest / 63.0f;
+        s = s < 1e-12f ? 1e-12f : s;
+        x_scale[m] = s;
+        const __m256 vs = _mm256_set1_ps(s);
+        for (k = 0; k + 8 <= K; k += 8) {
+            __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + k), vs),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m256i i = _mm256_add_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(64));
+            __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+            _mm_storel_epi64((__m128i *)(out + k), _mm_packus_epi16(words, words));
+        }
+        for (; k < K; k++) out[k] = (uint8_t)((int32_t)__builtin_roundevenf(row[k] / s) + 64);
+        for (; k < Kp; k++) out[k] = 64;
     }
 }

@@ -163,19 +163,16 @@ def int8_linear(
     """x @ W.T with the activations quantized on the fly, each row with its own scale (or one
     for the call without `per_token`), summed exactly in int32 by int8_linear.c where it builds,
     else by the same arithmetic in float32 (exact while the sums stay under 2**24)."""
-    x2 = x.reshape(-1, x.shape[-1]).float()
-    rows, k = x2.shape[0], weight.values.shape[1]
-    scale = torch.maximum(x2.amax(1, keepdim=True), x2.amin(1, keepdim=True).neg_())
-    if not per_token:
-        scale = scale.amax().expand(rows, 1)
-    scale = scale.div(X_MAX).clamp_min_(1e-12)
-    levels = torch.div(x2, scale, out=_rows_buffer(x2.shape)).round_()
-    if cpu_kernel.load()[0] is not None:
-        unsigned = torch.full((rows, k), X_MAX + 1, dtype=torch.uint8)
-        unsigned[:, : x2.shape[1]] = levels.add_(X_MAX + 1)
-        y = cpu_kernel.int8_linear(unsigned, scale.reshape(rows).contiguous(), weight)
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    if per_token and cpu_kernel.load()[0] is not None:
+        y = cpu_kernel.int8_linear(x2, weight)
     else:
-        padded = torch.nn.functional.pad(levels, (0, k - x2.shape[1]))
+        scale = torch.maximum(x2.amax(1, keepdim=True), x2.amin(1, keepdim=True).neg_())
+        if not per_token:
+            scale = scale.amax().expand(x2.shape[0], 1)
+        scale = scale.div(X_MAX).clamp_min_(1e-12)
+        levels = torch.div(x2, scale, out=_rows_buffer(x2.shape)).round_()
+        padded = torch.nn.functional.pad(levels, (0, weight.values.shape[1] - x2.shape[1]))
         y = upcast_linear(padded, weight.rows(), None).mul_(scale).mul_(weight.scale)
         y.add_(weight.bias)
     if y.shape[1] != out_features:
@@ -233,6 +230,13 @@ class Linear(nn.Linear):
             return super().forward(x)
         y = (self.weight @ x.t()).t()
         return y if self.bias is None else y + self.bias
+
+
+def embedding(count: int, width: int) -> nn.Embedding:
+    """An nn.Embedding left uninitialised, as its values always come from the checkpoint: the
+    random initialisation, even on the meta device, imports torch._dynamo (a second or more of
+    every load)."""
+    return nn.Embedding(count, width, _weight=torch.empty(count, width))
 
 
 def pack_linears(model: nn.Module) -> int:

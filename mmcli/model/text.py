@@ -13,7 +13,7 @@ from torch import nn
 
 from mmcli.model.cache import AttentionBatch, DecoderCache
 from mmcli.model.config import TextConfig
-from mmcli.model.linear import Linear
+from mmcli.model.linear import Linear, embedding
 from mmcli.model.moe import MLP, SparseMoeBlock
 from mmcli.model.qwen3_5.gated_delta_net import GatedDeltaNet
 from mmcli.model.rope import apply_rotary
@@ -181,7 +181,7 @@ class DecoderLayer(nn.Module):
 class TextDecoder(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, cfg.is_linear(i), cfg.is_sparse(i))
             for i in range(cfg.num_hidden_layers)

@@ -15,7 +15,7 @@ from torch import nn
 
 from mmcli.model.attention import BlockAttention, segment_attention
 from mmcli.model.config import VisionConfig
-from mmcli.model.linear import Linear
+from mmcli.model.linear import Linear, embedding
 from mmcli.model.rope import apply_rotary
 
 # q, k, v [..., N, heads, d] -> out
@@ -164,7 +164,7 @@ class VisionTower(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.pos_embed = embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
