@@ -108,13 +108,14 @@ def teacher_forced(
     }
 
 
-def run(args, *worker_args: str) -> tuple[dict, float]:
+def run(args, *worker_args: str, env: dict | None = None) -> tuple[dict, float]:
     start = time.perf_counter()
     out = subprocess.run(
         [sys.executable, __file__, *worker_args, "--cache-dir", str(args.cache_dir)]
         + (["--smoke"] if args.smoke else []),
         capture_output=True,
         text=True,
+        env=env,
     )
     if out.returncode:
         sys.exit(f"{' '.join(worker_args[:2])} failed:\n{out.stderr[-3000:]}")
@@ -199,28 +200,53 @@ def evict(ckpt: Path) -> None:
             os.close(fd)
 
 
+def ask_flops(cfg, image_tokens: int, input_tokens: int) -> tuple[float, int, int]:
+    """The ask's prefill FLOPs (the vision tower's linears on every patch, its mergers on the
+    merged tokens, both towers' attention products, the decoder's linears on every prompt token
+    and the lm_head on the last), with the decoder's and the head's parameter counts."""
+    from mmcli.model.checkpoint import expected_shapes
+
+    shapes = expected_shapes(cfg)
+    count = {"patch": 0, "merged": 0, "text": 0}
+    for name, shape in shapes.items():
+        if name.startswith("model.visual.") and "pos_embed" not in name:
+            count["merged" if "merger" in name else "patch"] += math.prod(shape)
+        elif name.startswith("model.language_model.") and "embed" not in name:
+            count["text"] += math.prod(shape)
+    head = cfg.text.vocab_size * cfg.text.hidden_size
+    patches = image_tokens * cfg.vision.spatial_merge_size**2
+    full_layers = sum(not cfg.text.is_linear(i) for i in range(cfg.text.num_hidden_layers))
+    attention = 4 * patches**2 * cfg.vision.hidden_size * cfg.vision.depth  # QK^T and PV
+    # causal: half the products
+    attention += (
+        2 * input_tokens**2 * cfg.text.num_attention_heads * cfg.text.head_dim * full_layers
+    )
+    linears = count["patch"] * patches + count["merged"] * image_tokens
+    linears += count["text"] * input_tokens + head
+    return 2 * linears + attention, count["text"], head
+
+
+def split(label: str, timed: dict, wall: float, flops: float, peak: float) -> str:
+    """An instrumented ask's phases, and its vision and prefill against the matmul peak."""
+    s = timed["spent"]
+    start_s = wall - timed["load"] - timed["ask"]
+    return (
+        f"{label}: {wall:.1f} s = start {start_s:.1f} + load {timed['load']:.1f} + vision "
+        f"{s['vision']:.1f} + text prefill {s['prefill'] - s['vision']:.1f} + decode "
+        f"{s['decode']:.1f} + rest {timed['ask'] - s['prefill'] - s['decode']:.1f}; vision and "
+        f"prefill at {flops / peak / s['prefill']:.0%} of the matmul peak"
+    )
+
+
 def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
     """(b) and (c) for `mmcli ask`: the instrumented run, then the real command for its wall time
-    and peak RSS."""
-    from mmcli.model.checkpoint import expected_shapes
+    and peak RSS; the same at int8 on an empty cache (twice: the first prepares it)."""
     from mmcli.model.config import parse_config
 
-    timed, wall = run(
-        args, "--worker", "ask", "--ckpt", str(ckpt), "--image", str(image), "--settings", "{}"
-    )
-    command = [
-        shutil.which("mmcli") or "mmcli",
-        "ask",
-        "--model",
-        str(ckpt),
-        "--device",
-        "cpu",
-        "--image",
-        str(image),
-        "--max-new-tokens",
-        "16",
-        compare_hf.PROMPT,
-    ]
+    worker = ["--worker", "ask", "--ckpt", str(ckpt), "--image", str(image), "--settings"]
+    timed, wall = run(args, *worker, "{}")
+    command = [shutil.which("mmcli") or "mmcli", "ask", "--model", str(ckpt), "--device", "cpu"]
+    command += ["--image", str(image), "--max-new-tokens", "16", compare_hf.PROMPT]
     cli_wall, cli_rss = cli_ask(command)
     cold = {}
     for label, env in (("without read-ahead", {"MMCLI_READ_AHEAD": "0"}), ("with it", {})):
@@ -229,36 +255,22 @@ def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
     with tempfile.TemporaryDirectory() as cache:  # an empty cache: the first int8 ask prepares it
         env = {**os.environ, "XDG_CACHE_HOME": cache}
         int8 = [cli_ask([*command, "--quantize", "int8"], env) for _ in range(2)]
+        timed8, wall8 = run(args, *worker, json.dumps(PATHS["int8"]), env=env)
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
-    shapes = expected_shapes(cfg)
-    vision = sum(
-        math.prod(s) for n, s in shapes.items() if ".visual." in n or n.startswith("model.visual")
-    )
-    text = sum(
-        math.prod(s)
-        for n, s in shapes.items()
-        if n.startswith("model.language_model.") and "embed" not in n
-    )
-    head = cfg.text.vocab_size * cfg.text.hidden_size
-    patches = timed["image_tokens"] * cfg.vision.spatial_merge_size**2
-    flops = 2 * (vision * patches + (text + head / timed["input_tokens"]) * timed["input_tokens"])
+    flops, text, head = ask_flops(cfg, timed["image_tokens"], timed["input_tokens"])
     checkpoint_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     floor = {
         "read checkpoint": checkpoint_bytes / limits["bandwidth"],
         "compute": flops / limits["matmul_flops"],
         "decode weights": 15 * 2 * (text + head) / limits["bandwidth"],
     }
-    s = timed["spent"]
     start_s = wall - timed["load"] - timed["ask"]
     print(
         f"\n(b) mmcli ask, one 448x448 image, {timed['tokens']} tokens ({timed['input_tokens']} "
         "prompt tokens):"
     )
-    print(
-        f"instrumented: {wall:.1f} s = start {start_s:.1f} + load {timed['load']:.1f} + vision "
-        f"{s['vision']:.1f} + text prefill {s['prefill'] - s['vision']:.1f} + decode "
-        f"{s['decode']:.1f} + rest {timed['ask'] - s['prefill'] - s['decode']:.1f}"
-    )
+    print(split("instrumented", timed, wall, flops, limits["matmul_flops"]))
+    print(split("int8, instrumented (cache read)", timed8, wall8, flops, limits["matmul_flops"]))
     print(
         f"floor: {sum(floor.values()):.1f} s = "
         + " + ".join(f"{k} {v:.1f}" for k, v in floor.items())
