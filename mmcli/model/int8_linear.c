@@ -20,6 +20,8 @@
 #define MR 6  /* x rows per tile */
 #define NV 4  /* vectors per tile: 64 output channels */
 #define VLEN 16
+#define EACH_ROW(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define EACH_VECTOR(X, m) X(m, 0) X(m, 1) X(m, 2) X(m, 3)
 typedef __m512i ivec;
 static inline ivec izero(void) { return _mm512_setzero_si512(); }
 static inline ivec iload(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
@@ -36,6 +38,8 @@ static inline void store(float *y, ivec acc, const int32_t *w_sum, const float *
 #define MR 4
 #define NV 2  /* 16 output channels: one group */
 #define VLEN 8
+#define EACH_ROW(X) X(0) X(1) X(2) X(3)
+#define EACH_VECTOR(X, m) X(m, 0) X(m, 1)
 typedef __m256i ivec;
 static inline ivec izero(void) { return _mm256_setzero_si256(); }
 static inline ivec iload(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
@@ -83,6 +87,31 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *x, const i
         }
 }
 
+/* The same for a whole MR x NV tile, the hot path, with each accumulator a variable of its own: GCC keeps an array of
+   them in registers only with a copy to the stack at every step. */
+static void tile_full(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int64_t n0,
+                      const float *x_scale, const int32_t *w_sum, const float *w_scale, const float *bias, float *y,
+                      int64_t ldy) {
+    const int8_t *column[NV];
+    for (int j = 0; j < NV; j++) column[j] = w + ((n0 + j * VLEN) / 16) * Kp * 16 + ((n0 + j * VLEN) % 16) * 4;
+#define DECLARE(m, j) ivec a##m##j = k0 ? iload((const int32_t *)(y + m * ldy + n0 + j * VLEN)) : izero();
+#define DECLARE_ROW(m) EACH_VECTOR(DECLARE, m)
+    EACH_ROW(DECLARE_ROW)
+    for (int64_t k = k0; k < k1; k += 4) {
+#define LOAD(m, j) ivec w##j = wload(column[j] + k * 16);
+        EACH_VECTOR(LOAD, 0)
+#define DOT(m, j) a##m##j = dot4(a##m##j, xb, w##j);
+#define DOT_ROW(m) { ivec xb = xbroadcast(x + m * Kp + k); EACH_VECTOR(DOT, m) }
+        EACH_ROW(DOT_ROW)
+    }
+#define FINISH(m, j)                                                                                        \
+    if (k1 < Kp) istore((int32_t *)(y + m * ldy + n0 + j * VLEN), a##m##j);                                 \
+    else store(y + m * ldy + n0 + j * VLEN, a##m##j, w_sum + n0 + j * VLEN, w_scale + n0 + j * VLEN,          \
+               bias + n0 + j * VLEN, x_scale[m]);
+#define FINISH_ROW(m) EACH_VECTOR(FINISH, m)
+    EACH_ROW(FINISH_ROW)
+}
+
 #define TILE(R, V) tile(x, w, Kp, k0, k1, n0, R, V, x_scale, w_sum, w_scale, bias, y, ldy)
 #define ROWS(R) case R: if (nv == NV) TILE(R, NV); else TILE(R, 1); break;
 
@@ -109,7 +138,10 @@ static void columns(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t n0, i
         int64_t k1 = k0 + KC < Kp ? k0 + KC : Kp;
         for (int64_t m = 0; m < M; m += MR) {
             int mr = M - m >= MR ? MR : (int)(M - m);
-            tile_any(x + m * Kp, w, Kp, k0, k1, n0, mr, nv, x_scale + m, w_sum, w_scale, bias, y + m * Np, Np);
+            if (mr == MR && nv == NV)
+                tile_full(x + m * Kp, w, Kp, k0, k1, n0, x_scale + m, w_sum, w_scale, bias, y + m * Np, Np);
+            else
+                tile_any(x + m * Kp, w, Kp, k0, k1, n0, mr, nv, x_scale + m, w_sum, w_scale, bias, y + m * Np, Np);
         }
     }
 }
