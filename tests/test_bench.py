@@ -115,3 +115,14 @@ def test_moe_bench_smoke(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| MoE, first 4 layers, int4 |" in out.stdout and out.stdout.count("\nint") == 2
     assert "\ntiny dense, outlier channels x30 | " in out.stdout
+
+
+def test_int8_kernel_bench_smoke():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "int8_kernel.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| 37 x 80 x 264 |" in out.stdout

@@ -1,0 +1,89 @@
+"""int8's kernel against fbgemm's and float32's on the 2B model's shapes, in one run: GOP/s of
+mmcli's int8_linear.c (this CPU's build, and the AVX2 build where this CPU has VNNI), of fbgemm's
+dynamic int8 linear (`torch.ops.quantized.linear_dynamic`, packed beforehand) and of float32
+`x @ w.T`, with fbgemm's packing time per weight, which int8_linear.c does not need.
+
+python bench/int8_kernel.py [--smoke]"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+
+import torch
+
+from mmcli.model import cpu_kernel
+from mmcli.model.linear import Linear
+
+# (rows, out, in): decode, a few rows, the ask's prefill and vision, the decoder's down projection
+SHAPES = [(1, 6144, 2048), (8, 6144, 2048), (219, 6144, 2048), (784, 4304, 1152), (219, 2048, 6144)]
+SMOKE = [(1, 64, 96), (37, 80, 264)]
+
+
+def best(fn, tries: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(tries):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def ours(rows: int, out: int, width: int, build: str) -> float:
+    """Seconds per call of the int8 Linear (activations quantized in the call, as a run does)."""
+    os.environ["MMCLI_CPU_KERNEL"] = "avx2" if build == "AVX2" else "1"
+    cpu_kernel.load.cache_clear()
+    layer = Linear(width, out, bias=False).requires_grad_(False)
+    layer.quantize()
+    x = torch.randn(rows, width)
+    return best(lambda: layer(x))
+
+
+def fbgemm(rows: int, out: int, width: int) -> tuple[float, float]:
+    """Seconds per call of fbgemm's dynamic int8 linear, and of packing its weight once."""
+    weight = torch.randn(out, width)
+    scale = (weight.abs().amax(1) / 127).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_channel(
+            weight, scale, torch.zeros(out, dtype=torch.long), 0, torch.qint8
+        )
+    pack = best(lambda: torch.ops.quantized.linear_prepack(q, None), 2)
+    packed = torch.ops.quantized.linear_prepack(q, None)
+    x = torch.randn(rows, width)
+    return best(lambda: torch.ops.quantized.linear_dynamic(x, packed, True)), pack
+
+
+def float32(rows: int, out: int, width: int) -> float:
+    weight, x = torch.randn(out, width), torch.randn(rows, width)
+    return best(lambda: x @ weight.t())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes")
+    args = parser.parse_args()
+    if cpu_kernel.load()[0] is None:
+        raise SystemExit(f"int8_linear.c does not build here: {cpu_kernel.load()[1]}")
+    builds = [cpu_kernel.name()] + (["AVX2"] if cpu_kernel.has_vnni() else [])
+    has_fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
+    print(f"{torch.get_num_threads()} threads; GOP/s (2 x rows x out x in / s)")
+    print(f"| rows x out x in | {' | '.join(builds)} | fbgemm (its packing) | float32 |")
+    print("|---|" + "---|" * (len(builds) + 2))
+    for rows, out, width in SMOKE if args.smoke else SHAPES:
+        ops = 2 * rows * out * width
+        cells = [f"{ops / ours(rows, out, width, b) / 1e9:.0f}" for b in builds]
+        if has_fbgemm:
+            call, pack = fbgemm(rows, out, width)
+            cells.append(f"{ops / call / 1e9:.0f} ({pack * 1e3:.0f} ms)")
+        else:
+            cells.append("-")
+        cells.append(f"{ops / float32(rows, out, width) / 1e9:.0f}")
+        print(f"| {rows} x {out} x {width} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()
