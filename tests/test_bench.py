@@ -55,74 +55,47 @@ def test_vision_packing_bench_runs(tmp_path):
     assert "speed-up of packed blocks" in out.stdout
 
 
-@pytest.mark.slow
-def test_cpu_bench_smoke(tmp_path):
+def _smoke(script: str, *args: str) -> str:
+    """The bench's output in its smoke mode; it must exit 0."""
     out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "cpu.py"),
-            "--smoke",
-            "--skip-hf",
-            "--cache-dir",
-            str(tmp_path),
-        ],
+        [sys.executable, str(ROOT / "bench" / script), "--smoke", *args],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_cpu_bench_smoke(tmp_path):
+    stdout = _smoke("cpu.py", "--skip-hf", "--cache-dir", str(tmp_path))
     assert (
-        "(a) images/s" in out.stdout
-        and "(b) mmcli ask" in out.stdout
-        and "int8: the first ask" in out.stdout
-        and "cold (the checkpoint's pages dropped" in out.stdout
-        and "outlier channels x30" in out.stdout
+        "(a) images/s" in stdout
+        and "(b) mmcli ask" in stdout
+        and "int8: the first ask" in stdout
+        and "cold (the checkpoint's pages dropped" in stdout
+        and "outlier channels x30" in stdout
     )
 
 
 @pytest.mark.slow
 def test_video_bench_smoke(tmp_path):
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "video.py"), "--smoke", "--cache-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "s per video-minute" in out.stdout.splitlines()[-1]
+    stdout = _smoke("video.py", "--cache-dir", str(tmp_path))
+    assert "s per video-minute" in stdout.splitlines()[-1]
 
 
 @pytest.mark.slow
 def test_shards_bench_smoke():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "shards.py"), "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1].startswith("peak RSS, a ")
+    assert _smoke("shards.py").strip().splitlines()[-1].startswith("peak RSS, a ")
 
 
 @pytest.mark.slow
 def test_moe_bench_smoke(tmp_path):
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "moe.py"), "--smoke", "--cache-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "| MoE, first 4 layers, int4 |" in out.stdout and out.stdout.count("\nint") == 2
-    assert "\ntiny dense, outlier channels x30 | " in out.stdout
+    stdout = _smoke("moe.py", "--cache-dir", str(tmp_path))
+    assert "| MoE, first 4 layers, int4 |" in stdout and stdout.count("\nint") == 2
+    assert "\ntiny dense, outlier channels x30 | " in stdout
 
 
 def test_int8_kernel_bench_smoke():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "int8_kernel.py"), "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "| 37 x 80 x 264 |" in out.stdout
+    assert "| 37 x 80 x 264 |" in _smoke("int8_kernel.py")
