@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 from conftest import photo
+from safetensors import safe_open
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from mmcli.api.labeler import Labeler
@@ -97,6 +99,24 @@ def test_a_file_of_another_models_linears_is_not_used(tiny_dir, variant_dirs, tm
     other.file.write_bytes(file.read_bytes())  # this model's key, another model's tensors
     labeler = _int8(variant_dirs["wide_attn"], tmp_path)
     assert "prepared weights written to" in labeler.runner.kernels
+
+
+def test_a_file_missing_a_part_or_of_another_dtype_is_not_used(tiny_dir, tmp_path, capsys):
+    """Whole, with this key and a CRC that matches, but one layer's sums gone, or its scales
+    in float64: said, and prepared again."""
+    _int8(tiny_dir, tmp_path)
+    (file,) = _files(tmp_path)
+    with safe_open(str(file), framework="pt") as f:
+        metadata, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+    sums = next(name for name in tensors if name.endswith(".sums"))
+    scale = next(name for name in tensors if name.endswith(".scale"))
+    without_sums = {k: v for k, v in tensors.items() if k != sums}
+    for broken in (without_sums, {**tensors, scale: tensors[scale].double()}):
+        metadata["crc32"] = prepared_module._checksum(broken)
+        save_file(broken, str(file), metadata=metadata)
+        labeler = _int8(tiny_dir, tmp_path)
+        assert "not this model's linears; preparing again" in capsys.readouterr().err
+        assert "prepared weights written to" in labeler.runner.kernels
 
 
 def test_a_cache_that_cannot_be_written_leaves_the_run_going(tiny_dir, tmp_path):

@@ -141,9 +141,16 @@ def _rows_buffer(shape: torch.Size) -> torch.Tensor:
     return held[:rows]
 
 
-def int8_shape(linear: nn.Linear) -> tuple[int, int]:
-    """The shape of a layer's int8 values: its sides padded for the kernel."""
-    return _padded(linear.out_features, 16), _padded(linear.in_features, 4)
+def int8_layout(linear: nn.Linear) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of each of a layer's Int8Weight tensors: its sides padded for the
+    kernel."""
+    n, k = _padded(linear.out_features, 16), _padded(linear.in_features, 4)
+    return {
+        "values": ((n, k), torch.int8),
+        "scale": ((n,), torch.float32),
+        "sums": ((n,), torch.int32),
+        "bias": ((n,), torch.float32),
+    }
 
 
 def int8_kernel_name() -> str:

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mmcli.model.linear import int8_kernel_name as kernel_name
-from mmcli.model.linear import int8_shape
+from mmcli.model.linear import int8_layout
 from mmcli.model.quantize import int8_linears, quantize_model
 
 RECIPE = (
@@ -106,7 +106,8 @@ class PreparedWeights:
             prepared.setdefault(module, {})[part] = tensor
         linears = int8_linears(model)
         shapes_match = set(prepared) == set(linears) and all(
-            tuple(prepared[n]["values"].shape) == int8_shape(m) for n, m in linears.items()
+            {part: (tuple(t.shape), t.dtype) for part, t in prepared[n].items()} == int8_layout(m)
+            for n, m in linears.items()
         )
         return (prepared, None) if shapes_match else (None, "not this model's linears")
 
