@@ -62,8 +62,8 @@ def why_unavailable() -> str | None:
     return None
 
 
-def _build(compiler: str, torch_lib: Path) -> Path:
-    command = [compiler, *FLAGS, *(VNNI_FLAGS if has_vnni() else []), *map(str, SOURCES)]
+def _build(compiler: str, torch_lib: Path, extra: list[str]) -> Path:
+    command = [compiler, *FLAGS, *extra, *map(str, SOURCES)]
     # torch's own OpenMP runtime, already loaded: one thread pool
     if (torch_lib / "libgomp.so.1").exists():
         command += [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
@@ -88,17 +88,22 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     reason = why_unavailable()
     if reason:
         return None, reason
-    try:
-        library = ctypes.CDLL(
-            str(_build(os.environ.get("CC", "cc"), Path(torch.__file__).parent / "lib"))
-        )
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", b"") or b""
-        return (
-            None,
-            f"building {' and '.join(s.name for s in SOURCES)} failed: {error} "
-            f"{detail.decode(errors='replace')[:300]}".strip(),
-        )
+    # the VNNI build where the CPU has it; if the compiler cannot make it, the AVX2 one
+    builds = [("AVX-512 VNNI", VNNI_FLAGS)] if has_vnni() else []
+    for build, extra in [*builds, ("AVX2", [])]:
+        try:
+            torch_lib = Path(torch.__file__).parent / "lib"
+            library = ctypes.CDLL(str(_build(os.environ.get("CC", "cc"), torch_lib, extra)))
+            library.build = build
+            break
+        except (OSError, subprocess.SubprocessError) as error:
+            detail = getattr(error, "stderr", b"") or b""
+            reason = (
+                f"building {' and '.join(s.name for s in SOURCES)} failed: {error} "
+                f"{detail.decode(errors='replace')[:300]}".strip()
+            )
+    else:
+        return None, reason
     library.bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     library.bf16_linear.restype = None
     library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -110,8 +115,9 @@ def load() -> tuple[ctypes.CDLL | None, str]:
 
 
 def name() -> str:
-    """Which build runs here, in words."""
-    return "AVX-512 VNNI" if has_vnni() else "AVX2"
+    """Which build runs here, in words ("" when none does)."""
+    library = load()[0]
+    return library.build if library is not None else ""
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
