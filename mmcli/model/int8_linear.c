@@ -57,6 +57,11 @@ static inline void store(float *y, ivec acc, const int32_t *w_sum, const float *
 }
 #endif
 
+/* Where output channel c's bytes start: its group of 16, and its place in that group. */
+static inline const int8_t *column_of(const int8_t *w, int64_t Kp, int64_t c) {
+    return w + (c / 16) * Kp * 16 + (c % 16) * 4;
+}
+
 /* Output channels n0 .. n0 + nv * VLEN of rows x[0 .. mr), over inputs k0 .. k1: the int32 sums so far are kept in
    y's own memory (as int32) between input blocks, and the last block writes the scaled float32 values over them. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0,
@@ -64,10 +69,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *x, const i
                                                        const int32_t *w_sum, const float *w_scale, const float *bias,
                                                        float *y, int64_t ldy) {
     const int8_t *column[NV];
-    for (int j = 0; j < nv; j++) { /* vector j: its group of 16, and its place in that group */
-        int64_t c = n0 + j * VLEN;
-        column[j] = w + (c / 16) * Kp * 16 + (c % 16) * 4;
-    }
+    for (int j = 0; j < nv; j++) column[j] = column_of(w, Kp, n0 + j * VLEN);
     ivec acc[MR][NV];
     for (int m = 0; m < mr; m++)
         for (int j = 0; j < nv; j++) acc[m][j] = k0 ? iload((const int32_t *)(y + m * ldy + n0 + j * VLEN)) : izero();
@@ -93,7 +95,7 @@ static void tile_full(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0,
                       const float *x_scale, const int32_t *w_sum, const float *w_scale, const float *bias, float *y,
                       int64_t ldy) {
     const int8_t *column[NV];
-    for (int j = 0; j < NV; j++) column[j] = w + ((n0 + j * VLEN) / 16) * Kp * 16 + ((n0 + j * VLEN) % 16) * 4;
+    for (int j = 0; j < NV; j++) column[j] = column_of(w, Kp, n0 + j * VLEN);
 #define DECLARE(m, j) ivec a##m##j = k0 ? iload((const int32_t *)(y + m * ldy + n0 + j * VLEN)) : izero();
 #define DECLARE_ROW(m) EACH_VECTOR(DECLARE, m)
     EACH_ROW(DECLARE_ROW)
@@ -115,17 +117,17 @@ static void tile_full(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0,
 #define TILE(R, V) tile(x, w, Kp, k0, k1, n0, R, V, x_scale, w_sum, w_scale, bias, y, ldy)
 #define ROWS(R) case R: if (nv == NV) TILE(R, NV); else TILE(R, 1); break;
 
-/* Constant tile sizes, so that the accumulators stay in registers. */
-static void tile_any(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int64_t n0, int mr, int nv,
-                     const float *x_scale, const int32_t *w_sum, const float *w_scale, const float *bias, float *y,
-                     int64_t ldy) {
+/* The edges: fewer than MR rows, or a last tile narrower than NV vectors (one vector at a time), each size a
+   constant for the compiler. */
+static void tile_edge(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int64_t n0, int mr, int nv,
+                      const float *x_scale, const int32_t *w_sum, const float *w_scale, const float *bias, float *y,
+                      int64_t ldy) {
     switch (mr) {
     ROWS(1) ROWS(2) ROWS(3)
 #if MR > 4
-    ROWS(4) ROWS(5) default: if (nv == NV) TILE(6, NV); else TILE(6, 1);
-#else
-    default: if (nv == NV) TILE(4, NV); else TILE(4, 1);
+    ROWS(4) ROWS(5)
 #endif
+    default: TILE(MR, 1); /* MR rows come here only in a narrow tile */
     }
 }
 
@@ -141,7 +143,7 @@ static void columns(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t n0, i
             if (mr == MR && nv == NV)
                 tile_full(x + m * Kp, w, Kp, k0, k1, n0, x_scale + m, w_sum, w_scale, bias, y + m * Np, Np);
             else
-                tile_any(x + m * Kp, w, Kp, k0, k1, n0, mr, nv, x_scale + m, w_sum, w_scale, bias, y + m * Np, Np);
+                tile_edge(x + m * Kp, w, Kp, k0, k1, n0, mr, nv, x_scale + m, w_sum, w_scale, bias, y + m * Np, Np);
         }
     }
 }
