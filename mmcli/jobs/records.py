@@ -269,7 +269,8 @@ def write_sidecar(image: Path, ext: str, text: str) -> Path:
 def write_text_whole(target: Path, text: str) -> None:
     """`text` and a newline, written whole through a temporary file, fsync and a rename; a failure
     is OutputError naming the file."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    # its own name per call: the review server's threads share a pid
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text + "\n")
