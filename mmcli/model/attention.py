@@ -11,6 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from mmcli.model import cpu_kernel
+
 BlockAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
@@ -73,6 +75,24 @@ def nki_bounded_attention(
     return out.reshape(b, heads, s, d).masked_fill(empty, 0.0)
 
 
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v without a mask, q [queries, heads, d], k and v [keys, heads, d]
+    -> [queries, heads, d]: attention.c on the CPU in float32 where it builds (cpu_kernel.py),
+    else SDPA."""
+    if (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.float32
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and cpu_kernel.load()[0] is not None
+    ):
+        return cpu_kernel.attention(q, k, v)
+    # 4-D inputs: the CPU flash kernel takes only those
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    )
+    return out[0].transpose(0, 1)
+
+
 def segment_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -84,8 +104,14 @@ def segment_attention(
     that share a [bound_min, bound_max) range attends to that range alone (what a bounds-aware
     kernel skips, we skip too). For eager execution; compiled graphs keep the fixed-shape
     reference."""
-    out = torch.zeros_like(q)
     bmin, bmax = bound_min.tolist(), bound_max.tolist()
+    # [B, heads, S, d] -> [B, S, heads, d]: the layout the rows come in and go out in
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if len(bmin) == 1 and len(set(bmin[0])) == 1 and len(set(bmax[0])) == 1 and bmax[0][0] > 0:
+        # one block of one image, no padding: its attention is the whole output
+        lo, hi = bmin[0][0], bmax[0][0]
+        return full_attention(q[0], k[0, lo:hi], v[0, lo:hi])[None].transpose(1, 2)
+    out = q.new_zeros(q.shape)
     for b, (lo_row, hi_row) in enumerate(zip(bmin, bmax)):
         r = 0
         while r < len(lo_row):
@@ -94,11 +120,9 @@ def segment_attention(
             while end < len(lo_row) and lo_row[end] == lo and hi_row[end] == hi:
                 end += 1
             if hi > lo:
-                out[b, :, r:end] = F.scaled_dot_product_attention(
-                    q[b : b + 1, :, r:end], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi]
-                )[0]
+                out[b, r:end] = full_attention(q[b, r:end], k[b, lo:hi], v[b, lo:hi])
             r = end
-    return out
+    return out.transpose(1, 2)
 
 
 def choose_block_attention(backend: str, device_type: str = "cpu") -> BlockAttention:

@@ -1,37 +1,43 @@
-/* y = x @ w.T for float32 x and bfloat16 w, float32 accumulation: the few-row (decode) kernel cpu_kernel.py builds.
-   Each 8-column group of up to 4 weight rows is widened once (a bfloat16 is the high half of a float32, so this is
-   exact) and used by up to 3 activation rows: 12 accumulators, within AVX2's 16 registers. */
-#include <immintrin.h>
-#include <stdint.h>
+/* y = x @ w.T (+ bias) for float32 x and bfloat16 w, float32 accumulation: the kernels cpu_kernel.py
+   builds for bfloat16 weights. A bfloat16 is the high half of a float32, so widening is exact.
 
-static inline __m256 load_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-static inline float bf16_to_float(uint16_t h) { union { uint32_t u; float f; } c = { (uint32_t)h << 16 }; return c.f; }
+   bf16_linear, for a few rows (decode): each vector of up to 4 weight rows is widened once in
+   registers and used by up to 3 activation rows (12 accumulators, within AVX2's 16 registers).
 
-/* y[m, n0:n0+NB] for rows m0..m0+MB: NB weight rows converted once per 8 columns, used by MB rows. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t K, const uint16_t *w, float *y,
-                                                       int64_t N, int MB, int NB) {
-    __m256 acc[4][4];
+   bf16_gemm, for many rows (prefill, the vision tower): the weights are widened a panel at a time
+   (GKC inputs of NR output channels, transposed so that each input's NR channels are contiguous)
+   into a buffer that stays in L2, and every row passes over it in tiles of GR rows x NR channels
+   held in registers (float_tiles.h). Widening costs one pass over the panel for M rows of work; converting whole
+   chunks and calling a BLAS costs a write and a read of float32 weights per chunk, and the BLAS
+   then packs them again. */
+#include "float_tiles.h"
+
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
+    return c.f;
+}
+
+/* y[m, n0:n0+NB] for rows m0..m0+MB: NB weight rows widened once per GL columns, used by MB rows.
+   The next group's first row is fetched ahead: a new row starts a new page, where the hardware's
+   prefetcher stops. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t K, const uint16_t *w,
+                                                       float *y, int64_t N, int MB, int NB) {
+    vec acc[3][4];
     for (int m = 0; m < MB; m++)
-        for (int n = 0; n < NB; n++) acc[m][n] = _mm256_setzero_ps();
+        for (int n = 0; n < NB; n++) acc[m][n] = vzero();
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        __m256 wv[4];
-        for (int n = 0; n < NB; n++) wv[n] = load_bf16(w + n * K + k);
+    for (; k + GL <= K; k += GL) {
+        _mm_prefetch((const char *)(w + NB * K + k), _MM_HINT_T0);
+        vec wv[4];
+        for (int n = 0; n < NB; n++) wv[n] = widen(w + n * K + k);
         for (int m = 0; m < MB; m++) {
-            __m256 xv = _mm256_loadu_ps(x + m * K + k);
-            for (int n = 0; n < NB; n++) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+            vec xv = vload(x + m * K + k);
+            for (int n = 0; n < NB; n++) acc[m][n] = vfma(xv, wv[n], acc[m][n]);
         }
     }
     for (int m = 0; m < MB; m++)
         for (int n = 0; n < NB; n++) {
-            float s = hsum(acc[m][n]);
+            float s = vsum(acc[m][n]);
             for (int64_t r = k; r < K; r++) s += x[m * K + r] * bf16_to_float(w[n * K + r]);
             y[m * N + n] = s;
         }
@@ -52,4 +58,52 @@ void bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N / 4 * 4; n += 4) { ROWS(4) }
     for (int64_t n = N / 4 * 4; n < N; n++) { ROWS(1) }
+}
+
+/* ---- bf16_gemm ---- */
+
+#define GKC 2048 /* inputs per panel: 2048 x 64 float32 channels, 512 KiB, stay in L2 */
+
+/* panel[k][j] = w[j][k0 + k] in float32, for k < kc and j < NR (channels past `channels`:
+   zero). */
+static void pack_panel(const uint16_t *w, int64_t K, int64_t channels, int64_t k0, int64_t kc,
+                       float *panel) {
+    const int64_t whole = kc / GL * GL;
+    for (int64_t g = 0; g < NR; g += GL) {
+        if (g + GL <= channels) {
+            for (int64_t k = 0; k < whole; k += GL) {
+                vec r[GL];
+                for (int i = 0; i < GL; i++) r[i] = widen(w + (g + i) * K + k0 + k);
+                transpose(r);
+                for (int i = 0; i < GL; i++) vstore(panel + (k + i) * NR + g, r[i]);
+            }
+            continue;
+        }
+        for (int64_t k = 0; k < whole; k++)
+            for (int64_t j = g; j < g + GL; j++)
+                panel[k * NR + j] = j < channels ? bf16_to_float(w[j * K + k0 + k]) : 0.0f;
+    }
+    for (int64_t k = whole; k < kc; k++)
+        for (int64_t j = 0; j < NR; j++)
+            panel[k * NR + j] = j < channels ? bf16_to_float(w[j * K + k0 + k]) : 0.0f;
+}
+
+static _Thread_local float panel_buffer[GKC * NR] __attribute__((aligned(64)));
+
+/* y (M x N, float32) = act(x (M x K, float32) @ w.T (N x K, bfloat16 bits) + bias (N, or NULL)),
+   all row-major; act is an enum activation. The threads share out the panels of NR channels. */
+void bf16_gemm(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M,
+               int64_t N, int64_t K, int act, int threads) {
+    const int64_t panels = (N + NR - 1) / NR;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * NR;
+        const int channels = N - n0 < NR ? (int)(N - n0) : NR;
+        for (int64_t k0 = 0; k0 < K; k0 += GKC) {
+            const int64_t kc = K - k0 < GKC ? K - k0 : GKC;
+            pack_panel(w + n0 * K, K, channels, k0, kc, panel_buffer);
+            struct ends e = {k0 == 0, k0 + kc >= K, act, bias ? bias + n0 : 0};
+            panel_rows(x + k0, K, panel_buffer, NR, kc, y + n0, N, M, e, channels);
+        }
+    }
 }

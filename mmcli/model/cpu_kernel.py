@@ -30,7 +30,10 @@ import torch
 
 from mmcli.model.hub import mmcli_cache
 
-SOURCES = [Path(__file__).with_name(name) for name in ("bf16_linear.c", "int8_linear.c")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("bf16_linear.c", "attention.c", "int8_linear.c")
+]
+HEADERS = [Path(__file__).with_name("float_tiles.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 
@@ -67,7 +70,7 @@ def _build(compiler: str, torch_lib: Path, extra: list[str]) -> Path:
     # torch's own OpenMP runtime, already loaded: one thread pool
     if (torch_lib / "libgomp.so.1").exists():
         command += [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in [*SOURCES, *HEADERS])
     digest = hashlib.sha256(sources + " ".join(command).encode()).hexdigest()[:16]
     target = cache_dir() / f"linear-{digest}.so"
     if not target.exists():
@@ -106,6 +109,11 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         return None, reason
     library.bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     library.bf16_linear.restype = None
+    library.bf16_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    library.bf16_gemm.restype = None
+    library.attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 3
+    library.attention.argtypes += [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int]
+    library.attention.restype = ctypes.c_int
     library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     library.int8_linear.restype = None
     library.quantize_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
@@ -137,6 +145,53 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         width,
         torch.get_num_threads(),
     )
+    return out
+
+
+# bf16_gemm's activations (bf16_linear.c's enum activation)
+ACTIVATIONS = {None: 0, "gelu_tanh": 1}
+
+
+def bf16_gemm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None = None
+) -> torch.Tensor:
+    """activation(x (rows, K) float32 @ weight.T + bias) with weight (N, K) bfloat16, all
+    contiguous on the CPU; float32 out. For many rows: see bf16_linear.c."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    rows, width = x.shape
+    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    bias = None if bias is None else bias.float().contiguous()
+    library.bf16_gemm(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        rows,
+        weight.shape[0],
+        width,
+        ACTIVATIONS[activation],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v, no mask, for q [queries, heads, d] and k, v [keys, heads, d]
+    (float32 on the CPU, any row and head strides, d contiguous); out [queries, heads, d]. See
+    attention.c."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    queries, heads, d = q.shape
+    out = torch.empty(queries, heads, d)
+    strided = [value for t in (q, k, v) for value in (t.data_ptr(), t.stride(0), t.stride(1))]
+    status = library.attention(
+        *strided, out.data_ptr(), heads * d, queries, k.shape[0], heads, d, torch.get_num_threads()
+    )
+    if status:
+        raise MemoryError("attention.c could not allocate its scratch")
     return out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mmcli.model import cpu_kernel
@@ -46,22 +47,35 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (float32) @ weight.T with a lower-precision weight: up to KERNEL_ROWS rows of a bfloat16
-    weight by the compiled kernel (cpu_kernel.py), where it loads; otherwise converted chunk by
-    chunk into a reused buffer."""
+def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """`activation` applied to a linear's output: None, or "gelu_tanh" (GELU's tanh form)."""
+    return y if activation is None else F.gelu(y, approximate="tanh")
+
+
+def upcast_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """activation(x (float32) @ weight.T + bias) with a lower-precision weight: a bfloat16 weight
+    by the compiled kernels (cpu_kernel.py: up to KERNEL_ROWS rows the few-rows one, more rows
+    the GEMM, which applies the bias and activation as it stores), where they load; otherwise
+    converted chunk by chunk into a reused buffer."""
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
     if (
-        rows <= KERNEL_ROWS
-        and weight.dtype == torch.bfloat16
+        weight.dtype == torch.bfloat16
         and x.dtype == torch.float32
         and weight.is_contiguous()
         and x.device.type == "cpu"
         and cpu_kernel.load()[0] is not None
     ):
-        y = cpu_kernel.bf16_linear(x2.contiguous(), weight)
-        y = y if bias is None else y + bias
+        if rows > KERNEL_ROWS:
+            y = cpu_kernel.bf16_gemm(x2.contiguous(), weight, bias, activation)
+        else:
+            y = cpu_kernel.bf16_linear(x2.contiguous(), weight)
+            y = activate(y if bias is None else y + bias, activation)
         return y.reshape(*x.shape[:-1], weight.shape[0])
     key = (weight.shape[1], x.dtype, x.device)
     if key not in _scratch:
@@ -82,7 +96,7 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.cat(outs, 0).t() if transposed else torch.cat(outs, 1)
     if bias is not None:
         y = y + bias
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return activate(y, activation).reshape(*x.shape[:-1], weight.shape[0])
 
 
 @dataclass
@@ -217,17 +231,23 @@ class Linear(nn.Linear):
         self.packed_weight = quantize_int4(self.weight)
         self.weight, self.kernel = None, "int4"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """x @ W.T + b, then `activation` (None or "gelu_tanh"), fused into the kernel where it
+        can be (oneDNN's packed linear, the bfloat16 GEMM)."""
+        if self.kernel == "packed":
+            post, algorithm = ("gelu", "tanh") if activation else ("none", "")
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.packed_weight, self.bias, post, [], algorithm
+            )
+        if self.kernel == "plain" and self.weight.dtype != x.dtype:
+            return upcast_linear(x, self.weight, self.bias, activation)
+        return activate(self._unfused(x), activation)
+
+    def _unfused(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "int4":
             return int4_linear(x, self.packed_weight, self.bias)
-        if self.kernel == "packed":
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.packed_weight, self.bias, "none", [], ""
-            )
         if self.kernel == "int8":
             return int8_linear(x, self.packed_weight, self.out_features, self.per_token)
-        if self.weight.dtype != x.dtype:
-            return upcast_linear(x, self.weight, self.bias)
         if (
             x.device.type != "cpu"
             or x.dim() != 2

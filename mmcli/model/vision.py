@@ -120,7 +120,7 @@ class VisionMLP(nn.Module):
         self.linear_fc2 = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
+        return self.linear_fc2(self.linear_fc1(x, activation="gelu_tanh"))
 
 
 class VisionBlock(nn.Module):

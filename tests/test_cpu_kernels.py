@@ -1,0 +1,107 @@
+"""The compiled CPU kernels for float32 compute (bf16_linear.c's GEMM, attention.c) against
+float64 references, in this CPU's build and the AVX2 one; the layers that call them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmcli.model import cpu_kernel
+from mmcli.model.attention import bounded_attention, full_attention, segment_attention
+from mmcli.model.linear import Linear
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernel.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
+)
+
+
+@pytest.fixture(params=["this CPU's", "AVX2"])
+def build(request, monkeypatch):
+    """Each test once with the build this CPU loads and once with the AVX2 one."""
+    if request.param == "AVX2":
+        monkeypatch.setenv("MMCLI_CPU_KERNEL", "avx2")
+    cpu_kernel.load.cache_clear()
+    assert cpu_kernel.load()[0] is not None, cpu_kernel.load()[1]
+    yield cpu_kernel.name()
+    monkeypatch.undo()
+    cpu_kernel.load.cache_clear()
+
+
+# rows off the 6-row tiles; channels off the 64- (AVX2: 16-) channel panels and their vectors;
+# inputs off the vectors and, at 2100, across two 2048-input panels
+@pytest.mark.parametrize("rows,channels,inputs", [(25, 70, 21), (31, 130, 300), (7, 64, 2100)])
+def test_the_bf16_gemm_computes_bfloat16_weights_in_float32(build, rows, channels, inputs):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, inputs, generator=generator)
+    weight = torch.randn(channels, inputs, generator=generator).bfloat16()
+    bias = torch.randn(channels, generator=generator)
+    exact = x.double() @ weight.double().t()
+    tolerance = {"atol": 2e-6 * inputs**0.5, "rtol": 1e-5}
+    torch.testing.assert_close(cpu_kernel.bf16_gemm(x, weight, None).double(), exact, **tolerance)
+    with_bias = cpu_kernel.bf16_gemm(x, weight, bias, "gelu_tanh").double()
+    expected = F.gelu(exact + bias.double(), approximate="tanh")
+    torch.testing.assert_close(with_bias, expected, **tolerance)
+
+
+def test_the_fused_gelu_is_within_a_few_ulp_everywhere(build):
+    """Through an identity weight: the tanh-form GELU of values from -12 to 12 within 16 ulp of
+    float64 (torch's own float32 GELU is off by far more for negative inputs); huge values stay
+    finite."""
+    values = torch.linspace(-12, 12, 64 * 500).view(500, 64)
+    values[0, :4] = torch.tensor([-1e4, -100.0, 100.0, 1e4])
+    out = cpu_kernel.bf16_gemm(values, torch.eye(64).bfloat16(), None, "gelu_tanh").double()
+    exact = F.gelu(values.double(), approximate="tanh")
+    meaningful = exact.abs() > 1e-6
+    ulps = (out - exact).abs() / (exact.abs() * 2**-23)
+    assert ulps[meaningful].max() < 16 and torch.isfinite(out).all()
+    assert out[0, 2] == 100.0 and out[0, 3] == 1e4 and out[0, :2].abs().max() < 1e-30
+
+
+@pytest.mark.parametrize("kernel", ["upcast", "packed", "plain", "int8"])
+def test_every_linear_kernel_applies_the_activation_it_is_asked_for(kernel):
+    """Linear(x, activation="gelu_tanh") is GELU of Linear(x), fused or not (100 rows: the
+    upcast path's GEMM)."""
+    generator = torch.Generator().manual_seed(3)
+    layer = Linear(48, 80).requires_grad_(False)
+    layer.weight.data = torch.randn(80, 48, generator=generator)
+    layer.bias.data = torch.randn(80, generator=generator)
+    if kernel == "upcast":
+        layer.weight.data = layer.weight.data.bfloat16()
+    elif kernel == "packed":
+        layer.pack()
+    elif kernel == "int8":
+        layer.quantize()
+    x = torch.randn(100, 48, generator=generator)
+    expected = F.gelu(layer(x), approximate="tanh")
+    torch.testing.assert_close(layer(x, activation="gelu_tanh"), expected, atol=1e-5, rtol=1e-5)
+
+
+def _attention_inputs(queries, keys, heads, d, seed):
+    """q, k, v as the vision tower holds them: views into one [positions, 3, heads, d] tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(max(queries, keys), 3, heads, d, generator=generator)
+    return qkv[:queries, 0], qkv[:keys, 1], qkv[:keys, 2]
+
+
+# queries across the 96-query blocks; keys off the key panels; head sizes off the vectors;
+# one head on two threads (the head's blocks shared out)
+@pytest.mark.parametrize(
+    "queries,keys,heads,d", [(100, 130, 3, 64), (33, 17, 2, 80), (200, 300, 1, 128), (5, 1, 2, 8)]
+)
+def test_the_attention_kernel_matches_sdpa_in_float64(build, queries, keys, heads, d):
+    q, k, v = _attention_inputs(queries, keys, heads, d, queries)
+    exact = F.scaled_dot_product_attention(
+        *(t.double().transpose(0, 1) for t in (q, k, v))
+    ).transpose(0, 1)
+    torch.testing.assert_close(cpu_kernel.attention(q, k, v).double(), exact, atol=2e-6, rtol=0)
+    torch.testing.assert_close(full_attention(q, k, v).double(), exact, atol=2e-6, rtol=0)
+
+
+def test_one_image_in_one_block_attends_in_one_call_as_the_reference_does():
+    q, k, v = (t.transpose(0, 1)[None] for t in _attention_inputs(50, 50, 2, 64, 7))
+    bound_min, bound_max = torch.zeros(1, 50, dtype=torch.long), torch.full((1, 50), 50)
+    torch.testing.assert_close(
+        segment_attention(q, k, v, bound_min, bound_max),
+        bounded_attention(q, k, v, bound_min, bound_max),
+        atol=1e-6,
+        rtol=1e-6,
+    )
