@@ -15,6 +15,7 @@ from mmcli.compiled.cuda_graphs import DecodeGraphs
 from mmcli.compiled.graphs import CompiledGraphs
 from mmcli.compiled.steps import decode_step, prefill_step
 from mmcli.config import Config, SamplingParams
+from mmcli.engine.host_memory import keep_freed_memory
 from mmcli.engine.positions import (
     decode_rotary_position_ids,
     mrope_cos_sin,
@@ -134,8 +135,7 @@ class ModelRunner:
         self.cfg: ModelConfig = model.cfg
         self.device = device
         self.dtype = model.language_model.norm.weight.dtype  # compute dtype; matrices may be lower
-        kernels = [prepare_weights(model, device, config.quantize, graphs is not None, prepared)]
-        self.kernels = "; ".join(kernels + [k for k in [choose_delta_rule(model, device)] if k])
+        self.kernels = self._prepare(model, device, config.quantize, graphs is not None, prepared)
         backend = "eager" if graphs is None else graphs.backend
         model.visual.block_attention = choose_block_attention(backend, device.type)
         text = self.cfg.text
@@ -182,6 +182,15 @@ class ModelRunner:
             fixed_shapes=graphs is not None,
             graphs=graphs,
         )
+
+    @staticmethod
+    def _prepare(model, device, quantize: str, compiled: bool, prepared) -> str:
+        """The weights prepared for their kernels, the host allocator set for the run; returns
+        the kernels in words."""
+        kernels = [prepare_weights(model, device, quantize, compiled, prepared)]
+        if device.type == "cpu":
+            keep_freed_memory()  # after the load: its temporaries are returned as before
+        return "; ".join(kernels + [k for k in [choose_delta_rule(model, device)] if k])
 
     def _decode_implementation(self):
         """The decode step this runner uses, chosen once: compiled buckets, CUDA graphs, or

@@ -118,10 +118,9 @@ class VisionEncoder:
             num_blocks = num_blocks or choose_bucket(len(bins), list(self.num_blocks_buckets))
             layout = make_layout(patches, bins, num_blocks, self.block_size)
         else:
+            # eager: each block as long as its fullest bin (padding rows are computed too)
             used = max(sum(patches[i] for i in b) for b in bins)
-            layout = make_layout(
-                patches, bins, len(bins), min(self.block_size, -(-used // 128) * 128)
-            )
+            layout = make_layout(patches, bins, len(bins), used)
         flat = self.visual.patch_inputs(grids)
         flat["pixels"] = torch.cat(pixel_values)
         index = torch.tensor(gather_index(patches, layout))

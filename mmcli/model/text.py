@@ -26,6 +26,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and not self.unit_offset:
+            # the same arithmetic in one call (a decode step runs 100+ of these)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:  # Qwen3.5: scale by (1 + weight) in float32, then cast
@@ -130,9 +133,10 @@ class Attention(nn.Module):
             keys = k_cache[:b, :, :n] if batch.contiguous else k_cache[slots, :, :n]
             values = v_cache[:b, :, :n] if batch.contiguous else v_cache[slots, :, :n]
             if b == 1:  # one sequence: its whole context, no mask needed
-                return F.scaled_dot_product_attention(
-                    q.unsqueeze(2), keys, values, enable_gqa=True
-                ).squeeze(2)
+                # each KV head's query heads as its queries: one call, no GQA expansion
+                grouped = q.view(1, self.num_kv_heads, -1, self.head_dim)
+                out = F.scaled_dot_product_attention(grouped, keys, values)
+                return out.reshape(1, self.num_heads, self.head_dim)
         # each row sees its own past
         mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]
         # One query per row: group the query heads under their KV head instead of expanding K/V for
