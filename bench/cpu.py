@@ -7,15 +7,18 @@ against the float32 path and against transformers (float32, its best batch size 
 --hf-batch-sizes); (b) `mmcli ask` for one 448x448 image and 16 tokens: wall time split into
 start, load, vision, prefill, decode, next to its floor = checkpoint bytes / read bandwidth +
 FLOPs / float32 matmul peak + decode weight bytes / bandwidth, and the command with `--quantize
-int8` twice on an empty cache (the first prepares the int8 weights, the second reads them), and
-cold (the checkpoint's pages dropped first) without and with the read-ahead;
+int8` on an empty cache (the first run prepares the int8 weights, the later ones read them), and
+cold (the checkpoint's pages dropped first) without and with the read-ahead; each timing
+--repeats times, each against the limits measured just before and after it (the higher of
+each), the median run counting (this shared machine's matmul peak moves by up to 2x within a
+minute);
 (c) peak RSS against weight bytes
 + KV bytes used (each (a) run, and the ask); (d) int8 against the unquantized run, teacher-forced
 on the default run's greedy tokens: top-1 agreement and mean |difference| of the reference
 token's log-prob, on the 2B-shaped checkpoint and on a tiny one whose decoder RMSNorm weights
 carry three channels scaled by 30 (outliers in the activations, as real models show).
 
-python bench/cpu.py [--smoke] [--hf-batch-sizes 1,8] [--skip-hf] [--only-ask]"""
+python bench/cpu.py [--smoke] [--hf-batch-sizes 1,8] [--skip-hf] [--only-ask] [--repeats 3]"""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import math
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +48,11 @@ PATHS = {
 }
 
 
+def higher(*limits: dict) -> dict:
+    """Each limit at its highest of several measurements: the floor it gives is the lowest."""
+    return {key: max(limit[key] for limit in limits) for key in limits[0]}
+
+
 def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
     """What `mmcli ask` does, through the same API, timed by phase (the parent adds the
     interpreter's start)."""
@@ -55,14 +64,20 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
         str(ckpt), config=load_config(None, {"device": "cpu", **settings})
     )
     loaded = time.perf_counter()
+    # the machine's limits next to the ask, in this process (this machine moves by 2x at times)
+    before = compare_hf.machine_limits()
     spent = compare_hf.phase_timers(cap)
+    asking = time.perf_counter()
     result = cap.ask([image], compare_hf.PROMPT, max_new_tokens=16)
     done = time.perf_counter()
+    after = compare_hf.machine_limits()
     assert result.ok, result.error
     return {
         "imports": imported - started,
         "load": loaded - imported,
-        "ask": done - loaded,
+        "ask": done - asking,
+        "measuring": asking - loaded + time.perf_counter() - done,
+        "limits": higher(before, after),
         "spent": spent,
         "tokens": len(result.token_ids),
         "image_tokens": result.num_image_tokens,
@@ -226,78 +241,126 @@ def ask_flops(cfg, image_tokens: int, input_tokens: int) -> tuple[float, int, in
     return 2 * linears + attention, count["text"], head
 
 
-def split(label: str, timed: dict, wall: float, flops: float, peak: float) -> str:
-    """An instrumented ask's phases, and its vision and prefill against the matmul peak."""
+def split(label: str, runs: list[dict], flops: float) -> str:
+    """The median instrumented ask's phases, and its vision and prefill against the matmul peak
+    measured next to it (every run's figure after it)."""
+    ratios = [flops / r["limits"]["matmul_flops"] / r["spent"]["prefill"] for r in runs]
+    timed = runs[sorted(range(len(runs)), key=ratios.__getitem__)[len(runs) // 2]]
     s = timed["spent"]
-    start_s = wall - timed["load"] - timed["ask"]
     return (
-        f"{label}: {wall:.1f} s = start {start_s:.1f} + load {timed['load']:.1f} + vision "
-        f"{s['vision']:.1f} + text prefill {s['prefill'] - s['vision']:.1f} + decode "
+        f"{label}: {timed['wall']:.1f} s = start {timed['start']:.1f} + load {timed['load']:.1f} + "
+        f"vision {s['vision']:.1f} + text prefill {s['prefill'] - s['vision']:.1f} + decode "
         f"{s['decode']:.1f} + rest {timed['ask'] - s['prefill'] - s['decode']:.1f}; vision and "
-        f"prefill at {flops / peak / s['prefill']:.0%} of the matmul peak"
+        f"prefill at {statistics.median(ratios):.0%} of the matmul peak (runs: "
+        + ", ".join(f"{r:.0%}" for r in ratios)
+        + ")"
+    )
+
+
+def instrumented(args, worker: list[str], settings: dict, env: dict | None = None) -> list[dict]:
+    """The instrumented ask, args.repeats times, each in a fresh process; its start-up is the
+    wall time less the load, the ask and the limits measured around it."""
+    runs = []
+    for _ in range(args.repeats):
+        timed, wall = run(args, *worker, json.dumps(settings), env=env)
+        timed["wall"] = wall - timed["measuring"]
+        timed["start"] = timed["wall"] - timed["load"] - timed["ask"]
+        runs.append(timed)
+    return runs
+
+
+def commands(args, command: list[str], env: dict | None = None) -> tuple[list, float]:
+    """The real command, args.repeats times: its wall time and the machine's limits measured
+    just before and after it (the higher of each); and its largest peak RSS."""
+    runs, rss = [], 0.0
+    for _ in range(args.repeats):
+        before = compare_hf.machine_limits()
+        wall, peak = cli_ask(command, env)
+        runs.append((wall, higher(before, compare_hf.machine_limits())))
+        rss = max(rss, peak)
+    return runs, rss
+
+
+def ask_floor(limits: dict, checkpoint_bytes: int, flops: float, text: int, head: int) -> dict:
+    """The ask's floor at these limits: the checkpoint read once, the prefill's FLOPs at the
+    matmul peak, and 15 decode steps reading the decoder's and the head's bfloat16 weights."""
+    return {
+        "read checkpoint": checkpoint_bytes / limits["bandwidth"],
+        "compute": flops / limits["matmul_flops"],
+        "decode weights": 15 * 2 * (text + head) / limits["bandwidth"],
+    }
+
+
+def against(runs: list[tuple[float, dict]], floor, start_s: float) -> str:
+    """The median run's wall time against its floor, with and without the start-up (the floor
+    counts none); every run's ratio after it."""
+    ratios = sorted((wall / sum(floor(limits).values()), wall) for wall, limits in runs)
+    ratio, wall = ratios[len(ratios) // 2]
+    whole = wall / ratio
+    every = ", ".join(f"{r:.2f}x" for r, _ in ratios)
+    return (
+        f"{wall:.1f} s ({ratio:.2f}x the floor; {(wall - start_s) / whole:.2f}x without the "
+        f"start-up's {start_s:.1f} s; runs: {every})"
     )
 
 
 def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
     """(b) and (c) for `mmcli ask`: the instrumented run, then the real command for its wall time
-    and peak RSS; the same at int8 on an empty cache (twice: the first prepares it)."""
+    and peak RSS; the same at int8 on an empty cache (the first run prepares it). Each timing
+    args.repeats times against the limits measured next to it; the median counts."""
     from mmcli.model.config import parse_config
 
     worker = ["--worker", "ask", "--ckpt", str(ckpt), "--image", str(image), "--settings"]
-    timed, wall = run(args, *worker, "{}")
+    timed = instrumented(args, worker, {})
     command = [shutil.which("mmcli") or "mmcli", "ask", "--model", str(ckpt), "--device", "cpu"]
     command += ["--image", str(image), "--max-new-tokens", "16", compare_hf.PROMPT]
-    cli_wall, cli_rss = cli_ask(command)
+    default, cli_rss = commands(args, command)
     cold = {}
     for label, env in (("without read-ahead", {"MMCLI_READ_AHEAD": "0"}), ("with it", {})):
         evict(ckpt)
         cold[label] = cli_ask(command, {**os.environ, **env})[0]
     with tempfile.TemporaryDirectory() as cache:  # an empty cache: the first int8 ask prepares it
         env = {**os.environ, "XDG_CACHE_HOME": cache}
-        int8 = [cli_ask([*command, "--quantize", "int8"], env) for _ in range(2)]
-        timed8, wall8 = run(args, *worker, json.dumps(PATHS["int8"]), env=env)
+        first8, first_rss8 = cli_ask([*command, "--quantize", "int8"], env)
+        second8, rss8 = commands(args, [*command, "--quantize", "int8"], env)
+        timed8 = instrumented(args, worker, PATHS["int8"], env)
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
-    flops, text, head = ask_flops(cfg, timed["image_tokens"], timed["input_tokens"])
+    flops, text, head = ask_flops(cfg, timed[0]["image_tokens"], timed[0]["input_tokens"])
     checkpoint_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    floor = {
-        "read checkpoint": checkpoint_bytes / limits["bandwidth"],
-        "compute": flops / limits["matmul_flops"],
-        "decode weights": 15 * 2 * (text + head) / limits["bandwidth"],
-    }
-    start_s = wall - timed["load"] - timed["ask"]
+
+    def floor(at: dict) -> dict:
+        return ask_floor(at, checkpoint_bytes, flops, text, head)
+
+    start_s = statistics.median(r["start"] for r in timed)
     print(
-        f"\n(b) mmcli ask, one 448x448 image, {timed['tokens']} tokens ({timed['input_tokens']} "
-        "prompt tokens):"
+        f"\n(b) mmcli ask, one 448x448 image, {timed[0]['tokens']} tokens "
+        f"({timed[0]['input_tokens']} prompt tokens); {args.repeats} runs of each, each against "
+        "the machine's limits measured next to it, the median run shown:"
     )
-    print(split("instrumented", timed, wall, flops, limits["matmul_flops"]))
-    print(split("int8, instrumented (cache read)", timed8, wall8, flops, limits["matmul_flops"]))
+    print(split("instrumented", timed, flops))
+    print(split("int8, instrumented (cache read)", timed8, flops))
+    pieces = floor(limits)
     print(
-        f"floor: {sum(floor.values()):.1f} s = "
-        + " + ".join(f"{k} {v:.1f}" for k, v in floor.items())
+        f"floor at the limits above: {sum(pieces.values()):.1f} s = "
+        + " + ".join(f"{k} {v:.1f}" for k, v in pieces.items())
         + f" ({flops / 1e12:.2f} TFLOP)"
     )
-    whole = sum(floor.values())
-
-    def against(seconds: float) -> str:  # the floor counts no start-up: shown with and without
-        return (
-            f"{seconds / whole:.2f}x the floor; {(seconds - start_s) / whole:.2f}x without the "
-            f"start-up's {start_s:.1f} s"
-        )
-
-    print(f"the command itself: {cli_wall:.1f} s wall = {against(cli_wall)}")
+    print(f"the command itself: {against(default, floor, start_s)}")
+    wall, wall8 = (statistics.median(w for w, _ in runs) for runs in (default, second8))
     print(
-        f"int8: the first ask {int8[0][0]:.1f} s ({against(int8[0][0])}; it prepares the cache), "
-        f"the second {int8[1][0]:.1f} s ({against(int8[1][0])}; {int8[1][0] / cli_wall:.2f}x the "
-        f"default ask), peak RSS {int8[1][1] / 2**30:.2f} GiB"
+        f"int8: the first ask {first8:.1f} s ({first8 / sum(pieces.values()):.2f}x the floor "
+        f"above; it prepares the cache; peak RSS {first_rss8 / 2**30:.2f} GiB), the second "
+        f"{against(second8, floor, start_s)}, {wall8 / wall:.2f}x the default ask; peak RSS "
+        f"{rss8 / 2**30:.2f} GiB"
     )
     print(
         "cold (the checkpoint's pages dropped from the page cache first): "
         + ", ".join(f"{label} {seconds:.1f} s" for label, seconds in cold.items())
     )
-    used = timed["weight_bytes"] + timed["kv_bytes"]
+    used = timed[0]["weight_bytes"] + timed[0]["kv_bytes"]
     print(
         f"(c) ask peak RSS {cli_rss / 2**30:.2f} GiB against weights + KV "
-        f"{timed['weight_bytes'] / 2**30:.2f} + {timed['kv_bytes'] / 2**30:.3f} GiB: "
+        f"{timed[0]['weight_bytes'] / 2**30:.2f} + {timed[0]['kv_bytes'] / 2**30:.3f} GiB: "
         f"{cli_rss / used:.2f}x"
     )
 
@@ -309,6 +372,7 @@ def main() -> None:
     parser.add_argument("--hf-batch-sizes", default="1,8")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--only-ask", action="store_true", help="only (b) and (c) for `mmcli ask`")
+    parser.add_argument("--repeats", type=int, default=None, help="runs of each ask (3; smoke 1)")
     parser.add_argument("--worker", choices=["ask", "forced"], help=argparse.SUPPRESS)
     for name in ("--ckpt", "--image", "--settings", "--tokens"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -332,6 +396,8 @@ def main() -> None:
             )
         )
         return
+    if args.repeats is None:
+        args.repeats = 1 if args.smoke else 3
     if args.cache_dir is None:
         args.cache_dir = compare_hf.ROOT / (".bench_cache/smoke" if args.smoke else ".bench_cache")
     args.cache_dir.mkdir(parents=True, exist_ok=True)

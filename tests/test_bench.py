@@ -99,3 +99,8 @@ def test_moe_bench_smoke(tmp_path):
 
 def test_int8_kernel_bench_smoke():
     assert "| 37 x 80 x 264 |" in _smoke("int8_kernel.py")
+
+
+def test_float_kernels_bench_smoke():
+    stdout = _smoke("float_kernels.py")
+    assert "| 25 x 70 x 300 |" in stdout and "| 100 x 2 x 64 |" in stdout

@@ -15,7 +15,7 @@ from mmcli.compiled.cuda_graphs import DecodeGraphs
 from mmcli.compiled.graphs import CompiledGraphs
 from mmcli.compiled.steps import decode_step, prefill_step
 from mmcli.config import Config, SamplingParams
-from mmcli.engine.host_memory import keep_freed_memory
+from mmcli.engine.host_memory import keep_freed_memory, populate
 from mmcli.engine.positions import (
     decode_rotary_position_ids,
     mrope_cos_sin,
@@ -29,7 +29,7 @@ from mmcli.model import cpu_kernel
 from mmcli.model.attention import choose_block_attention
 from mmcli.model.cache import AttentionBatch, DecoderCache
 from mmcli.model.config import ModelConfig
-from mmcli.model.linear import KERNEL_ROWS, int8_kernel_name, pack_linears
+from mmcli.model.linear import KERNEL_ROWS, held_tensors, int8_kernel_name, pack_linears
 from mmcli.model.prepared import PreparedWeights
 from mmcli.model.quantize import quantize_model
 from mmcli.model.qwen3_5 import delta_rule
@@ -190,6 +190,7 @@ class ModelRunner:
         kernels = [prepare_weights(model, device, quantize, compiled, prepared)]
         if device.type == "cpu":
             keep_freed_memory()  # after the load: its temporaries are returned as before
+            populate([(t.data_ptr(), t.numel() * t.element_size()) for t in held_tensors(model)])
         return "; ".join(kernels + [k for k in [choose_delta_rule(model, device)] if k])
 
     def _decode_implementation(self):

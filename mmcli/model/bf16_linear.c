@@ -68,14 +68,19 @@ void bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t
    zero). */
 static void pack_panel(const uint16_t *w, int64_t K, int64_t channels, int64_t k0, int64_t kc,
                        float *panel) {
-    const int64_t whole = kc / GL * GL;
+    /* GL rows of 2 GL inputs at a time: the pairs of bfloat16 transposed as 32-bit values (half
+       the shuffles of widening first), then each pair split into its two float32 values */
+    const int64_t whole = kc / (2 * GL) * (2 * GL);
     for (int64_t g = 0; g < NR; g += GL) {
         if (g + GL <= channels) {
-            for (int64_t k = 0; k < whole; k += GL) {
+            for (int64_t k = 0; k < whole; k += 2 * GL) {
                 vec r[GL];
-                for (int i = 0; i < GL; i++) r[i] = widen(w + (g + i) * K + k0 + k);
+                for (int i = 0; i < GL; i++) r[i] = vload((const float *)(w + (g + i) * K + k0 + k));
                 transpose(r);
-                for (int i = 0; i < GL; i++) vstore(panel + (k + i) * NR + g, r[i]);
+                for (int i = 0; i < GL; i++) {
+                    vstore(panel + (k + 2 * i) * NR + g, low_bf16(r[i]));
+                    vstore(panel + (k + 2 * i + 1) * NR + g, high_bf16(r[i]));
+                }
             }
             continue;
         }

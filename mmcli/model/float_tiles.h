@@ -34,6 +34,14 @@ static inline vec vscale(vec a, vec n) { return _mm512_scalef_ps(a, n); } /* a *
 static inline lanes first_lanes(int count) { return (lanes)((1u << count) - 1); }
 static inline vec vload_some(const float *p, lanes l) { return _mm512_maskz_loadu_ps(l, p); }
 static inline void vstore_some(float *p, vec v, lanes l) { _mm512_mask_storeu_ps(p, l, v); }
+/* each 32-bit lane's two bfloat16 (little-endian: the lower one first) as float32, exactly */
+static inline vec low_bf16(vec pairs) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(pairs), 16));
+}
+static inline vec high_bf16(vec pairs) {
+    __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(pairs), top));
+}
 static inline vec widen(const uint16_t *p) { /* 16 bfloat16 -> float32, exactly */
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -102,6 +110,12 @@ static inline lanes first_lanes(int count) {
 }
 static inline vec vload_some(const float *p, lanes l) { return _mm256_maskload_ps(p, l); }
 static inline void vstore_some(float *p, vec v, lanes l) { _mm256_maskstore_ps(p, l, v); }
+static inline vec low_bf16(vec pairs) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(pairs), 16));
+}
+static inline vec high_bf16(vec pairs) {
+    return _mm256_and_ps(pairs, _mm256_castsi256_ps(_mm256_set1_epi32((int)0xFFFF0000u)));
+}
 static inline vec widen(const uint16_t *p) { /* 8 bfloat16 -> float32, exactly */
     __m128i h = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

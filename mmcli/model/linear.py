@@ -292,6 +292,15 @@ def quantize_linears(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
     return len(layers)
 
 
+def held_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors the model computes with on the CPU: parameters, buffers and int8 weights."""
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"]
+    for layer in model.modules():
+        if isinstance(layer, Linear) and layer.kernel == "int8":
+            tensors += layer.packed_weight.tensors().values()
+    return tensors
+
+
 def held_bytes(model: nn.Module) -> int:
     """Bytes the model's weights take as held: every tensor's storage once (a tied weight is
     shared), plus the packed oneDNN, int8 and int4 weights."""

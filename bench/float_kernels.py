@@ -1,0 +1,131 @@
+"""The default CPU path's kernels against what they replace, on the 2B model's shapes, in one run:
+bf16_linear.c's GEMM (bfloat16 weights, float32 arithmetic; this CPU's build and the AVX2 one)
+against the chunked path it replaced (each chunk of weights converted, then MKL) and against MKL on
+float32 weights; attention.c against torch's SDPA on the vision tower's shapes. Each figure is a
+share of the float32 matmul peak (2048-cubed) measured just before it, the median of --repeats
+rounds (this shared machine's peak moves by up to 2x within a minute). Weights cycle through
+copies larger than the last-level cache, as a model's do.
+
+python bench/float_kernels.py [--smoke] [--repeats 7]"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mmcli.model import cpu_kernel
+from mmcli.model.linear import upcast_linear
+
+# (rows, out, in): the ask's vision tower (784 patches) and prefill (219 tokens)
+GEMMS = [
+    (784, 3072, 1024),
+    (784, 4096, 1024),
+    (784, 1024, 4096),
+    (219, 6144, 2048),
+    (219, 2048, 6144),
+    (219, 2048, 2048),
+]
+SMOKE_GEMMS = [(25, 70, 300)]
+# (positions, heads, head_dim): one 448x448 image, one of 896x896
+ATTENTION = [(784, 16, 64), (3136, 16, 64)]
+SMOKE_ATTENTION = [(100, 2, 64)]
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def build(name: str) -> None:
+    """Load this CPU's build, the AVX2 one, or none (the chunked path)."""
+    os.environ["MMCLI_CPU_KERNEL"] = {"this CPU's": "1", "AVX2": "avx2", "none": "0"}[name]
+    cpu_kernel.load.cache_clear()
+
+
+def rounds(variants: dict, flops: float, repeats: int, peak) -> dict[str, float]:
+    """Each variant's median share of the matmul peak measured just before its call."""
+    shares = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, (setup, fn) in variants.items():
+            setup()
+            fn()  # warm: the kernel loaded, the buffers sized
+            at = peak()
+            shares[name].append(flops / seconds(fn) / at)
+    return {name: statistics.median(values) for name, values in shares.items()}
+
+
+def gemm_row(rows: int, out: int, width: int, builds: list[str], repeats: int, peak) -> str:
+    copies = max(3, int(200e6 // (out * width * 2)))
+    weights = [torch.randn(out, width).bfloat16() for _ in range(copies)]
+    full = [w.float() for w in weights[:3]]
+    x, turn = torch.randn(rows, width), iter(range(1 << 30))
+
+    def ours():
+        return upcast_linear(x, weights[next(turn) % copies], None)
+
+    variants = {b: (lambda b=b: build(b), ours) for b in [*builds, "none"]}
+    variants["MKL, float32 weights"] = (lambda: None, lambda: x @ full[next(turn) % 3].t())
+    shares = rounds(variants, 2 * rows * out * width, repeats, peak)
+    build(builds[0])
+    return f"| {rows} x {out} x {width} | " + " | ".join(f"{s:.0%}" for s in shares.values()) + " |"
+
+
+def attention_row(positions: int, heads: int, d: int, repeats: int, peak) -> str:
+    qkv = torch.randn(positions, 3, heads, d)
+    q, k, v = qkv.unbind(1)
+    q, k = q.contiguous(), k.contiguous()  # as the rotary leaves them; v a view, as in the model
+
+    def sdpa():
+        return F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))
+
+    variants = {
+        "ours": (lambda: None, lambda: cpu_kernel.attention(q, k, v)),
+        "torch SDPA": (lambda: None, sdpa),
+    }
+    shares = rounds(variants, 4 * positions**2 * heads * d, repeats, peak)
+    return (
+        f"| {positions} x {heads} x {d} | " + " | ".join(f"{s:.0%}" for s in shares.values()) + " |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one round")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    repeats = 1 if args.smoke else args.repeats
+    if cpu_kernel.load()[0] is None:
+        raise SystemExit(f"the kernels do not build here: {cpu_kernel.load()[1]}")
+    builds = ["this CPU's"] + (["AVX2"] if cpu_kernel.name() != "AVX2" else [])
+    square = torch.randn(2048, 2048)
+    square @ square
+
+    def peak() -> float:
+        return 2 * 2048**3 / min(seconds(lambda: square @ square) for _ in range(2))
+
+    print(
+        f"{torch.get_num_threads()} threads; shares of the float32 matmul peak, the median of "
+        f"{repeats} rounds"
+    )
+    names = [cpu_kernel.name(), *builds[1:]]
+    print(
+        f"| rows x out x in | ours, {' | ours, '.join(names)} | chunks + MKL | MKL, float32 "
+        "weights |"
+    )
+    print("|---|" + "---|" * (len(builds) + 2))
+    for shape in SMOKE_GEMMS if args.smoke else GEMMS:
+        print(gemm_row(*shape, builds, repeats, peak), flush=True)
+    print(f"\n| positions x heads x head_dim | ours ({cpu_kernel.name()}) | torch SDPA |")
+    print("|---|---|---|")
+    for shape in SMOKE_ATTENTION if args.smoke else ATTENTION:
+        print(attention_row(*shape, repeats, peak), flush=True)
+
+
+if __name__ == "__main__":
+    main()
