@@ -53,6 +53,17 @@ def higher(*limits: dict) -> dict:
     return {key: max(limit[key] for limit in limits) for key in limits[0]}
 
 
+def sustained_matmul(flops: float) -> float:
+    """Seconds MKL's 2048-cubed float32 matmul takes for `flops`, back to back: what the peak's
+    best of three short tries becomes when it runs as long as a prefill."""
+    a = torch.randn(2048, 2048)
+    calls = max(1, round(flops / (2 * 2048**3)))
+    start = time.perf_counter()
+    for _ in range(calls):
+        a @ a
+    return (time.perf_counter() - start) * flops / (calls * 2 * 2048**3)
+
+
 def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
     """What `mmcli ask` does, through the same API, timed by phase (the parent adds the
     interpreter's start)."""
@@ -72,10 +83,12 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
     done = time.perf_counter()
     after = compare_hf.machine_limits()
     assert result.ok, result.error
+    flops = ask_flops(cap.model.cfg, result.num_image_tokens, result.num_input_tokens)[0]
     return {
         "imports": imported - started,
         "load": loaded - imported,
         "ask": done - asking,
+        "sustained": sustained_matmul(flops),
         "measuring": asking - loaded + time.perf_counter() - done,
         "limits": higher(before, after),
         "spent": spent,
@@ -245,6 +258,7 @@ def split(label: str, runs: list[dict], flops: float) -> str:
     """The median instrumented ask's phases, and its vision and prefill against the matmul peak
     measured next to it (every run's figure after it)."""
     ratios = [flops / r["limits"]["matmul_flops"] / r["spent"]["prefill"] for r in runs]
+    sustained = [flops / r["limits"]["matmul_flops"] / r["sustained"] for r in runs]
     timed = runs[sorted(range(len(runs)), key=ratios.__getitem__)[len(runs) // 2]]
     s = timed["spent"]
     return (
@@ -253,7 +267,10 @@ def split(label: str, runs: list[dict], flops: float) -> str:
         f"{s['decode']:.1f} + rest {timed['ask'] - s['prefill'] - s['decode']:.1f}; vision and "
         f"prefill at {statistics.median(ratios):.0%} of the matmul peak (runs: "
         + ", ".join(f"{r:.0%}" for r in ratios)
-        + ")"
+        + f"); MKL's matmul itself, the same FLOPs back to back after it, at "
+        f"{statistics.median(sustained):.0%} of that peak, and vision and prefill at "
+        f"{statistics.median(r['sustained'] / r['spent']['prefill'] for r in runs):.0%} of its "
+        "rate"
     )
 
 
@@ -291,20 +308,25 @@ def ask_floor(limits: dict, checkpoint_bytes: int, flops: float, text: int, head
     }
 
 
+def median_run(runs: list[tuple[float, dict]], floor) -> tuple[float, float, dict]:
+    """The run of median ratio to its own floor: (ratio, wall time, limits)."""
+    ratios = sorted((wall / sum(floor(limits).values()), wall, limits) for wall, limits in runs)
+    return ratios[len(ratios) // 2]
+
+
 def against(runs: list[tuple[float, dict]], floor, start_s: float) -> str:
     """The median run's wall time against its floor, with and without the start-up (the floor
     counts none); every run's ratio after it."""
-    ratios = sorted((wall / sum(floor(limits).values()), wall) for wall, limits in runs)
-    ratio, wall = ratios[len(ratios) // 2]
+    ratio, wall, _ = median_run(runs, floor)
     whole = wall / ratio
-    every = ", ".join(f"{r:.2f}x" for r, _ in ratios)
+    every = ", ".join(f"{w / sum(floor(at).values()):.2f}x" for w, at in runs)
     return (
         f"{wall:.1f} s ({ratio:.2f}x the floor; {(wall - start_s) / whole:.2f}x without the "
         f"start-up's {start_s:.1f} s; runs: {every})"
     )
 
 
-def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
+def ask_part(args, ckpt: Path, image: Path) -> None:
     """(b) and (c) for `mmcli ask`: the instrumented run, then the real command for its wall time
     and peak RSS; the same at int8 on an empty cache (the first run prepares it). Each timing
     args.repeats times against the limits measured next to it; the median counts."""
@@ -339,17 +361,17 @@ def ask_part(args, ckpt: Path, image: Path, limits: dict) -> None:
     )
     print(split("instrumented", timed, flops))
     print(split("int8, instrumented (cache read)", timed8, flops))
-    pieces = floor(limits)
+    pieces = floor(median_run(default, floor)[2])
     print(
-        f"floor at the limits above: {sum(pieces.values()):.1f} s = "
+        f"floor at the median command run's limits: {sum(pieces.values()):.1f} s = "
         + " + ".join(f"{k} {v:.1f}" for k, v in pieces.items())
         + f" ({flops / 1e12:.2f} TFLOP)"
     )
     print(f"the command itself: {against(default, floor, start_s)}")
     wall, wall8 = (statistics.median(w for w, _ in runs) for runs in (default, second8))
     print(
-        f"int8: the first ask {first8:.1f} s ({first8 / sum(pieces.values()):.2f}x the floor "
-        f"above; it prepares the cache; peak RSS {first_rss8 / 2**30:.2f} GiB), the second "
+        f"int8: the first ask {first8:.1f} s ({first8 / sum(pieces.values()):.2f}x that floor; "
+        f"it prepares the cache; peak RSS {first_rss8 / 2**30:.2f} GiB), the second "
         f"{against(second8, floor, start_s)}, {wall8 / wall:.2f}x the default ask; peak RSS "
         f"{rss8 / 2**30:.2f} GiB"
     )
@@ -410,7 +432,7 @@ def main() -> None:
         flush=True,
     )
     if args.only_ask:
-        ask_part(args, ckpt, images[ASK_IMAGE % len(images)], limits)
+        ask_part(args, ckpt, images[ASK_IMAGE % len(images)])
         return
     rate_args = argparse.Namespace(
         cache_dir=args.cache_dir,
@@ -471,7 +493,7 @@ def main() -> None:
         )
     print("\nstart-up, no model:")
     start_times()
-    ask_part(args, ckpt, images[ASK_IMAGE % len(images)], limits)
+    ask_part(args, ckpt, images[ASK_IMAGE % len(images)])
     print("\n(d) int8 against the unquantized run, teacher-forced on its greedy tokens")
     print("| checkpoint | positions | top-1 agreement | mean abs log-prob difference |")
     print("|---|---|---|---|")
