@@ -6,7 +6,11 @@ share of the float32 matmul peak (2048-cubed) measured just before it, the media
 rounds (this shared machine's peak moves by up to 2x within a minute). Weights cycle through
 copies larger than the last-level cache, as a model's do.
 
-python bench/float_kernels.py [--smoke] [--repeats 7]"""
+python bench/float_kernels.py [--smoke] [--repeats 7]
+
+As an AVX2 machine would run it, on an AVX-512 one (MKL, ATen and our kernels at AVX2):
+MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 MMCLI_CPU_KERNEL=avx2 \
+    python bench/float_kernels.py"""
 
 from __future__ import annotations
 
@@ -42,9 +46,12 @@ def seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+THIS_CPU = os.environ.get("MMCLI_CPU_KERNEL", "1")  # avx2: as an AVX2 machine would
+
+
 def build(name: str) -> None:
     """Load this CPU's build, the AVX2 one, or none (the chunked path)."""
-    os.environ["MMCLI_CPU_KERNEL"] = {"this CPU's": "1", "AVX2": "avx2", "none": "0"}[name]
+    os.environ["MMCLI_CPU_KERNEL"] = {"this CPU's": THIS_CPU, "AVX2": "avx2", "none": "0"}[name]
     cpu_kernel.load.cache_clear()
 
 
