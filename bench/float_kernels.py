@@ -1,7 +1,8 @@
 """The default CPU path's kernels against what they replace, on the 2B model's shapes, in one run:
 bf16_linear.c's GEMM (bfloat16 weights, float32 arithmetic; this CPU's build and the AVX2 one)
 against the chunked path it replaced (each chunk of weights converted, then MKL) and against MKL on
-float32 weights; attention.c against torch's SDPA on the vision tower's shapes. Each figure is a
+float32 weights; attention.c against torch's SDPA on the vision tower's shapes; and where the
+few-rows kernel (decode) hands over to the GEMM (linear.KERNEL_ROWS). Each figure is a
 share of the float32 matmul peak (2048-cubed) measured just before it, the median of --repeats
 rounds (this shared machine's peak moves by up to 2x within a minute). Weights cycle through
 copies larger than the last-level cache, as a model's do.
@@ -38,6 +39,7 @@ SMOKE_GEMMS = [(25, 70, 300)]
 # (positions, heads, head_dim): one 448x448 image, one of 896x896
 ATTENTION = [(784, 16, 64), (3136, 16, 64)]
 SMOKE_ATTENTION = [(100, 2, 64)]
+CROSSOVER_ROWS = [8, 12, 16, 24, 32]
 
 
 def seconds(fn) -> float:
@@ -101,6 +103,19 @@ def attention_row(positions: int, heads: int, d: int, repeats: int, peak) -> str
     )
 
 
+def crossover_row(rows: int, out: int, width: int, repeats: int, peak) -> str:
+    """The few-rows kernel and the GEMM on the same rows: shares of the peak."""
+    copies = max(3, int(200e6 // (out * width * 2)))
+    weights = [torch.randn(out, width).bfloat16() for _ in range(copies)]
+    x, turn = torch.randn(rows, width), iter(range(1 << 30))
+    variants = {
+        "few rows": (lambda: None, lambda: cpu_kernel.bf16_linear(x, weights[next(turn) % copies])),
+        "GEMM": (lambda: None, lambda: cpu_kernel.bf16_gemm(x, weights[next(turn) % copies], None)),
+    }
+    shares = rounds(variants, 2 * rows * out * width, repeats, peak)
+    return f"| {rows} x {out} x {width} | " + " | ".join(f"{v:.0%}" for v in shares.values()) + " |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one round")
@@ -132,6 +147,10 @@ def main() -> None:
     print("|---|---|---|")
     for shape in SMOKE_ATTENTION if args.smoke else ATTENTION:
         print(attention_row(*shape, repeats, peak), flush=True)
+    print(f"\n| rows x out x in | few-rows kernel ({cpu_kernel.name()}) | GEMM |")
+    print("|---|---|---|")
+    for rows in CROSSOVER_ROWS[:1] if args.smoke else CROSSOVER_ROWS:
+        print(crossover_row(rows, *((64, 96) if args.smoke else (6144, 2048)), repeats, peak))
 
 
 if __name__ == "__main__":

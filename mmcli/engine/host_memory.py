@@ -2,13 +2,13 @@
 
 glibc's malloc hands each block over its mmap threshold (a few MB, raised as blocks are freed)
 back to the kernel when freed, and trims the heap's free top, so every activation of a
-prefill's size is mapped afresh and page-faulted on first write: 10-20% of the vision tower's
-and the prefill's time on a 2-core machine (bench/cpu.py). Keeping freed blocks in the heap
-costs at most one forward pass's largest activations, held until the process ends.
+prefill's size is mapped afresh and page-faulted on first write (docs/performance.md has the
+cost). Keeping freed blocks in the heap costs at most one forward pass's largest activations,
+held until the process ends.
 
-The weights are mapped from the checkpoint (or the prepared file) and their pages entered into
-the page table one fault per 64 KiB during the first forward pass; one madvise a file enters them
-all at once, at about half the cost.
+The weights are mapped from the checkpoint (or the prepared file) and their pages would enter
+the page table one fault per 64 KiB during the first forward pass; one madvise a file enters
+them all at once, in the kernel.
 """
 
 from __future__ import annotations

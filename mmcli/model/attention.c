@@ -1,11 +1,11 @@
 /* Attention without a mask, in float32, for the vision tower's blocks on the CPU: out = softmax(q
    k^T / sqrt(d)) v for every head, built by cpu_kernel.py.
 
-   Each task is one head and QB queries: their scores against every key (QK^T, the keys packed a
-   panel of NR at a time, transposed, into L1), a softmax over each row kept in place, then the
-   probabilities times v (v's rows read where they lie as the panel) and each row divided by its
-   sum. Both products run on float_tiles.h's tiles. torch's CPU flash kernel runs these shapes
-   (hundreds to thousands of keys, head_dim 64) at 60-70% of the float32 matmul peak. */
+   Each task is a head (or a share of its queries where there are fewer heads than threads): its
+   keys packed once, transposed, a panel of NR at a time, and its values copied together; then for
+   each block of QB queries their scores against every key, a softmax over each row in place, the
+   probabilities times the values, and each row divided by its sum. Both products run on
+   float_tiles.h's tiles (docs/performance.md compares torch's CPU flash kernel on these shapes). */
 #include <stdlib.h>
 
 #include "float_tiles.h"

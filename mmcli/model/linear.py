@@ -3,12 +3,13 @@
 
 - packed: float32 weights reordered once into oneDNN's blocked layout (`torch.ops.mkldnn`, the ops
   Inductor emits for CPU linears); `dtype: float32` runs this.
-- upcast: weights held in the checkpoint's bfloat16 and computed in float32. Up to KERNEL_ROWS rows
-  (decode), a compiled kernel widens the weights in registers (cpu_kernel.py); more rows (prefill,
-  vision), or no kernel: each chunk of output rows is converted to float32 in a reused buffer that
-  stays in cache, then multiplied. A bfloat16 value converts to float32 exactly, so the numbers are
-  those of the float32 path. MKL's kernel choice depends on the orientation, so the product is taken
-  as x @ chunk.T or (chunk @ x.T).T by row count.
+- upcast: weights held in the checkpoint's bfloat16 and computed in float32 by our compiled kernels
+  (cpu_kernel.py): up to KERNEL_ROWS rows (decode) the weights widened in registers, more rows
+  (prefill, vision) a GEMM that widens them a panel at a time. Without the kernels, each chunk of
+  output rows is converted to float32 in a reused buffer that stays in cache, then multiplied (MKL's
+  kernel choice depends on the orientation, so the product is taken as x @ chunk.T or
+  (chunk @ x.T).T by row count). A bfloat16 value converts to float32 exactly, so the numbers are
+  those of the float32 path up to the order of the sums.
 - int8: 8-bit weights with a scale per output channel, in the layout our kernel reads
   (int8_linear.c), so that they load as stored (fbgemm's packed weights cannot be stored, and
   packing them took longer than the rest of a one-image ask); activations quantized on the fly to
@@ -28,8 +29,8 @@ from torch import nn
 from mmcli.model import cpu_kernel
 from mmcli.model.int4 import int4_linear, quantize_int4
 
-# the crossover with the chunked path, measured on a 2-core AVX2 server (docs/performance.md)
-KERNEL_ROWS = 24
+# the few-rows kernel up to here, the GEMM above: their crossover (bench/float_kernels.py)
+KERNEL_ROWS = 16
 # output rows converted per chunk: 4 MB of float32 for a 2048-wide layer, cache resident
 UPCAST_ROWS = 512
 _scratch: dict[tuple, torch.Tensor] = {}
