@@ -248,3 +248,37 @@ def test_the_int8_kernel_sums_exactly_in_both_builds(rows, build, monkeypatch):
     finally:
         monkeypatch.undo()
         cpu_kernel.load.cache_clear()
+
+
+def _resident_bytes(address: int) -> int:
+    """Rss of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for n, line in enumerate(lines):
+        span = line.split()[0]
+        if "-" in span and all(c in "0123456789abcdef-" for c in span):
+            start, end = (int(v, 16) for v in span.split("-"))
+            if start <= address < end:
+                rss = next(entry for entry in lines[n + 1 :] if entry.startswith("Rss:"))
+                return int(rss.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
+def test_the_weights_pages_are_mapped_in_at_once(tmp_path):
+    """populate() enters a mapped checkpoint's pages into the process's page table before any is
+    read (the mapping's resident size goes from none to all of it). Allocator settings hold on
+    glibc."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mmcli.engine.host_memory import keep_freed_memory, populate
+
+    save_file({"w": torch.ones(8 << 20)}, tmp_path / "w.safetensors")
+    with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
+        mapped = f.get_tensor("w")
+        size = mapped.numel() * mapped.element_size()
+        assert _resident_bytes(mapped.data_ptr()) < size / 4
+        if not populate([(mapped.data_ptr(), size)]):
+            pytest.skip("this kernel has no MADV_POPULATE_READ (Linux 5.14)")
+        assert _resident_bytes(mapped.data_ptr()) >= size
+    assert keep_freed_memory()
