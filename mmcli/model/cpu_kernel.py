@@ -1,16 +1,17 @@
-"""Our two CPU linear kernels, built on first use: `bf16_linear.c`, bfloat16 weights with float32
-activations for few rows (decode), and `int8_linear.c`, int8 weights in a layout that is stored as
-it runs.
+"""Our CPU kernels, built on first use: `bf16_linear.c`, bfloat16 weights with float32 activations
+(a few-rows kernel for decode and a GEMM for prefill and vision), `attention.c`, the vision tower's
+attention, both on the float32 tiles of `float_tiles.h`, and `int8_linear.c`, int8 weights in a
+layout that is stored as it runs.
 
-PyTorch has no such kernel on AVX2 CPUs: its bfloat16 GEMM rounds the activations, and converting
-weights in one call and multiplying in another costs as much as reading float32 weights. This kernel
-widens each 8-value group of weights in registers (a bfloat16 is the top half of a float32: exact)
-and feeds it to FMAs for up to 3 rows at once, so decode reads 2 bytes a parameter and computes in
+PyTorch has no bfloat16-weight, float32-activation kernel: its bfloat16 GEMM rounds the
+activations, and converting weights in one call and multiplying in another writes and reads a
+float32 copy of each. Ours widen the weights in registers or in a cache-resident panel (a bfloat16
+is the top half of a float32: exact), so decode reads 2 bytes a parameter and every product is
 float32.
 
-It is compiled with the system C compiler (as Inductor compiles its CPU kernels) into
+They are compiled with the system C compiler (as Inductor compiles its CPU kernels) into
 ~/.cache/mmcli/kernels, linked to the OpenMP runtime torch itself loaded so that both share one
-thread pool; with AVX-512 VNNI where the CPU has it (int8's vpdpbusd). Where the CPU lacks
+thread pool; with AVX-512 (and VNNI, int8's vpdpbusd) where the CPU has it. Where the CPU lacks
 AVX2/FMA, no compiler is found or the build fails, `load` returns None with the reason and the
 caller keeps the portable path.
 """

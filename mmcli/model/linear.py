@@ -48,8 +48,11 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
+ACTIVATIONS = (None, "gelu_tanh")  # what a Linear can apply to its output (GELU's tanh form)
+
+
 def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
-    """`activation` applied to a linear's output: None, or "gelu_tanh" (GELU's tanh form)."""
+    """`activation` (one of ACTIVATIONS) applied to a linear's output."""
     return y if activation is None else F.gelu(y, approximate="tanh")
 
 
@@ -235,6 +238,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
         """x @ W.T + b, then `activation` (None or "gelu_tanh"), fused into the kernel where it
         can be (oneDNN's packed linear, the bfloat16 GEMM)."""
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"linear activation {activation!r}: not one of {ACTIVATIONS}")
         if self.kernel == "packed":
             post, algorithm = ("gelu", "tanh") if activation else ("none", "")
             return torch.ops.mkldnn._linear_pointwise(
