@@ -96,6 +96,40 @@ def test_the_attention_kernel_matches_sdpa_in_float64(build, queries, keys, head
     torch.testing.assert_close(full_attention(q, k, v).double(), exact, atol=2e-6, rtol=0)
 
 
+# the decoder's prefill: causal, GQA (heads / kv heads query heads a key head), with and without
+# a cached prefix (keys before the queries' own), queries across the 96-query blocks, one key head
+# on two threads
+@pytest.mark.parametrize(
+    "queries,prefix,heads,kv_heads,d",
+    [(219, 0, 4, 2, 128), (100, 37, 6, 3, 64), (9, 0, 2, 1, 80), (1, 5, 2, 2, 16)],
+)
+def test_causal_grouped_attention_matches_sdpa_in_float64(
+    build, queries, prefix, heads, kv_heads, d
+):
+    generator = torch.Generator().manual_seed(queries)
+    q = torch.randn(queries, heads, d, generator=generator)
+    # k and v as the KV cache holds them: [kv heads, positions, d], transposed
+    k, v = torch.randn(2, kv_heads, prefix + queries + 3, d, generator=generator)
+    k, v = k[:, : prefix + queries].transpose(0, 1), v[:, : prefix + queries].transpose(0, 1)
+    seen = torch.arange(prefix + queries)[None, :] <= prefix + torch.arange(queries)[:, None]
+    exact = F.scaled_dot_product_attention(
+        *(t.double().transpose(0, 1) for t in (q, k, v)), attn_mask=seen, enable_gqa=True
+    ).transpose(0, 1)
+    for attended in (cpu_kernel.attention(q, k, v, causal=True), full_attention(q, k, v, True)):
+        torch.testing.assert_close(attended.double(), exact, atol=2e-6, rtol=0)
+
+
+def test_full_attention_without_the_kernel_is_the_same_causal_attention(monkeypatch):
+    """SDPA, where the kernel does not load: its is_causal aligns the queries with the first keys,
+    so a cached prefix takes a mask; fewer key heads take enable_gqa."""
+    q, k, v = _attention_inputs(20, 20, 4, 32, 5)
+    cases = [(q[12:], k, v), (q, k[:, :2], v[:, :2])]
+    with_kernel = [full_attention(*case, causal=True) for case in cases]
+    monkeypatch.setattr(cpu_kernel, "load", lambda: (None, "off"))
+    for case, expected in zip(cases, with_kernel):
+        torch.testing.assert_close(full_attention(*case, causal=True), expected)
+
+
 def test_one_image_in_one_block_attends_in_one_call_as_the_reference_does():
     q, k, v = (t.transpose(0, 1)[None] for t in _attention_inputs(50, 50, 2, 64, 7))
     bound_min, bound_max = torch.zeros(1, 50, dtype=torch.long), torch.full((1, 50), 50)

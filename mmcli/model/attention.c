@@ -1,10 +1,13 @@
-/* Attention without a mask, in float32, for the vision tower's blocks on the CPU: out = softmax(q
-   k^T / sqrt(d)) v for every head, built by cpu_kernel.py.
+/* Attention in float32 on the CPU, built by cpu_kernel.py: out = softmax(q k^T / sqrt(d)) v for
+   every head, without a mask (the vision tower's blocks) or causal (the decoder's prefill: query i
+   of n sees the keys up to i + keys - n, after any cached ones), with `group` query heads sharing
+   each key and value head (GQA).
 
-   Each task is a head (or a share of its queries where there are fewer heads than threads): its
-   keys packed once, transposed, a panel of NR at a time, and its values copied together; then for
-   each block of QB queries their scores against every key, a softmax over each row in place, the
-   probabilities times the values, and each row divided by its sum. Both products run on
+   Each task is a key/value head (or a share of its queries where there are fewer heads than
+   threads): its keys packed once, transposed, a panel of NR at a time, and its values copied
+   together; then for each of its query heads and each block of QB queries their scores against
+   the keys they see, a softmax over each row in place, the probabilities times the values, and
+   each row divided by its sum. Both products run on
    float_tiles.h's tiles (docs/performance.md compares torch's CPU flash kernel on these shapes). */
 #include <stdlib.h>
 
@@ -41,30 +44,37 @@ static void pack_keys(struct heads k, int64_t key0, int keys, int64_t d, float *
         for (int64_t j = 0; j < NR; j++) panel[i * NR + j] = j < keys ? base[j * k.row + i] : 0.0f;
 }
 
-/* Each of `rows` rows of s (`keys` scores, `lds` apart) -> e^(scale (s - max)) in place; 1 / their
-   sum in inverse[row]. */
-static void softmax_rows(float *s, int64_t lds, int64_t rows, int64_t keys, float scale,
-                         float *inverse) {
+/* A row's first n scores -> e^(scale (s - max)) in place; returns 1 / their sum. */
+static float softmax_row(float *row, int64_t n, float scale) {
+    int64_t k = 0;
+    vec top = vset(row[0]);
+    for (; k + GL <= n; k += GL) top = vmax(top, vload(row + k));
+    float largest = vlargest(top);
+    for (; k < n; k++) largest = row[k] > largest ? row[k] : largest;
+    vec total = vzero(), shift = vset(largest), factor = vset(scale);
+    for (k = 0; k + GL <= n; k += GL) {
+        vec e = vexp(vmul(vsub(vload(row + k), shift), factor));
+        vstore(row + k, e);
+        total = vadd(total, e);
+    }
+    float sum = vsum(total);
+    if (k < n) { /* the last, partial vector */
+        lanes tail = first_lanes((int)(n - k));
+        vstore_some(row + k, vexp(vmul(vsub(vload_some(row + k, tail), shift), factor)), tail);
+        for (; k < n; k++) sum += row[k];
+    }
+    return 1.0f / sum;
+}
+
+/* Each of `rows` rows of s (`lds` apart): the softmax of its first min(seen + r, keys) scores,
+   the rest up to `keys` zero (causal; seen >= keys: every score); 1 / each sum in inverse[r]. */
+static void softmax_rows(float *s, int64_t lds, int64_t rows, int64_t keys, int64_t seen,
+                         float scale, float *inverse) {
     for (int64_t r = 0; r < rows; r++) {
         float *row = s + r * lds;
-        int64_t k = 0;
-        vec top = vset(row[0]);
-        for (; k + GL <= keys; k += GL) top = vmax(top, vload(row + k));
-        float largest = vlargest(top);
-        for (; k < keys; k++) largest = row[k] > largest ? row[k] : largest;
-        vec total = vzero(), shift = vset(largest), factor = vset(scale);
-        for (k = 0; k + GL <= keys; k += GL) {
-            vec e = vexp(vmul(vsub(vload(row + k), shift), factor));
-            vstore(row + k, e);
-            total = vadd(total, e);
-        }
-        float sum = vsum(total);
-        if (k < keys) { /* the last, partial vector */
-            lanes tail = first_lanes((int)(keys - k));
-            vstore_some(row + k, vexp(vmul(vsub(vload_some(row + k, tail), shift), factor)), tail);
-            for (; k < keys; k++) sum += row[k];
-        }
-        inverse[r] = 1.0f / sum;
+        const int64_t n = seen + r < keys ? seen + r : keys;
+        for (int64_t k = n; k < keys; k++) row[k] = 0.0f;
+        inverse[r] = softmax_row(row, n, scale);
     }
 }
 
@@ -90,38 +100,61 @@ static void pack_head(struct heads k, struct heads v, int64_t keys, int64_t d, i
     }
 }
 
-/* One head's queries q0 .. q0 + rows: scores, softmax, times v, each row scaled by 1 / its sum. */
+/* One head's queries q0 .. q0 + rows, the first seeing `seen` keys and each next one more
+   (seen >= keys: every query sees every key): scores, softmax, times v, each row scaled by 1 / its
+   sum. `packed`: the keys packed (the values' chunk stride). */
 static void attend_block(struct heads q, const float *panels, const float *values, float *out,
-                         int64_t out_row, int64_t q0, int64_t rows, int64_t keys, int64_t d,
-                         int64_t d_pad, float *scores, int64_t lds, float *inverse) {
+                         int64_t out_row, int64_t q0, int64_t rows, int64_t packed, int64_t seen,
+                         int64_t d, int64_t d_pad, float *scores, int64_t lds, float *inverse) {
     const struct ends plain = {1, 1, NONE, 0};
     const float *queries = q.data + q0 * q.row;
+    /* the keys the block's last query sees */
+    const int64_t keys = seen + rows - 1 < packed ? seen + rows - 1 : packed;
     for (int64_t key0 = 0; key0 < keys; key0 += NR) {
         const int width = keys - key0 < NR ? (int)(keys - key0) : NR;
         panel_rows(queries, q.row, panels + key0 * d_pad, NR, d, scores + key0, lds, rows, plain,
                    width);
     }
-    softmax_rows(scores, lds, rows, keys, 1.0f / __builtin_sqrtf((float)d), inverse);
+    softmax_rows(scores, lds, rows, keys, seen, 1.0f / __builtin_sqrtf((float)d), inverse);
     float *o = out + q0 * out_row;
     for (int64_t d0 = 0; d0 < d; d0 += NR) {
         const int width = d - d0 < NR ? (int)(d - d0) : NR;
-        panel_rows(scores, lds, values + d0 * keys, NR, keys, o + d0, out_row, rows, plain, width);
+        panel_rows(scores, lds, values + d0 * packed, NR, keys, o + d0, out_row, rows, plain,
+                   width);
     }
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < d; i++) o[r * out_row + i] *= inverse[r];
 }
 
-/* out (queries x heads x d, a row every out_row floats, a head every d) for q (queries positions),
-   k and v (keys positions), each given by its data, row stride and head stride. Returns 0, or -1
+/* One task's blocks [first, last) of each of its `group` query heads (head h0 on). */
+static void attend_heads(struct heads q, int64_t h0, int64_t group, const float *panels,
+                         const float *values, float *out, int64_t out_row, int64_t first,
+                         int64_t last, int64_t queries, int64_t keys, int causal, int64_t d,
+                         int64_t d_pad, float *scores, int64_t lds, float *inverse) {
+    for (int64_t h = h0; h < h0 + group; h++) {
+        const struct heads qh = {q.data + h * q.head, q.row, q.head};
+        for (int64_t b = first; b < last; b++) {
+            const int64_t q0 = b * QB, rows = queries - q0 < QB ? queries - q0 : QB;
+            const int64_t seen = causal ? keys - queries + q0 + 1 : keys;
+            attend_block(qh, panels, values, out + h * d, out_row, q0, rows, keys, seen, d, d_pad,
+                         scores, lds, inverse);
+        }
+    }
+}
+
+/* out (queries x heads x d, a row every out_row floats, a head every d) for q (queries positions,
+   `heads` heads), k and v (keys positions, heads / group heads), each given by its data, row
+   stride and head stride; causal: query i sees keys up to i + keys - queries. Returns 0, or -1
    where a thread's scratch could not be allocated (out is then incomplete). */
 int attention(const float *q, int64_t q_row, int64_t q_head, const float *k, int64_t k_row,
               int64_t k_head, const float *v, int64_t v_row, int64_t v_head, float *out,
-              int64_t out_row, int64_t queries, int64_t keys, int64_t heads, int64_t d,
-              int threads) {
+              int64_t out_row, int64_t queries, int64_t keys, int64_t heads, int64_t group,
+              int causal, int64_t d, int threads) {
     const int64_t lds = (keys + GL - 1) / GL * GL, d_pad = (d + GL - 1) / GL * GL;
-    const int64_t blocks = (queries + QB - 1) / QB;
-    /* a task is a head's share of its query blocks: every thread busy when heads < threads */
-    const int64_t shares = heads >= threads ? 1 : (threads + heads - 1) / heads;
+    const int64_t blocks = (queries + QB - 1) / QB, kv_heads = heads / group;
+    /* a task is a key/value head's share of its query blocks: every thread busy when there are
+       fewer of those heads than threads */
+    const int64_t shares = kv_heads >= threads ? 1 : (threads + kv_heads - 1) / kv_heads;
     const int64_t per_share = (blocks + shares - 1) / shares;
     int failed = 0;
     #pragma omp parallel num_threads(threads) reduction(| : failed)
@@ -132,17 +165,15 @@ int attention(const float *q, int64_t q_row, int64_t q_head, const float *k, int
         float inverse[QB];
         failed = !scores || !panels || !values;
         #pragma omp for schedule(static)
-        for (int64_t t = 0; t < heads * shares; t++) {
-            const int64_t h = t / shares, first = (t % shares) * per_share;
+        for (int64_t t = 0; t < kv_heads * shares; t++) {
+            const int64_t g = t / shares, first = (t % shares) * per_share;
             if (failed || first >= blocks) continue;
-            struct heads qh = {q + h * q_head, q_row, q_head}, kh = {k + h * k_head, k_row, k_head};
-            struct heads vh = {v + h * v_head, v_row, v_head};
+            const int64_t last = first + per_share < blocks ? first + per_share : blocks;
+            struct heads kh = {k + g * k_head, k_row, k_head}, vh = {v + g * v_head, v_row, v_head};
             pack_head(kh, vh, keys, d, d_pad, panels, values);
-            for (int64_t b = first; b < blocks && b < first + per_share; b++) {
-                const int64_t q0 = b * QB, rows = queries - q0 < QB ? queries - q0 : QB;
-                attend_block(qh, panels, values, out + h * d, out_row, q0, rows, keys, d, d_pad,
-                             scores, lds, inverse);
-            }
+            const struct heads qs = {q, q_row, q_head};
+            attend_heads(qs, g * group, group, panels, values, out, out_row, first, last, queries,
+                         keys, causal, d, d_pad, scores, lds, inverse);
         }
         free(scores);
         free(panels);

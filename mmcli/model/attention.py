@@ -1,6 +1,7 @@
-"""Attention kernels for the packed vision blocks, and the one place that chooses among them.
+"""Attention kernels: the decoder's prefill (causal, GQA), and the packed vision blocks with the
+one place that chooses among theirs.
 
-Every kernel computes what `bounded_attention` defines: per batch row (one block), query row r
+Every block kernel computes what `bounded_attention` defines: per batch row (one block), query row r
 attends to the keys [bound_min[r], bound_max[r]) (its own image's temporal patch) and a padding
 row (empty range) gives zeros."""
 
@@ -75,20 +76,33 @@ def nki_bounded_attention(
     return out.reshape(b, heads, s, d).masked_fill(empty, 0.0)
 
 
-def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v without a mask, q [queries, heads, d], k and v [keys, heads, d]
-    -> [queries, heads, d]: attention.c on the CPU in float32 where it builds (cpu_kernel.py),
-    else SDPA."""
+def full_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v, q [queries, heads, d], k and v [keys, kv_heads, d] (GQA where
+    kv_heads < heads) -> [queries, heads, d]; without a mask, or causal: query i sees the keys up
+    to i + keys - queries (the keys before the queries' own are a cached prefix). attention.c on
+    the CPU in float32 where it builds (cpu_kernel.py), else SDPA."""
     if (
         q.device.type == "cpu"
         and q.dtype == k.dtype == v.dtype == torch.float32
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-        and cpu_kernel.load()[0] is not None
+        and cpu_kernel.eager()
     ):
-        return cpu_kernel.attention(q, k, v)
+        return cpu_kernel.attention(q, k, v, causal)
+    queries, keys = q.shape[0], k.shape[0]
+    mask = None
+    if causal and keys != queries:  # SDPA's is_causal aligns the queries with the first keys
+        seen = torch.arange(keys, device=q.device)[None, :] - (keys - queries)
+        mask = seen <= torch.arange(queries, device=q.device)[:, None]
     # 4-D inputs: the CPU flash kernel takes only those
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=causal and mask is None,
+        enable_gqa=k.shape[1] != q.shape[1],
     )
     return out[0].transpose(0, 1)
 

@@ -1,6 +1,7 @@
 """Our CPU kernels, built on first use: `bf16_linear.c`, bfloat16 weights with float32 activations
 (a few-rows kernel for decode and a GEMM for prefill and vision), `attention.c`, the vision tower's
-attention, both on the float32 tiles of `float_tiles.h`, and `int8_linear.c`, int8 weights in a
+attention and the decoder's prefill attention, both on the float32 tiles of `float_tiles.h`,
+`rms_norm.c` (the decoder's norms in one call each), and `int8_linear.c`, int8 weights in a
 layout that is stored as it runs.
 
 PyTorch has no bfloat16-weight, float32-activation kernel: its bfloat16 GEMM rounds the
@@ -32,7 +33,8 @@ import torch
 from mmcli.model.hub import mmcli_cache
 
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("bf16_linear.c", "attention.c", "int8_linear.c")
+    Path(__file__).with_name(name)
+    for name in ("bf16_linear.c", "attention.c", "rms_norm.c", "int8_linear.c")
 ]
 HEADERS = [Path(__file__).with_name("float_tiles.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -113,14 +115,25 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     library.bf16_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     library.bf16_gemm.restype = None
     library.attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 3
+    # out, out_row, queries, keys, heads, group, causal, d, threads
     library.attention.argtypes += [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int]
+    library.attention.argtypes += [ctypes.c_int64, ctypes.c_int]
     library.attention.restype = ctypes.c_int
+    library.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    library.rms_norm.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+    library.rms_norm.restype = None
     library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     library.int8_linear.restype = None
     library.quantize_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
     library.quantize_rows.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     library.quantize_rows.restype = None
     return library, ""
+
+
+def eager() -> bool:
+    """Whether the kernels can run here and now: loaded, and not inside a graph being traced
+    (torch.compile cannot trace a ctypes call; the traced graph keeps torch's operations)."""
+    return not torch.compiler.is_compiling() and load()[0] is not None
 
 
 def name() -> str:
@@ -178,21 +191,44 @@ def bf16_gemm(
     return out
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v, no mask, for q [queries, heads, d] and k, v [keys, heads, d]
-    (float32 on the CPU, any row and head strides, d contiguous); out [queries, heads, d]. See
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v for q [queries, heads, d] and k, v [keys, kv_heads, d] (float32
+    on the CPU, any row and head strides, d contiguous; heads a multiple of kv_heads), without a
+    mask or causal (query i sees keys up to i + keys - queries); out [queries, heads, d]. See
     attention.c."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
-    queries, heads, d = q.shape
+    (queries, heads, d), keys = q.shape, k.shape[0]
     out = torch.empty(queries, heads, d)
     strided = [value for t in (q, k, v) for value in (t.data_ptr(), t.stride(0), t.stride(1))]
-    status = library.attention(
-        *strided, out.data_ptr(), heads * d, queries, k.shape[0], heads, d, torch.get_num_threads()
-    )
+    shape = (queries, keys, heads, heads // k.shape[1], int(causal), d)
+    status = library.attention(*strided, out.data_ptr(), heads * d, *shape, torch.get_num_threads())
     if status:
         raise MemoryError("attention.c could not allocate its scratch")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2) + eps)) over x's last dimension: x float32 on the CPU with
+    that dimension contiguous and the rest flattening to rows; weight float32, contiguous."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(x.shape)
+    library.rms_norm(
+        rows.data_ptr(),
+        rows.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows.shape[0],
+        rows.shape[1],
+        eps,
+        torch.get_num_threads(),
+    )
     return out
 
 

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmcli.model import cpu_kernel
+from mmcli.model.attention import full_attention
 from mmcli.model.cache import AttentionBatch, DecoderCache
 from mmcli.model.config import TextConfig
 from mmcli.model.linear import Linear, embedding
@@ -26,8 +28,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and not self.unit_offset:
+        if x.dtype == self.weight.dtype == torch.float32 and not self.unit_offset:
             # the same arithmetic in one call (a decode step runs 100+ of these)
+            if x.device.type == "cpu" and x.stride(-1) == 1 and cpu_kernel.eager():
+                return cpu_kernel.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -93,18 +97,9 @@ class Attention(nn.Module):
             slot = batch.slots[i : i + 1]
             k_cache[slot, :, :n] = k[s].transpose(0, 1)[None]
             v_cache[slot, :, :n] = v[s].transpose(0, 1)[None]
-            # 4-D inputs: the CPU flash kernel takes only those (3-D falls back to the math path, 2x
-            # slower)
-            o = F.scaled_dot_product_attention(
-                q[s].transpose(0, 1)[None],
-                k[s].transpose(0, 1)[None],
-                v[s].transpose(0, 1)[None],
-                is_causal=True,
-                enable_gqa=True,
-            )
-            out.append(o[0].transpose(0, 1))
+            out.append(full_attention(q[s], k[s], v[s], causal=True))
             start += n
-        return torch.cat(out)
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def _prefill_after(self, q, k, v, slot, first: int, k_cache, v_cache):
         """Tokens at positions first.. of a row whose earlier tokens are cached (a shared
@@ -112,15 +107,9 @@ class Attention(nn.Module):
         n = q.shape[0]
         k_cache[slot, :, first : first + n] = k.transpose(0, 1)[None]
         v_cache[slot, :, first : first + n] = v.transpose(0, 1)[None]
-        keys, values = k_cache[slot, :, : first + n], v_cache[slot, :, : first + n]
-        mask = (
-            torch.arange(first + n, device=q.device)[None, :]
-            <= torch.arange(first, first + n, device=q.device)[:, None]
-        )
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True
-        )
-        return o[0].transpose(0, 1)
+        keys = k_cache[slot, :, : first + n][0].transpose(0, 1)
+        values = v_cache[slot, :, : first + n][0].transpose(0, 1)
+        return full_attention(q, keys, values, causal=True)
 
     def _decode(self, q, k, v, batch, k_cache, v_cache):
         slots, pos, n = batch.slots, batch.positions, batch.context_len
