@@ -1,11 +1,13 @@
 """The default CPU path's kernels against what they replace, on the 2B model's shapes, in one run:
 bf16_linear.c's GEMM (bfloat16 weights, float32 arithmetic; this CPU's build and the AVX2 one)
 against the chunked path it replaced (each chunk of weights converted, then MKL) and against MKL on
-float32 weights; attention.c against torch's SDPA on the vision tower's shapes; and where the
-few-rows kernel (decode) hands over to the GEMM (linear.KERNEL_ROWS). Each figure is a
-share of the float32 matmul peak (2048-cubed) measured just before it, the median of --repeats
-rounds (this shared machine's peak moves by up to 2x within a minute). Weights cycle through
-copies larger than the last-level cache, as a model's do.
+float32 weights; attention.c against torch's SDPA on the vision tower's shapes and, causal with
+grouped query heads, on the decoder prefill's; rms_norm.c against torch's rms_norm (microseconds
+a call: too small for a share of the peak); and where the few-rows kernel (decode) hands over to
+the GEMM (linear.KERNEL_ROWS). Each figure is a share of the float32 matmul peak (2048-cubed)
+measured just before it, the median of --repeats rounds (this shared machine's peak moves by up
+to 2x within a minute). Weights cycle through copies larger than the last-level cache, as a
+model's do.
 
 python bench/float_kernels.py [--smoke] [--repeats 7]
 
@@ -36,9 +38,12 @@ GEMMS = [
     (219, 2048, 2048),
 ]
 SMOKE_GEMMS = [(25, 70, 300)]
-# (positions, heads, head_dim): one 448x448 image, one of 896x896
-ATTENTION = [(784, 16, 64), (3136, 16, 64)]
-SMOKE_ATTENTION = [(100, 2, 64)]
+# (positions, heads, key/value heads, head_dim, causal): the vision tower on one 448x448 image and
+# one of 896x896, the decoder's prefill of the ask's 219 tokens
+ATTENTION = [(784, 16, 16, 64, False), (3136, 16, 16, 64, False), (219, 16, 8, 128, True)]
+SMOKE_ATTENTION = [(100, 2, 2, 64, False), (50, 4, 2, 32, True)]
+# (rows, width): a decode step's norms (the hidden state, 16 query heads), the prefill's
+NORMS = [(1, 2048), (16, 128), (219, 2048)]
 CROSSOVER_ROWS = [8, 12, 16, 24, 32]
 
 
@@ -85,22 +90,42 @@ def gemm_row(rows: int, out: int, width: int, builds: list[str], repeats: int, p
     return f"| {rows} x {out} x {width} | " + " | ".join(f"{s:.0%}" for s in shares.values()) + " |"
 
 
-def attention_row(positions: int, heads: int, d: int, repeats: int, peak) -> str:
-    qkv = torch.randn(positions, 3, heads, d)
-    q, k, v = qkv.unbind(1)
-    q, k = q.contiguous(), k.contiguous()  # as the rotary leaves them; v a view, as in the model
+def attention_row(
+    positions: int, heads: int, kv_heads: int, d: int, causal: bool, repeats: int, peak
+) -> str:
+    q = torch.randn(positions, heads, d)  # as the rotary leaves it
+    kv = torch.randn(positions, 2, kv_heads, d)
+    k, v = kv[:, 0].contiguous(), kv[:, 1]  # v a view, as in the model
 
     def sdpa():
-        return F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))
+        return F.scaled_dot_product_attention(
+            *(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=causal, enable_gqa=True
+        )
 
     variants = {
-        "ours": (lambda: None, lambda: cpu_kernel.attention(q, k, v)),
+        "ours": (lambda: None, lambda: cpu_kernel.attention(q, k, v, causal)),
         "torch SDPA": (lambda: None, sdpa),
     }
-    shares = rounds(variants, 4 * positions**2 * heads * d, repeats, peak)
-    return (
-        f"| {positions} x {heads} x {d} | " + " | ".join(f"{s:.0%}" for s in shares.values()) + " |"
-    )
+    flops = 4 * positions**2 * heads * d // (2 if causal else 1)
+    shares = rounds(variants, flops, repeats, peak)
+    shape = f"{positions} x {heads}/{kv_heads} x {d}{', causal' if causal else ''}"
+    return f"| {shape} | " + " | ".join(f"{s:.0%}" for s in shares.values()) + " |"
+
+
+def norm_row(rows: int, width: int, repeats: int) -> str:
+    """rms_norm.c against torch's rms_norm: each one's median microseconds a call."""
+    x, weight = torch.randn(rows, width), torch.randn(width)
+    calls = {
+        "ours": lambda: cpu_kernel.rms_norm(x, weight, 1e-6),
+        "torch": lambda: F.rms_norm(x, (width,), weight, 1e-6),
+    }
+    times = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            fn()
+            times[name].append(seconds(lambda fn=fn: [fn() for _ in range(200)]) / 200 * 1e6)
+    ours, torch_us = (statistics.median(times[name]) for name in calls)
+    return f"| {rows} x {width} | {ours:.1f} | {torch_us:.1f} | {torch_us / ours:.1f}x |"
 
 
 def crossover_row(rows: int, out: int, width: int, repeats: int, peak) -> str:
@@ -143,10 +168,14 @@ def main() -> None:
     print("|---|" + "---|" * (len(builds) + 2))
     for shape in SMOKE_GEMMS if args.smoke else GEMMS:
         print(gemm_row(*shape, builds, repeats, peak), flush=True)
-    print(f"\n| positions x heads x head_dim | ours ({cpu_kernel.name()}) | torch SDPA |")
+    print(f"\n| positions x heads/key heads x head_dim | ours ({cpu_kernel.name()}) | torch SDPA |")
     print("|---|---|---|")
     for shape in SMOKE_ATTENTION if args.smoke else ATTENTION:
         print(attention_row(*shape, repeats, peak), flush=True)
+    print("\n| RMSNorm rows x width | ours (us a call) | torch (us) | torch / ours |")
+    print("|---|---|---|---|")
+    for shape in NORMS[:1] if args.smoke else NORMS:
+        print(norm_row(*shape, repeats), flush=True)
     print(f"\n| rows x out x in | few-rows kernel ({cpu_kernel.name()}) | GEMM |")
     print("|---|---|---|")
     for rows in CROSSOVER_ROWS[:1] if args.smoke else CROSSOVER_ROWS:

@@ -139,3 +139,31 @@ def test_one_image_in_one_block_attends_in_one_call_as_the_reference_does():
         atol=1e-6,
         rtol=1e-6,
     )
+
+
+# widths off the vectors; rows across the threads' threshold; rows a view's stride apart
+@pytest.mark.parametrize("rows,width,strided", [(1, 2048, False), (16, 70, True), (300, 256, True)])
+def test_the_rms_norm_kernel_matches_float64(build, rows, width, strided):
+    generator = torch.Generator().manual_seed(width)
+    x = torch.randn(rows, width + 5 if strided else width, generator=generator)[:, :width] * 3
+    weight = torch.randn(width, generator=generator)
+    exact = weight.double() * (
+        x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    )
+    torch.testing.assert_close(
+        cpu_kernel.rms_norm(x, weight, 1e-6).double(), exact, atol=1e-6, rtol=1e-6
+    )
+
+
+def test_the_decoder_norm_takes_the_kernel_and_keeps_the_reference_result(monkeypatch):
+    """RMSNorm on q's heads ([tokens, heads, d]) through rms_norm.c, against torch's own."""
+    from mmcli.model.text import RMSNorm
+
+    norm = RMSNorm(64, 1e-6).requires_grad_(False)
+    norm.weight.data = torch.randn(64)
+    x = torch.randn(7, 4, 64)
+    called, original = [], cpu_kernel.rms_norm
+    monkeypatch.setattr(cpu_kernel, "rms_norm", lambda *a: called.append(1) or original(*a))
+    expected = F.rms_norm(x, (64,), norm.weight, 1e-6)
+    torch.testing.assert_close(norm(x), expected, atol=1e-6, rtol=1e-6)
+    assert called
