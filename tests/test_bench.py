@@ -103,4 +103,10 @@ def test_int8_kernel_bench_smoke():
 
 def test_float_kernels_bench_smoke():
     stdout = _smoke("float_kernels.py")
-    assert "| 25 x 70 x 300 |" in stdout and "| 100 x 2 x 64 |" in stdout
+    for row in (
+        "| 25 x 70 x 300 |",
+        "| 100 x 2/2 x 64 |",
+        "| 50 x 4/2 x 32, causal |",
+        "| 1 x 2048 |",
+    ):
+        assert row in stdout
