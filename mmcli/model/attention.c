@@ -7,8 +7,8 @@
    threads): its keys packed once, transposed, a panel of NR at a time, and its values copied
    together; then for each of its query heads and each block of QB queries their scores against
    the keys they see, a softmax over each row in place, the probabilities times the values, and
-   each row divided by its sum. Both products run on
-   float_tiles.h's tiles (docs/performance.md compares torch's CPU flash kernel on these shapes). */
+   each row divided by its sum. Both products run on float_tiles.h's tiles (docs/performance.md
+   compares torch's CPU flash kernel on these shapes). */
 #include <stdlib.h>
 
 #include "float_tiles.h"

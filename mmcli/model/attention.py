@@ -1,5 +1,6 @@
-"""Attention kernels: the decoder's prefill (causal, GQA), and the packed vision blocks with the
-one place that chooses among theirs.
+"""Attention kernels: `full_attention` (the decoder's prefill, causal with GQA, and attention within
+one image's range), and the packed vision blocks' kernels with the one place that chooses among
+them.
 
 Every block kernel computes what `bounded_attention` defines: per batch row (one block), query row r
 attends to the keys [bound_min[r], bound_max[r]) (its own image's temporal patch) and a padding

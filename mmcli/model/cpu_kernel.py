@@ -201,10 +201,12 @@ def attention(
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
-    (queries, heads, d), keys = q.shape, k.shape[0]
+    (queries, heads, d), (keys, kv_heads) = q.shape, k.shape[:2]
+    if heads % kv_heads or k.shape != v.shape:
+        raise ValueError(f"q's {heads} heads against k {tuple(k.shape)} and v {tuple(v.shape)}")
     out = torch.empty(queries, heads, d)
     strided = [value for t in (q, k, v) for value in (t.data_ptr(), t.stride(0), t.stride(1))]
-    shape = (queries, keys, heads, heads // k.shape[1], int(causal), d)
+    shape = (queries, keys, heads, heads // kv_heads, int(causal), d)
     status = library.attention(*strided, out.data_ptr(), heads * d, *shape, torch.get_num_threads())
     if status:
         raise MemoryError("attention.c could not allocate its scratch")

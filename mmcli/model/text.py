@@ -28,9 +28,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32 and not self.unit_offset:
+        if x.dtype == torch.float32 and not self.unit_offset:
             # the same arithmetic in one call (a decode step runs 100+ of these)
-            if x.device.type == "cpu" and x.stride(-1) == 1 and cpu_kernel.eager():
+            if (
+                x.device.type == "cpu"
+                and x.stride(-1) == 1
+                and self.weight.dtype == torch.float32
+                and cpu_kernel.eager()
+            ):
                 return cpu_kernel.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
