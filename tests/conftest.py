@@ -22,6 +22,20 @@ SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 VARIANTS = ["base", "wide_attn", "deepstack_last"]
 
 
+@pytest.fixture(params=["this CPU's", "AVX2"])
+def build(request, monkeypatch):
+    """Each test once with the build this CPU loads and once with the AVX2 one."""
+    from mmcli.model import cpu_kernel
+
+    if request.param == "AVX2":
+        monkeypatch.setenv("MMCLI_CPU_KERNEL", "avx2")
+    cpu_kernel.load.cache_clear()
+    assert cpu_kernel.load()[0] is not None, cpu_kernel.load()[1]
+    yield cpu_kernel.name()
+    monkeypatch.undo()
+    cpu_kernel.load.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "base")

@@ -14,18 +14,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=["this CPU's", "AVX2"])
-def build(request, monkeypatch):
-    """Each test once with the build this CPU loads and once with the AVX2 one."""
-    if request.param == "AVX2":
-        monkeypatch.setenv("MMCLI_CPU_KERNEL", "avx2")
-    cpu_kernel.load.cache_clear()
-    assert cpu_kernel.load()[0] is not None, cpu_kernel.load()[1]
-    yield cpu_kernel.name()
-    monkeypatch.undo()
-    cpu_kernel.load.cache_clear()
-
-
 # rows off the 6-row tiles; channels off the 64- (AVX2: 16-) channel panels and their vectors;
 # inputs off the vectors and, at 2100, across two 2048-input panels
 @pytest.mark.parametrize("rows,channels,inputs", [(25, 70, 21), (31, 130, 300), (7, 64, 2100)])

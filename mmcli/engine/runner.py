@@ -29,6 +29,7 @@ from mmcli.model import cpu_kernel
 from mmcli.model.attention import choose_block_attention
 from mmcli.model.cache import AttentionBatch, DecoderCache
 from mmcli.model.config import ModelConfig
+from mmcli.model.fused_decode import FusedDecode
 from mmcli.model.linear import KERNEL_ROWS, held_tensors, int8_kernel_name, pack_linears
 from mmcli.model.prepared import PreparedWeights
 from mmcli.model.quantize import quantize_model
@@ -188,6 +189,11 @@ class ModelRunner:
         """The weights prepared for their kernels, the host allocator set for the run; returns
         the kernels in words."""
         kernels = [prepare_weights(model, device, quantize, compiled, prepared)]
+        if device.type == "cpu" and not compiled:
+            decoder = model.language_model
+            decoder.fused_decode = FusedDecode.for_decoder(decoder, model.cfg.text)
+            if decoder.fused_decode is not None:
+                kernels.append("a decode step one call a layer")
         if device.type == "cpu":
             keep_freed_memory()  # after the load: its temporaries are returned as before
             populate([(t.data_ptr(), t.numel() * t.element_size()) for t in held_tensors(model)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,35 +71,38 @@ def read_model_config(path: Path) -> ModelConfig:
     return parse_config(raw, str(path / "config.json"))
 
 
-def _meta_model(cfg: ModelConfig):
+@functools.lru_cache(maxsize=4)
+def _layout(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+    """(every tensor's shape, the matrices' names) of the model's module tree, built once per
+    config on the meta device (no memory), so it cannot drift from the modules."""
+    from mmcli.model.linear import Linear
     from mmcli.model.vlm import VisionLanguageModel
 
     with torch.device("meta"):
-        return VisionLanguageModel(cfg)
+        model = VisionLanguageModel(cfg)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    names = {
+        f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear)
+    }
+    names |= {n for n, _ in model.named_parameters() if n.endswith(_EXPERTS)}
+    names |= {
+        "model.language_model.embed_tokens.weight",
+        "model.visual.pos_embed.weight",
+        "model.visual.patch_embed.proj.weight",
+    }
+    return shapes, frozenset(names)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of the released layout and its shape: the model's own state dict, built
-    on the meta device (no memory), so it cannot drift from the module tree."""
-    return {name: tuple(t.shape) for name, t in _meta_model(cfg).state_dict().items()}
+    """Every tensor name of the released layout and its shape."""
+    return dict(_layout(cfg)[0])
 
 
 def matrix_weight_names(cfg: ModelConfig) -> set[str]:
     """The matrices (every linear layer's weight, the token and vision position embeddings, the
     patch embedding): what `weights_dtype` applies to. Norms and biases are held in the compute
     dtype."""
-    from mmcli.model.linear import Linear
-
-    model = _meta_model(cfg)
-    names = {
-        f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear)
-    }
-    names |= {n for n, _ in model.named_parameters() if n.endswith(_EXPERTS)}
-    return names | {
-        "model.language_model.embed_tokens.weight",
-        "model.visual.pos_embed.weight",
-        "model.visual.patch_embed.proj.weight",
-    }
+    return set(_layout(cfg)[1])
 
 
 _EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")

@@ -1,8 +1,9 @@
 """Our CPU kernels, built on first use: `bf16_linear.c`, bfloat16 weights with float32 activations
 (a few-rows kernel for decode and a GEMM for prefill and vision), `attention.c`, the vision tower's
 attention and the decoder's prefill attention, both on the float32 tiles of `float_tiles.h`,
-`rms_norm.c` (the decoder's norms in one call each), and `int8_linear.c`, int8 weights in a
-layout that is stored as it runs.
+`rms_norm.c` (the decoder's norms in one call each), `decode_layer.c` (a dense decoder layer's
+step for one token in one call) and `int8_linear.c`, int8 weights in a layout that is stored as it
+runs.
 
 PyTorch has no bfloat16-weight, float32-activation kernel: its bfloat16 GEMM rounds the
 activations, and converting weights in one call and multiplying in another writes and reads a
@@ -34,7 +35,7 @@ from mmcli.model.hub import mmcli_cache
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("bf16_linear.c", "attention.c", "rms_norm.c", "int8_linear.c")
+    for name in ("bf16_linear.c", "attention.c", "rms_norm.c", "decode_layer.c", "int8_linear.c")
 ]
 HEADERS = [Path(__file__).with_name("float_tiles.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -88,6 +89,20 @@ def _build(compiler: str, torch_lib: Path, extra: list[str]) -> Path:
     return target
 
 
+class DecodeLayer(ctypes.Structure):
+    """decode_layer.c's struct decode_layer: one layer's weights and sizes."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in ("input_norm", "post_norm", "q_norm", "k_norm", "q", "k", "v", "o")
+        + ("gate", "up", "down")
+    ]
+    _fields_ += [
+        (name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "d", "intermediate")
+    ]
+    _fields_ += [("eps", ctypes.c_float)]
+
+
 @functools.cache
 def load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why not); built once per machine, cached."""
@@ -122,6 +137,9 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     library.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     library.rms_norm.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     library.rms_norm.restype = None
+    library.decode_layer.argtypes = [ctypes.POINTER(DecodeLayer)] + [ctypes.c_void_p] * 3
+    library.decode_layer.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    library.decode_layer.restype = None
     library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     library.int8_linear.restype = None
     library.quantize_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
@@ -232,6 +250,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out
+
+
+def decode_layer(
+    layer: DecodeLayer,
+    x: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    pos: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """The layer's output for one token into x (hidden floats, contiguous, float32), its key and
+    value written at column `pos` of kv's [kv_heads, columns, d] rows (contiguous) and attended
+    over pos + 1 columns; cos/sin: d values. See decode_layer.c."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    k, v = kv
+    widths = 2 * layer.hidden + 2 * (layer.heads + layer.kv_heads) * layer.d
+    scratch = torch.empty(widths + 2 * layer.intermediate + layer.heads * (pos + 1))
+    library.decode_layer(
+        ctypes.byref(layer),
+        x.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        k.stride(0),
+        pos,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        scratch.data_ptr(),
+        torch.get_num_threads(),
+    )
 
 
 def int8_linear(x: torch.Tensor, weight) -> torch.Tensor:

@@ -214,6 +214,12 @@ class Linear(nn.Linear):
     packed_weight = None  # oneDNN's blocked float32 weight, an Int8Weight or int4's
     per_token = True
 
+    def reset_parameters(self) -> None:
+        # built on the meta device and handed the checkpoint's tensors: the random start values
+        # would be discarded (and cost half the build of a model's module tree)
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def pack(self) -> None:
         """Reorder the weight into oneDNN's blocked layout (the hint of 16 rows measured as good
         as any from 2 rows to 1000s) and drop this module's plain weight: it is freed unless

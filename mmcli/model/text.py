@@ -177,6 +177,9 @@ class DecoderLayer(nn.Module):
 
 
 class TextDecoder(nn.Module):
+    # the runner's model.fused_decode.FusedDecode where this decoder's layers fit it
+    fused_decode = None
+
     def __init__(self, cfg: TextConfig):
         super().__init__()
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
@@ -203,6 +206,8 @@ class TextDecoder(nn.Module):
         """hidden [T, H] -> final-normed hidden [T, H]. DeepStack level l ([T, H], zero off the
         image tokens) is added after layer l (prefill only)."""
         cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)
+        if self.fused_decode is not None and self.fused_decode.fits(hidden, batch, deepstack):
+            return self.norm(self.fused_decode(hidden, cos, sin, batch, cache))
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, batch, cache.layer(i))
             if deepstack is not None and i < len(deepstack):

@@ -1,0 +1,107 @@
+"""One sequence's decode step through a dense decoder in one kernel call a layer
+(cpu_kernel.decode_layer, decode_layer.c): for Qwen3-VL's attention layers with bfloat16 weights
+computing in float32 on the CPU, the default precision there. Any other layer, batch or backend
+keeps text.py's modules, which this reproduces operation for operation (tests/test_fused_decode.py
+compares the two)."""
+
+from __future__ import annotations
+
+import torch
+
+from mmcli.model import cpu_kernel
+from mmcli.model.cache import AttentionBatch, DecoderCache
+
+
+def _matrix(linear) -> bool:
+    weight = getattr(linear, "weight", None)
+    return (
+        linear.kernel == "plain"
+        and weight is not None
+        and weight.dtype == torch.bfloat16
+        and weight.is_contiguous()
+        and linear.bias is None
+    )
+
+
+def _norm(norm) -> bool:
+    return (
+        not norm.unit_offset and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
+    )
+
+
+def _fusable(layer, rotary_dim: int) -> bool:
+    if layer.linear or not hasattr(layer.mlp, "gate_proj"):  # Gated DeltaNet, MoE
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+    linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
+    return (
+        not attn.output_gate
+        and rotary_dim == attn.head_dim
+        and all(map(_matrix, linears))
+        and all(map(_norm, norms))
+    )
+
+
+class FusedDecode:
+    """The decoder's layers as decode_layer.c's structs."""
+
+    def __init__(self, layers, eps: float):
+        self.layers, self._weights = [], []  # the structs, and the tensors they point into
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights = {
+                "input_norm": layer.input_layernorm.weight,
+                "post_norm": layer.post_attention_layernorm.weight,
+                "q_norm": attn.q_norm.weight,
+                "k_norm": attn.k_norm.weight,
+                **{name: getattr(attn, f"{name}_proj").weight for name in "qkvo"},
+                **{name: getattr(mlp, f"{name}_proj").weight for name in ("gate", "up", "down")},
+            }
+            self._weights.append(weights)
+            self.layers.append(
+                cpu_kernel.DecodeLayer(
+                    **{name: tensor.data_ptr() for name, tensor in weights.items()},
+                    hidden=layer.input_layernorm.weight.shape[0],
+                    heads=attn.num_heads,
+                    kv_heads=attn.num_kv_heads,
+                    d=attn.head_dim,
+                    intermediate=mlp.gate_proj.out_features,
+                    eps=eps,
+                )
+            )
+
+    @classmethod
+    def for_decoder(cls, decoder, cfg) -> FusedDecode | None:
+        """The fused step for `decoder` (a TextDecoder with its kernels chosen; `cfg` its
+        TextConfig), or None where a layer, its weights or this machine do not fit it."""
+        if cpu_kernel.load()[0] is None or decoder.norm.weight.device.type != "cpu":
+            return None
+        if not all(_fusable(layer, cfg.rotary_dim) for layer in decoder.layers):
+            return None
+        return cls(decoder.layers, cfg.rms_norm_eps)
+
+    def fits(self, hidden: torch.Tensor, batch: AttentionBatch, deepstack) -> bool:
+        """A decode step of one sequence in cache row 0, eager, in float32."""
+        return (
+            batch.seqlens is None
+            and batch.contiguous
+            and not batch.fixed_shapes
+            and batch.slots.shape[0] == 1
+            and deepstack is None
+            and hidden.dtype == torch.float32
+            and cpu_kernel.eager()
+        )
+
+    def __call__(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache: DecoderCache
+    ) -> torch.Tensor:
+        """hidden [1, H] -> the last layer's output [1, H] (the final norm is the caller's)."""
+        x = hidden.contiguous().clone()
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        pos = batch.context_len - 1  # one row: its context is its position + 1
+        for i, layer in enumerate(self.layers):
+            k, v = cache.layer(i)  # [rows, kv_heads, columns, d], contiguous (DecoderCache)
+            cpu_kernel.decode_layer(layer, x, (k[0], v[0]), pos, cos, sin)
+        return x
