@@ -100,6 +100,11 @@ def test_only_layers_it_reproduces_take_it():
     one_row = AttentionBatch(slots[:1], torch.tensor([3]), context_len=4, contiguous=True)
     assert fused.fits(hidden[:1], one_row, None)
     assert not fused.fits(hidden[:1], dataclasses.replace(one_row, fixed_shapes=True), None)
+    cache = DecoderCache(cfg, 1, 4, torch.float32, torch.device("cpu"))
+    cos_sin = torch.ones(1, 32)
+    past = dataclasses.replace(one_row, positions=torch.tensor([4]), context_len=5)
+    with pytest.raises(IndexError, match="decode position 4 outside the cache's 4 columns"):
+        fused(hidden[:1], cos_sin, cos_sin, past, cache)
 
 
 @pytest.fixture(scope="module")

@@ -101,6 +101,8 @@ class FusedDecode:
         x = hidden.contiguous().clone()
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         pos = batch.context_len - 1  # one row: its context is its position + 1
+        if not 0 <= pos < cache.columns:  # the kernel writes there unchecked
+            raise IndexError(f"decode position {pos} outside the cache's {cache.columns} columns")
         for i, layer in enumerate(self.layers):
             k, v = cache.layer(i)  # [rows, kv_heads, columns, d], contiguous (DecoderCache)
             cpu_kernel.decode_layer(layer, x, (k[0], v[0]), pos, cos, sin)
