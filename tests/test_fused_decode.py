@@ -33,24 +33,31 @@ def _decoder(cfg: TextConfig, seed: int) -> TextDecoder:
     return decoder
 
 
-def _steps(decoder, cfg, positions: int, prefix: int, seed: int):
-    """A prompt of `prefix` tokens written to the cache, then `positions` decode steps: each
+def _steps(decoder, cfg, steps: int, prompts: dict[int, int], seed: int):
+    """Prompts (cache row: length) written to their rows one at a time, then `steps` decode
+    steps of all of them together, rows in the dict's order, each at its own position: each
     step's output and the cache after the last."""
     generator = torch.Generator().manual_seed(seed)
-    cache = DecoderCache(cfg, 1, 256, torch.float32, torch.device("cpu"))
-    slots = torch.zeros(1, dtype=torch.long)
-    cos_sin = torch.randn(2, prefix + positions, cfg.head_dim, generator=generator)
-    hidden = torch.randn(prefix + positions, cfg.hidden_size, generator=generator)
-    decoder(hidden[:prefix], cos_sin[0, :prefix], cos_sin[1, :prefix],
-            AttentionBatch(slots=slots, seqlens=[prefix]), cache)  # fmt: skip
+    cache = DecoderCache(cfg, max(prompts) + 1, 256, torch.float32, torch.device("cpu"))
+    longest = max(prompts.values()) + steps
+    cos, sin = torch.randn(2, len(prompts), longest, cfg.head_dim, generator=generator)
+    hidden = torch.randn(len(prompts), longest, cfg.hidden_size, generator=generator)
+    for r, (slot, n) in enumerate(prompts.items()):
+        batch = AttentionBatch(slots=torch.tensor([slot]), seqlens=[n])
+        decoder(hidden[r, :n], cos[r, :n], sin[r, :n], batch, cache)
+    slots, rows = torch.tensor(list(prompts)), torch.arange(len(prompts))
     outs = []
-    for pos in range(prefix, prefix + positions):
+    for step in range(steps):
+        positions = torch.tensor(list(prompts.values())) + step
         batch = AttentionBatch(
-            slots=slots, positions=torch.tensor([pos]), context_len=pos + 1, contiguous=True
+            slots=slots,
+            positions=positions,
+            context_len=int(positions.max()) + 1,
+            contiguous=list(prompts) == list(range(len(prompts))),
         )
-        step = slice(pos, pos + 1)
-        outs.append(decoder(hidden[step], cos_sin[0, step], cos_sin[1, step], batch, cache))
-    return torch.cat(outs), cache
+        at = (rows, positions)
+        outs.append(decoder(hidden[at], cos[at], sin[at], batch, cache))
+    return torch.stack(outs), cache
 
 
 @pytest.mark.parametrize(
@@ -61,7 +68,8 @@ def _steps(decoder, cfg, positions: int, prefix: int, seed: int):
         dict(hidden_size=40, num_attention_heads=3, num_key_value_heads=1, head_dim=24),
     ],
 )
-def test_the_fused_step_matches_the_layers_it_replaces(build, shape):
+@pytest.mark.parametrize("prompts", [{0: 5}, {2: 3, 0: 9, 1: 1}])
+def test_the_fused_step_matches_the_layers_it_replaces(build, shape, prompts):
     half = shape["head_dim"] // 2
     cfg = TextConfig(
         **shape,
@@ -71,10 +79,10 @@ def test_the_fused_step_matches_the_layers_it_replaces(build, shape):
         mrope_section=(half - 2 * (half // 3), half // 3, half // 3),
     )
     decoder = _decoder(cfg, seed=shape["head_dim"])
-    reference, ref_cache = _steps(decoder, cfg, positions=20, prefix=5, seed=1)
+    reference, ref_cache = _steps(decoder, cfg, steps=20, prompts=prompts, seed=1)
     decoder.fused_decode = FusedDecode.for_decoder(decoder, cfg)
     assert decoder.fused_decode is not None
-    fused, cache = _steps(decoder, cfg, positions=20, prefix=5, seed=1)
+    fused, cache = _steps(decoder, cfg, steps=20, prompts=prompts, seed=1)
     torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
     for i in range(cfg.num_hidden_layers):
         for ours, theirs in zip(cache.layer(i), ref_cache.layer(i)):
@@ -94,17 +102,20 @@ def test_only_layers_it_reproduces_take_it():
     partial = dataclasses.replace(cfg, partial_rotary_factor=0.5, mrope_section=(4, 2, 2))
     assert FusedDecode.for_decoder(decoder, partial) is None
     fused = FusedDecode.for_decoder(decoder, cfg)
-    hidden, slots = torch.zeros(2, 64), torch.zeros(2, dtype=torch.long)
-    two_rows = AttentionBatch(slots, torch.tensor([3, 4]), context_len=5, contiguous=True)
-    assert not fused.fits(hidden, two_rows, None)
-    one_row = AttentionBatch(slots[:1], torch.tensor([3]), context_len=4, contiguous=True)
-    assert fused.fits(hidden[:1], one_row, None)
-    assert not fused.fits(hidden[:1], dataclasses.replace(one_row, fixed_shapes=True), None)
-    cache = DecoderCache(cfg, 1, 4, torch.float32, torch.device("cpu"))
-    cos_sin = torch.ones(1, 32)
-    past = dataclasses.replace(one_row, positions=torch.tensor([4]), context_len=5)
-    with pytest.raises(IndexError, match="decode position 4 outside the cache's 4 columns"):
-        fused(hidden[:1], cos_sin, cos_sin, past, cache)
+    hidden, slots = torch.zeros(17, 64), torch.arange(17)
+    rows = AttentionBatch(slots[:16], torch.full((16,), 3), context_len=4)
+    assert fused.fits(hidden[:16], rows, None)
+    assert not fused.fits(hidden, dataclasses.replace(rows, slots=slots), None)  # past 16 rows
+    assert not fused.fits(hidden[:16], dataclasses.replace(rows, fixed_shapes=True), None)
+    assert not fused.fits(hidden[:16], dataclasses.replace(rows, seqlens=[16]), None)
+    cache = DecoderCache(cfg, 2, 4, torch.float32, torch.device("cpu"))
+    cos_sin = torch.ones(2, 32)
+    past = AttentionBatch(slots[:2], torch.tensor([1, 4]), context_len=5)
+    with pytest.raises(IndexError, match=r"decode positions \[1, 4\] outside the cache's 4"):
+        fused(hidden[:2], cos_sin, cos_sin, past, cache)
+    elsewhere = AttentionBatch(torch.tensor([0, 2]), torch.tensor([1, 2]), context_len=3)
+    with pytest.raises(IndexError, match=r"cache rows \[0, 2\] outside its 2 rows"):
+        fused(hidden[:2], cos_sin, cos_sin, elsewhere, cache)
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +135,19 @@ def test_an_ask_decodes_the_same_tokens_and_logprobs_either_way(bf16_dir):
     reference = greedy(labeler, req)
     assert fused.token_ids == reference.token_ids and len(fused.token_ids) == 24
     assert max(abs(a - b) for a, b in zip(fused.logprobs, reference.logprobs)) < 1e-4
+
+
+def test_sequences_decoded_together_get_the_tokens_they_get_alone(bf16_dir):
+    """Three sequences in flight (the batched step, each row at its own position) through the
+    fused step: the tokens of the modules' step."""
+    labeler = Labeler.from_pretrained(str(bf16_dir), device="cpu")
+    questions = ["Describe this image.", "What is it?", "Count the objects, then name each one."]
+    requests = [
+        labeler.request(f"k{i}", [photo("chelsea.jpg")], q, labeler.sampling(max_new_tokens=12))[0]
+        for i, q in enumerate(questions)
+    ]
+    requests = [dataclasses.replace(r, stop_ids=frozenset()) for r in requests]
+    fused = {d.key: d.token_ids for d in labeler.engine.generate(requests)}
+    labeler.model.language_model.fused_decode = None
+    reference = {d.key: d.token_ids for d in labeler.engine.generate(requests)}
+    assert fused == reference and all(len(t) == 12 for t in fused.values())

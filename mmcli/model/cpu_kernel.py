@@ -137,8 +137,9 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     library.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     library.rms_norm.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     library.rms_norm.restype = None
-    library.decode_layer.argtypes = [ctypes.POINTER(DecodeLayer)] + [ctypes.c_void_p] * 3
-    library.decode_layer.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    library.decode_layer.argtypes = [ctypes.POINTER(DecodeLayer), ctypes.c_void_p, ctypes.c_int64]
+    library.decode_layer.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+    library.decode_layer.argtypes += [ctypes.c_void_p] * 5 + [ctypes.c_int]
     library.decode_layer.restype = None
     library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     library.int8_linear.restype = None
@@ -256,26 +257,32 @@ def decode_layer(
     layer: DecodeLayer,
     x: torch.Tensor,
     kv: tuple[torch.Tensor, torch.Tensor],
-    pos: int,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> None:
-    """The layer's output for one token into x (hidden floats, contiguous, float32), its key and
-    value written at column `pos` of kv's [kv_heads, columns, d] rows (contiguous) and attended
-    over pos + 1 columns; cos/sin: d values. See decode_layer.c."""
+    """The layer's output for one token a row into x (rows x hidden, contiguous, float32), row
+    r's key and value written at column positions[r] of cache row slots[r] (kv: [cache rows,
+    kv_heads, columns, d], contiguous) and attended over positions[r] + 1 columns; slots and
+    positions int64 on the CPU, their values checked by the caller; cos/sin: d values a row. See
+    decode_layer.c."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
     k, v = kv
-    widths = 2 * layer.hidden + 2 * (layer.heads + layer.kv_heads) * layer.d
-    scratch = torch.empty(widths + 2 * layer.intermediate + layer.heads * (pos + 1))
+    rows, context = x.shape[0], int(positions.max()) + 1
+    per_row = 2 * layer.hidden + 2 * (layer.heads + layer.kv_heads) * layer.d
+    scratch = torch.empty(rows * (per_row + 2 * layer.intermediate) + layer.heads * context)
     library.decode_layer(
         ctypes.byref(layer),
         x.data_ptr(),
+        rows,
         k.data_ptr(),
         v.data_ptr(),
-        k.stride(0),
-        pos,
+        k.shape[2],
+        slots.data_ptr(),
+        positions.data_ptr(),
         cos.data_ptr(),
         sin.data_ptr(),
         scratch.data_ptr(),

@@ -1,9 +1,10 @@
-/* One decode step of one sequence through a Qwen3 attention layer with bfloat16 weights and
-   float32 arithmetic, built by cpu_kernel.py: the same operations as text.py's DecoderLayer (the
-   norms, q/k/v, the q/k norms, the rotary, the cache write, attention over the row's context, o,
-   the MLP, both residual adds) in one call. A step's weight reads are bf16_linear's; what this saves
-   is the two dozen tensor operations around them, each of which costs more to dispatch than to
-   compute for one token (and runs slower still after a weight read has flushed the caches). */
+/* A decode step (one token of each of a few sequences) through a Qwen3 attention layer with
+   bfloat16 weights and float32 arithmetic, built by cpu_kernel.py: the same operations as text.py's
+   DecoderLayer (the norms, q/k/v, the q/k norms, the rotary, the cache write, attention over each
+   row's own context, o, the MLP, both residual adds) in one call. A step's weight reads are
+   bf16_linear's; what this saves is the two dozen tensor operations around them, each of which
+   costs more to dispatch than to compute for a few tokens (and runs slower still after a weight
+   read has flushed the caches), and the batched step's copy of every row's context. */
 #include <string.h>
 
 #include "float_tiles.h"
@@ -96,44 +97,59 @@ static void add_into(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
 }
 
-/* x (hidden) <- the layer's output for the token at column `pos` of its cache row: k_cache and
-   v_cache that row's [kv_heads, columns, d] (a head every head_stride floats), written at pos and
-   read over pos + 1 columns. cos/sin: d values. scratch: hidden * 2 + heads * d * 2 + kv_heads * d
-   * 2 + intermediate * 2 + heads * (pos + 1) floats. */
-void decode_layer(const struct decode_layer *l, float *x, float *k_cache, float *v_cache,
-                  int64_t head_stride, int64_t pos, const float *cos, const float *sin,
-                  float *scratch, int threads) {
-    const int64_t H = l->hidden, d = l->d, Q = l->heads * d, KV = l->kv_heads * d;
-    const int64_t group = l->heads / l->kv_heads, n = pos + 1;
-    float *normed = scratch, *q = normed + H, *k = q + Q, *v = k + KV, *attn = v + KV;
-    float *out = attn + Q, *gate = out + H, *up = gate + l->intermediate;
-    float *scores = up + l->intermediate;
-    rms_norm(x, H, l->input_norm, normed, 1, H, l->eps, 1);
-    bf16_linear(normed, l->q, q, 1, Q, H, threads);
-    bf16_linear(normed, l->k, k, 1, KV, H, threads);
-    bf16_linear(normed, l->v, v, 1, KV, H, threads);
-    rms_norm(q, d, l->q_norm, q, l->heads, d, l->eps, 1);
-    rms_norm(k, d, l->k_norm, k, l->kv_heads, d, l->eps, 1);
-    rotate(q, l->heads, d, cos, sin);
-    rotate(k, l->kv_heads, d, cos, sin);
-    for (int64_t g = 0; g < l->kv_heads; g++) {
-        memcpy(k_cache + g * head_stride + pos * d, k + g * d, sizeof(float) * d);
-        memcpy(v_cache + g * head_stride + pos * d, v + g * d, sizeof(float) * d);
-    }
+/* One row's attention: its query heads against its cache row's first n columns (a head every
+   head_stride floats, a column every d), each head's scores in `scores` (n floats apart). */
+static void attend_row(const struct decode_layer *l, const float *q, const float *k_row,
+                       const float *v_row, int64_t head_stride, int64_t n, float *scores,
+                       float *attn, int threads) {
+    const int64_t d = l->d, group = l->heads / l->kv_heads;
     /* the context's keys and values are the step's largest read after the weights: both
        threads' share of the memory bandwidth */
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t h = 0; h < l->heads; h++) {
         const int64_t g = h / group;
-        attend_head(q + h * d, k_cache + g * head_stride, v_cache + g * head_stride, n, d,
+        attend_head(q + h * d, k_row + g * head_stride, v_row + g * head_stride, n, d,
                     scores + h * n, attn + h * d);
     }
-    bf16_linear(attn, l->o, out, 1, H, Q, threads);
-    add_into(x, out, H);
-    rms_norm(x, H, l->post_norm, normed, 1, H, l->eps, 1);
-    bf16_linear(normed, l->gate, gate, 1, l->intermediate, H, threads);
-    bf16_linear(normed, l->up, up, 1, l->intermediate, H, threads);
-    silu_times(gate, up, l->intermediate);
-    bf16_linear(gate, l->down, out, 1, H, l->intermediate, threads);
-    add_into(x, out, H);
+}
+
+/* x (rows x hidden) <- the layer's output for each row's token: row r's key and value written
+   at column positions[r] of cache row slots[r] (k_cache and v_cache: [cache rows, kv_heads,
+   columns, d], contiguous) and attended over positions[r] + 1 columns. cos/sin: d values a row.
+   scratch: rows * (hidden * 2 + heads * d * 2 + kv_heads * d * 2 + intermediate * 2) + heads *
+   (the largest position + 1) floats. */
+void decode_layer(const struct decode_layer *l, float *x, int64_t rows, float *k_cache,
+                  float *v_cache, int64_t columns, const int64_t *slots,
+                  const int64_t *positions, const float *cos, const float *sin, float *scratch,
+                  int threads) {
+    const int64_t H = l->hidden, d = l->d, Q = l->heads * d, KV = l->kv_heads * d;
+    const int64_t I = l->intermediate, head_stride = columns * d, slot_stride = l->kv_heads * head_stride;
+    float *normed = scratch, *q = normed + rows * H, *k = q + rows * Q, *v = k + rows * KV;
+    float *attn = v + rows * KV, *out = attn + rows * Q, *gate = out + rows * H;
+    float *up = gate + rows * I, *scores = up + rows * I;
+    rms_norm(x, H, l->input_norm, normed, rows, H, l->eps, 1);
+    bf16_linear(normed, l->q, q, rows, Q, H, threads);
+    bf16_linear(normed, l->k, k, rows, KV, H, threads);
+    bf16_linear(normed, l->v, v, rows, KV, H, threads);
+    rms_norm(q, d, l->q_norm, q, rows * l->heads, d, l->eps, 1);
+    rms_norm(k, d, l->k_norm, k, rows * l->kv_heads, d, l->eps, 1);
+    for (int64_t r = 0; r < rows; r++) {
+        rotate(q + r * Q, l->heads, d, cos + r * d, sin + r * d);
+        rotate(k + r * KV, l->kv_heads, d, cos + r * d, sin + r * d);
+        float *k_row = k_cache + slots[r] * slot_stride, *v_row = v_cache + slots[r] * slot_stride;
+        for (int64_t g = 0; g < l->kv_heads; g++) {
+            memcpy(k_row + g * head_stride + positions[r] * d, k + r * KV + g * d, sizeof(float) * d);
+            memcpy(v_row + g * head_stride + positions[r] * d, v + r * KV + g * d, sizeof(float) * d);
+        }
+        attend_row(l, q + r * Q, k_row, v_row, head_stride, positions[r] + 1, scores,
+                   attn + r * Q, threads);
+    }
+    bf16_linear(attn, l->o, out, rows, H, Q, threads);
+    add_into(x, out, rows * H);
+    rms_norm(x, H, l->post_norm, normed, rows, H, l->eps, 1);
+    bf16_linear(normed, l->gate, gate, rows, I, H, threads);
+    bf16_linear(normed, l->up, up, rows, I, H, threads);
+    silu_times(gate, up, rows * I);
+    bf16_linear(gate, l->down, out, rows, H, I, threads);
+    add_into(x, out, rows * H);
 }

@@ -1,4 +1,4 @@
-"""One sequence's decode step through a dense decoder in one kernel call a layer
+"""A decode step of up to KERNEL_ROWS sequences through a dense decoder in one kernel call a layer
 (cpu_kernel.decode_layer, decode_layer.c): for Qwen3-VL's attention layers with bfloat16 weights
 computing in float32 on the CPU, the default precision there. Any other layer, batch or backend
 keeps text.py's modules, which this reproduces operation for operation (tests/test_fused_decode.py
@@ -10,6 +10,7 @@ import torch
 
 from mmcli.model import cpu_kernel
 from mmcli.model.cache import AttentionBatch, DecoderCache
+from mmcli.model.linear import KERNEL_ROWS
 
 
 def _matrix(linear) -> bool:
@@ -83,12 +84,12 @@ class FusedDecode:
         return cls(decoder.layers, cfg.rms_norm_eps)
 
     def fits(self, hidden: torch.Tensor, batch: AttentionBatch, deepstack) -> bool:
-        """A decode step of one sequence in cache row 0, eager, in float32."""
+        """A decode step of the few-rows kernel's rows, eager, in float32 on the CPU."""
         return (
             batch.seqlens is None
-            and batch.contiguous
             and not batch.fixed_shapes
-            and batch.slots.shape[0] == 1
+            and 1 <= batch.slots.shape[0] <= KERNEL_ROWS
+            and batch.slots.device.type == "cpu"
             and deepstack is None
             and hidden.dtype == torch.float32
             and cpu_kernel.eager()
@@ -97,13 +98,18 @@ class FusedDecode:
     def __call__(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache: DecoderCache
     ) -> torch.Tensor:
-        """hidden [1, H] -> the last layer's output [1, H] (the final norm is the caller's)."""
+        """hidden [B, H] -> the last layer's output [B, H] (the final norm is the caller's)."""
+        slots, positions = (t.to(torch.int64).contiguous() for t in (batch.slots, batch.positions))
+        # the kernel writes at these unchecked
+        if not (0 <= int(positions.min()) and int(positions.max()) < cache.columns):
+            raise IndexError(
+                f"decode positions {positions.tolist()} outside the cache's {cache.columns} columns"
+            )
+        if not (0 <= int(slots.min()) and int(slots.max()) < cache.rows):
+            raise IndexError(f"cache rows {slots.tolist()} outside its {cache.rows} rows")
         x = hidden.contiguous().clone()
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        pos = batch.context_len - 1  # one row: its context is its position + 1
-        if not 0 <= pos < cache.columns:  # the kernel writes there unchecked
-            raise IndexError(f"decode position {pos} outside the cache's {cache.columns} columns")
         for i, layer in enumerate(self.layers):
-            k, v = cache.layer(i)  # [rows, kv_heads, columns, d], contiguous (DecoderCache)
-            cpu_kernel.decode_layer(layer, x, (k[0], v[0]), pos, cos, sin)
+            # [rows, kv_heads, columns, d], contiguous (DecoderCache)
+            cpu_kernel.decode_layer(layer, x, cache.layer(i), slots, positions, cos, sin)
         return x
