@@ -101,6 +101,8 @@ def test_only_layers_it_reproduces_take_it():
     assert FusedDecode.for_decoder(float32, cfg) is None  # the packed and plain kernels
     partial = dataclasses.replace(cfg, partial_rotary_factor=0.5, mrope_section=(4, 2, 2))
     assert FusedDecode.for_decoder(decoder, partial) is None
+    gated = dataclasses.replace(cfg, attn_output_gate=True, norm_unit_offset=True)  # Qwen3.5's
+    assert FusedDecode.for_decoder(_decoder(gated, seed=0), gated) is None
     fused = FusedDecode.for_decoder(decoder, cfg)
     hidden, slots = torch.zeros(17, 64), torch.arange(17)
     rows = AttentionBatch(slots[:16], torch.full((16,), 3), context_len=4)
