@@ -74,8 +74,8 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
         const vec p = vset(scores[j]);
         for (int64_t i = 0; i < d; i += GL) {
             lanes some = first_lanes(d - i < GL ? (int)(d - i) : GL);
-            vstore_some(out + i, vfma(p, vload_some(v + j * d + i, some), vload_some(out + i, some)),
-                        some);
+            const vec sum = vfma(p, vload_some(v + j * d + i, some), vload_some(out + i, some));
+            vstore_some(out + i, sum, some);
         }
     }
     const float inverse = 1.0f / total;
@@ -123,7 +123,8 @@ void decode_layer(const struct decode_layer *l, float *x, int64_t rows, float *k
                   const int64_t *positions, const float *cos, const float *sin, float *scratch,
                   int threads) {
     const int64_t H = l->hidden, d = l->d, Q = l->heads * d, KV = l->kv_heads * d;
-    const int64_t I = l->intermediate, head_stride = columns * d, slot_stride = l->kv_heads * head_stride;
+    const int64_t I = l->intermediate, head_stride = columns * d;
+    const int64_t slot_stride = l->kv_heads * head_stride;
     float *normed = scratch, *q = normed + rows * H, *k = q + rows * Q, *v = k + rows * KV;
     float *attn = v + rows * KV, *out = attn + rows * Q, *gate = out + rows * H;
     float *up = gate + rows * I, *scores = up + rows * I;
@@ -138,8 +139,9 @@ void decode_layer(const struct decode_layer *l, float *x, int64_t rows, float *k
         rotate(k + r * KV, l->kv_heads, d, cos + r * d, sin + r * d);
         float *k_row = k_cache + slots[r] * slot_stride, *v_row = v_cache + slots[r] * slot_stride;
         for (int64_t g = 0; g < l->kv_heads; g++) {
-            memcpy(k_row + g * head_stride + positions[r] * d, k + r * KV + g * d, sizeof(float) * d);
-            memcpy(v_row + g * head_stride + positions[r] * d, v + r * KV + g * d, sizeof(float) * d);
+            const int64_t at = g * head_stride + positions[r] * d;
+            memcpy(k_row + at, k + r * KV + g * d, sizeof(float) * d);
+            memcpy(v_row + at, v + r * KV + g * d, sizeof(float) * d);
         }
         attend_row(l, q + r * Q, k_row, v_row, head_stride, positions[r] + 1, scores,
                    attn + r * Q, threads);
