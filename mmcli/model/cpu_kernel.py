@@ -2,8 +2,8 @@
 (a few-rows kernel for decode and a GEMM for prefill and vision), `attention.c`, the vision tower's
 attention and the decoder's prefill attention, both on the float32 tiles of `float_tiles.h`,
 `rms_norm.c` (the decoder's norms in one call each), `decode_layer.c` (a dense decoder layer's
-step for one token in one call) and `int8_linear.c`, int8 weights in a layout that is stored as it
-runs.
+step for a few tokens in one call) and `int8_linear.c`, int8 weights in a layout that is stored as
+it runs.
 
 PyTorch has no bfloat16-weight, float32-activation kernel: its bfloat16 GEMM rounds the
 activations, and converting weights in one call and multiplying in another writes and reads a
@@ -253,6 +253,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def decode_scratch(layer: DecodeLayer, rows: int, context: int) -> torch.Tensor:
+    """The floats decode_layer.c works in for `rows` rows reaching `context` columns (one buffer
+    for every layer of a step)."""
+    per_row = 2 * layer.hidden + 2 * (layer.heads + layer.kv_heads) * layer.d
+    return torch.empty(rows * (per_row + 2 * layer.intermediate) + layer.heads * context)
+
+
 def decode_layer(
     layer: DecodeLayer,
     x: torch.Tensor,
@@ -261,23 +268,21 @@ def decode_layer(
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    scratch: torch.Tensor,
 ) -> None:
     """The layer's output for one token a row into x (rows x hidden, contiguous, float32), row
     r's key and value written at column positions[r] of cache row slots[r] (kv: [cache rows,
     kv_heads, columns, d], contiguous) and attended over positions[r] + 1 columns; slots and
-    positions int64 on the CPU, their values checked by the caller; cos/sin: d values a row. See
-    decode_layer.c."""
+    positions int64 on the CPU, their values checked by the caller; cos/sin: d values a row;
+    scratch: decode_scratch's for these rows and positions. See decode_layer.c."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
     k, v = kv
-    rows, context = x.shape[0], int(positions.max()) + 1
-    per_row = 2 * layer.hidden + 2 * (layer.heads + layer.kv_heads) * layer.d
-    scratch = torch.empty(rows * (per_row + 2 * layer.intermediate) + layer.heads * context)
     library.decode_layer(
         ctypes.byref(layer),
         x.data_ptr(),
-        rows,
+        x.shape[0],
         k.data_ptr(),
         v.data_ptr(),
         k.shape[2],

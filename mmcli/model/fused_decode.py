@@ -100,16 +100,18 @@ class FusedDecode:
     ) -> torch.Tensor:
         """hidden [B, H] -> the last layer's output [B, H] (the final norm is the caller's)."""
         slots, positions = (t.to(torch.int64).contiguous() for t in (batch.slots, batch.positions))
-        # the kernel writes at these unchecked
-        if not (0 <= int(positions.min()) and int(positions.max()) < cache.columns):
+        first, last = int(positions.min()), int(positions.max())
+        if not (0 <= first and last < cache.columns):  # the kernel writes at these unchecked
             raise IndexError(
                 f"decode positions {positions.tolist()} outside the cache's {cache.columns} columns"
             )
         if not (0 <= int(slots.min()) and int(slots.max()) < cache.rows):
             raise IndexError(f"cache rows {slots.tolist()} outside its {cache.rows} rows")
-        x = hidden.contiguous().clone()
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        x = hidden.clone(memory_format=torch.contiguous_format)
+        cos, sin = cos.contiguous(), sin.contiguous()  # float32, as hidden (TextDecoder casts)
+        scratch = cpu_kernel.decode_scratch(self.layers[0], x.shape[0], last + 1)
         for i, layer in enumerate(self.layers):
             # [rows, kv_heads, columns, d], contiguous (DecoderCache)
-            cpu_kernel.decode_layer(layer, x, cache.layer(i), slots, positions, cos, sin)
+            kv = cache.layer(i)
+            cpu_kernel.decode_layer(layer, x, kv, slots, positions, cos, sin, scratch)
         return x
