@@ -155,3 +155,49 @@ def test_the_decoder_norm_takes_the_kernel_and_keeps_the_reference_result(monkey
     expected = F.rms_norm(x, (64,), norm.weight, 1e-6)
     torch.testing.assert_close(norm(x), expected, atol=1e-6, rtol=1e-6)
     assert called
+
+
+def _torch_rotary(x, cos, sin):
+    """rotate_half's rotary, as transformers writes it, in float64; partial: the rest passes."""
+    rot, half = cos.shape[-1], cos.shape[-1] // 2
+    x, cos, sin = x.double(), cos.double()[..., None, :], sin.double()[..., None, :]
+    head = x[..., :rot]
+    rotated = torch.cat([-head[..., half:], head[..., :half]], dim=-1)
+    return torch.cat([head * cos + rotated * sin, x[..., rot:]], dim=-1)
+
+
+# q out of a fused qkv (rows 3 heads apart), the vision tower's 4-D blocks, a head wider than the
+# rotary (Qwen3.5's partial rotary), halves off the vectors
+ROTARY_CASES = [((50, 16, 64), 64, True), ((2, 9, 3, 40), 40, False), ((7, 2, 48), 12, True)]
+
+
+@pytest.mark.parametrize("shape,rot,fused", ROTARY_CASES)
+def test_the_rotary_kernel_matches_rotate_half_in_float64(build, shape, rot, fused):
+    from mmcli.model.rope import apply_rotary
+
+    generator = torch.Generator().manual_seed(rot)
+    *lead, heads, d = shape
+    x = torch.randn(*lead, 3 if fused else 1, heads, d, generator=generator).select(-3, 0)
+    cos, sin = torch.randn(2, *lead, rot, generator=generator)
+    called, original = [], cpu_kernel.rotary
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_kernel, "rotary", lambda *a: called.append(1) or original(*a))
+        out = apply_rotary(x, cos, sin)
+    assert called and out.shape == x.shape
+    torch.testing.assert_close(out.double(), _torch_rotary(x, cos, sin), atol=1e-6, rtol=1e-6)
+
+
+def test_the_swiglu_kernel_matches_silu_times_up(build, monkeypatch):
+    from mmcli.model.moe import silu_times
+
+    called, original = [], cpu_kernel.silu_times
+    monkeypatch.setattr(cpu_kernel, "silu_times", lambda *a: called.append(1) or original(*a))
+    generator = torch.Generator().manual_seed(0)
+    # past the threads' threshold, and a length off the vectors
+    for shape in [(219, 600), (3, 21)]:
+        gate, up = torch.randn(2, *shape, generator=generator) * 4
+        expected = F.silu(gate.double()) * up.double()
+        torch.testing.assert_close(
+            silu_times(gate.clone(), up).double(), expected, atol=1e-6, rtol=1e-6
+        )
+    assert len(called) == 2

@@ -1,7 +1,8 @@
 """Our CPU kernels, built on first use: `bf16_linear.c`, bfloat16 weights with float32 activations
 (a few-rows kernel for decode and a GEMM for prefill and vision), `attention.c`, the vision tower's
 attention and the decoder's prefill attention, both on the float32 tiles of `float_tiles.h`,
-`rms_norm.c` (the decoder's norms in one call each), `decode_layer.c` (a dense decoder layer's
+`rms_norm.c` (the decoder's norms in one call each), `pointwise.c` (the rotary and the SwiGLU, one
+pass each), `decode_layer.c` (a dense decoder layer's
 step for a few tokens in one call) and `int8_linear.c`, int8 weights in a layout that is stored as
 it runs.
 
@@ -35,7 +36,8 @@ from mmcli.model.hub import mmcli_cache
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("bf16_linear.c", "attention.c", "rms_norm.c", "decode_layer.c", "int8_linear.c")
+    for name in ("bf16_linear.c", "attention.c", "rms_norm.c", "pointwise.c", "decode_layer.c")
+    + ("int8_linear.c",)
 ]
 HEADERS = [Path(__file__).with_name("float_tiles.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
@@ -137,6 +139,12 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     library.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     library.rms_norm.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     library.rms_norm.restype = None
+    library.rotary.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    library.rotary.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+    library.rotary.argtypes += [ctypes.c_int]
+    library.rotary.restype = None
+    library.silu_times.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
+    library.silu_times.restype = None
     library.decode_layer.argtypes = [ctypes.POINTER(DecodeLayer), ctypes.c_void_p, ctypes.c_int64]
     library.decode_layer.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64]
     library.decode_layer.argtypes += [ctypes.c_void_p] * 5 + [ctypes.c_int]
@@ -251,6 +259,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (rows, heads, d) float32 on the CPU, any row and head strides, d contiguous, rotated by
+    cos/sin (rows, rot) float32, contiguous, rot <= d and even (the rest of each head passes
+    through); a new contiguous tensor. See pointwise.c."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    rows, heads, d = x.shape
+    out = torch.empty(rows, heads, d)
+    library.rotary(
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        out.data_ptr(),
+        rows,
+        heads,
+        d,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.shape[-1],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate <- silu(gate) * up, in place (both float32, contiguous, of one shape, on the CPU);
+    returns gate."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    library.silu_times(gate.data_ptr(), up.data_ptr(), gate.numel(), torch.get_num_threads())
+    return gate
 
 
 def decode_scratch(layer: DecodeLayer, rows: int, context: int) -> torch.Tensor:

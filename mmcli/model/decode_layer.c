@@ -13,6 +13,10 @@ void bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t
                  int threads);
 void rms_norm(const float *x, int64_t ld, const float *w, float *out, int64_t rows,
               int64_t width, float eps, int threads);
+void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t rows,
+            int64_t heads, int64_t d, const float *cos, const float *sin, int64_t rot,
+            int threads);
+void silu_times(float *gate, const float *up, int64_t n, int threads);
 
 /* A layer's weights (bfloat16 bits for the matrices, float32 for the norms) and sizes, set once
    by cpu_kernel.DecodeLayer. */
@@ -22,20 +26,6 @@ struct decode_layer {
     int64_t hidden, heads, kv_heads, d, intermediate;
     float eps;
 };
-
-/* x[h] (d values a head) rotated by cos/sin (d each, split halves), as rope.apply_rotary:
-   x cos, then minus x2 sin on the first half and plus x1 sin on the second. */
-static void rotate(float *x, int64_t heads, int64_t d, const float *cos, const float *sin) {
-    const int64_t half = d / 2;
-    for (int64_t h = 0; h < heads; h++) {
-        float *row = x + h * d;
-        for (int64_t i = 0; i < half; i++) {
-            const float x1 = row[i], x2 = row[i + half];
-            row[i] = x1 * cos[i] - x2 * sin[i];
-            row[i + half] = x2 * cos[i + half] + x1 * sin[i + half];
-        }
-    }
-}
 
 static float dot(const float *a, const float *b, int64_t d) {
     vec sum = vzero();
@@ -82,17 +72,6 @@ static void attend_head(const float *q, const float *k, const float *v, int64_t 
     for (int64_t i = 0; i < d; i++) out[i] *= inverse;
 }
 
-/* silu(gate) * up into gate, as F.silu(gate) * up: gate / (1 + e^-gate). */
-static void silu_times(float *gate, const float *up, int64_t n) {
-    int64_t i = 0;
-    for (; i + GL <= n; i += GL) {
-        vec g = vload(gate + i);
-        vec s = vdiv(g, vadd(vset(1.0f), vexp(vsub(vzero(), g))));
-        vstore(gate + i, vmul(s, vload(up + i)));
-    }
-    for (; i < n; i++) gate[i] = gate[i] / (1.0f + __builtin_expf(-gate[i])) * up[i];
-}
-
 static void add_into(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
 }
@@ -134,9 +113,9 @@ void decode_layer(const struct decode_layer *l, float *x, int64_t rows, float *k
     bf16_linear(normed, l->v, v, rows, KV, H, threads);
     rms_norm(q, d, l->q_norm, q, rows * l->heads, d, l->eps, 1);
     rms_norm(k, d, l->k_norm, k, rows * l->kv_heads, d, l->eps, 1);
+    rotary(q, Q, d, q, rows, l->heads, d, cos, sin, d, threads);
+    rotary(k, KV, d, k, rows, l->kv_heads, d, cos, sin, d, threads);
     for (int64_t r = 0; r < rows; r++) {
-        rotate(q + r * Q, l->heads, d, cos + r * d, sin + r * d);
-        rotate(k + r * KV, l->kv_heads, d, cos + r * d, sin + r * d);
         float *k_row = k_cache + slots[r] * slot_stride, *v_row = v_cache + slots[r] * slot_stride;
         for (int64_t g = 0; g < l->kv_heads; g++) {
             const int64_t at = g * head_stride + positions[r] * d;
@@ -151,7 +130,7 @@ void decode_layer(const struct decode_layer *l, float *x, int64_t rows, float *k
     rms_norm(x, H, l->post_norm, normed, rows, H, l->eps, 1);
     bf16_linear(normed, l->gate, gate, rows, I, H, threads);
     bf16_linear(normed, l->up, up, rows, I, H, threads);
-    silu_times(gate, up, rows * I);
+    silu_times(gate, up, rows * I, threads);
     bf16_linear(gate, l->down, out, rows, H, I, threads);
     add_into(x, out, rows * H);
 }

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmcli.model import cpu_kernel
 from mmcli.model.config import TextConfig
 from mmcli.model.int4 import Int4Weight, int4_linear
 from mmcli.model.linear import Linear
@@ -25,7 +26,23 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_times(self.gate_proj(x), self.up_proj(x)))
+
+
+def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, the SwiGLU; in one pass on the CPU in float32 (pointwise.c, into gate:
+    callers hand over a gate they do not keep)."""
+    if (
+        gate.device.type == "cpu"
+        and gate.dtype == up.dtype == torch.float32
+        and gate.shape == up.shape
+        and gate.is_contiguous()
+        and up.is_contiguous()
+        and not gate.requires_grad
+        and cpu_kernel.eager()
+    ):
+        return cpu_kernel.silu_times(gate, up)
+    return F.silu(gate) * up
 
 
 def expert_ffn(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -37,7 +54,7 @@ def expert_ffn(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> to
 
 def int4_expert_ffn(weights: tuple[Int4Weight, Int4Weight, Int4Weight], x: torch.Tensor):
     gate, up, down = weights
-    return int4_linear(F.silu(int4_linear(x, gate, None)) * int4_linear(x, up, None), down, None)
+    return int4_linear(silu_times(int4_linear(x, gate, None), int4_linear(x, up, None)), down, None)
 
 
 def _grouped(chosen: torch.Tensor, weights: torch.Tensor):

@@ -186,7 +186,11 @@ class VisionTower(nn.Module):
         self, pixels: torch.Tensor, pos_idx: torch.Tensor, pos_weights: torch.Tensor
     ) -> torch.Tensor:
         x = self.patch_embed(pixels)
-        pos = (self.pos_embed(pos_idx) * pos_weights.unsqueeze(-1)).sum(-2)
+        # the four corners summed one at a time, in the order sum(-2) adds them: no [N, 4, hidden]
+        # temporary
+        pos = self.pos_embed(pos_idx[..., 0]) * pos_weights[..., 0, None]
+        for corner in range(1, pos_idx.shape[-1]):
+            pos = pos + self.pos_embed(pos_idx[..., corner]) * pos_weights[..., corner, None]
         return x + pos.to(x.dtype)
 
     def run_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend):
