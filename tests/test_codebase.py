@@ -42,6 +42,18 @@ def test_ruff_lint_and_format_are_clean(args):
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+def test_the_c_kernels_are_formatted_by_clang_format():
+    """The C beside the Python has one formatter too (.clang-format: 100 columns)."""
+    sources = sorted((PACKAGE / "model").glob("*.[ch]"))
+    run = subprocess.run(
+        ["clang-format", "--dry-run", "--Werror", *map(str, sources)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     "statement",
     [

@@ -157,14 +157,14 @@ int attention(const float *q, int64_t q_row, int64_t q_head, const float *k, int
     const int64_t shares = kv_heads >= threads ? 1 : (threads + kv_heads - 1) / kv_heads;
     const int64_t per_share = (blocks + shares - 1) / shares;
     int failed = 0;
-    #pragma omp parallel num_threads(threads) reduction(| : failed)
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *scores = aligned_alloc(64, sizeof(float) * QB * lds);
         float *panels = aligned_alloc(64, sizeof(float) * (keys + NR - 1) / NR * NR * d_pad);
         float *values = aligned_alloc(64, sizeof(float) * (d + NR - 1) / NR * NR * keys);
         float inverse[QB];
         failed = !scores || !panels || !values;
-        #pragma omp for schedule(static)
+#pragma omp for schedule(static)
         for (int64_t t = 0; t < kv_heads * shares; t++) {
             const int64_t g = t / shares, first = (t % shares) * per_share;
             if (failed || first >= blocks) continue;

@@ -1,5 +1,6 @@
-/* y = x @ w.T (+ bias) for float32 x and bfloat16 w, float32 accumulation: the kernels cpu_kernel.py
-   builds for bfloat16 weights. A bfloat16 is the high half of a float32, so widening is exact.
+/* y = x @ w.T (+ bias) for float32 x and bfloat16 w, float32 accumulation: the kernels
+   cpu_kernel.py builds for bfloat16 weights. A bfloat16 is the high half of a float32, so widening
+   is exact.
 
    bf16_linear, for a few rows (decode): each vector of up to 4 weight rows is widened once in
    registers and used by up to 3 activation rows (12 accumulators, within AVX2's 16 registers).
@@ -7,13 +8,16 @@
    bf16_gemm, for many rows (prefill, the vision tower): the weights are widened a panel at a time
    (GKC inputs of NR output channels, transposed so that each input's NR channels are contiguous)
    into a buffer that stays in L2, and every row passes over it in tiles of GR rows x NR channels
-   held in registers (float_tiles.h). Widening costs one pass over the panel for M rows of work; converting whole
-   chunks and calling a BLAS costs a write and a read of float32 weights per chunk, and the BLAS
-   then packs them again. */
+   held in registers (float_tiles.h). Widening costs one pass over the panel for M rows of work;
+   converting whole chunks and calling a BLAS costs a write and a read of float32 weights per chunk,
+   and the BLAS then packs them again. */
 #include "float_tiles.h"
 
 static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
+    union {
+        uint32_t u;
+        float f;
+    } c = {(uint32_t)h << 16};
     return c.f;
 }
 
@@ -43,19 +47,21 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t K
         }
 }
 
-#define ROWS(NB)                                                                         \
-    for (int64_t m = 0; m < M; m += 3) {                                                 \
-        const float *xm = x + m * K; float *ym = y + m * N + n;                          \
-        switch (M - m) {                                                                 \
-        case 1: tile(xm, K, w + n * K, ym, N, 1, NB); break;                             \
-        case 2: tile(xm, K, w + n * K, ym, N, 2, NB); break;                             \
-        default: tile(xm, K, w + n * K, ym, N, 3, NB); break;                            \
-        }                                                                                \
+#define ROWS(NB)                                                                                   \
+    for (int64_t m = 0; m < M; m += 3) {                                                           \
+        const float *xm = x + m * K;                                                               \
+        float *ym = y + m * N + n;                                                                 \
+        switch (M - m) {                                                                           \
+        case 1: tile(xm, K, w + n * K, ym, N, 1, NB); break;                                       \
+        case 2: tile(xm, K, w + n * K, ym, N, 2, NB); break;                                       \
+        default: tile(xm, K, w + n * K, ym, N, 3, NB); break;                                      \
+        }                                                                                          \
     }
 
 /* y (M x N, float32) = x (M x K, float32) @ w.T (N x K, bfloat16 bits), both row-major. */
-void bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
+void bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
+                 int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N / 4 * 4; n += 4) { ROWS(4) }
     for (int64_t n = N / 4 * 4; n < N; n++) { ROWS(1) }
 }
@@ -75,7 +81,8 @@ static void pack_panel(const uint16_t *w, int64_t K, int64_t channels, int64_t k
         if (g + GL <= channels) {
             for (int64_t k = 0; k < whole; k += 2 * GL) {
                 vec r[GL];
-                for (int i = 0; i < GL; i++) r[i] = vload((const float *)(w + (g + i) * K + k0 + k));
+                for (int i = 0; i < GL; i++)
+                    r[i] = vload((const float *)(w + (g + i) * K + k0 + k));
                 transpose(r);
                 for (int i = 0; i < GL; i++) {
                     vstore(panel + (k + 2 * i) * NR + g, low_bf16(r[i]));
@@ -97,10 +104,10 @@ static _Thread_local float panel_buffer[GKC * NR] __attribute__((aligned(64)));
 
 /* y (M x N, float32) = act(x (M x K, float32) @ w.T (N x K, bfloat16 bits) + bias (N, or NULL)),
    all row-major; act is an enum activation. The threads share out the panels of NR channels. */
-void bf16_gemm(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M,
-               int64_t N, int64_t K, int act, int threads) {
+void bf16_gemm(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t N,
+               int64_t K, int act, int threads) {
     const int64_t panels = (N + NR - 1) / NR;
-    #pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         const int64_t n0 = p * NR;
         const int channels = N - n0 < NR ? (int)(N - n0) : NR;

@@ -11,11 +11,10 @@
 
 void bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                  int threads);
-void rms_norm(const float *x, int64_t ld, const float *w, float *out, int64_t rows,
-              int64_t width, float eps, int threads);
-void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t rows,
-            int64_t heads, int64_t d, const float *cos, const float *sin, int64_t rot,
-            int threads);
+void rms_norm(const float *x, int64_t ld, const float *w, float *out, int64_t rows, int64_t width,
+              float eps, int threads);
+void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t rows, int64_t heads,
+            int64_t d, const float *cos, const float *sin, int64_t rot, int threads);
 void silu_times(float *gate, const float *up, int64_t n, int threads);
 
 /* A layer's weights (bfloat16 bits for the matrices, float32 for the norms) and sizes, set once
@@ -82,9 +81,9 @@ static void attend_row(const struct decode_layer *l, const float *q, const float
                        const float *v_row, int64_t head_stride, int64_t n, float *scores,
                        float *attn, int threads) {
     const int64_t d = l->d, group = l->heads / l->kv_heads;
-    /* the context's keys and values are the step's largest read after the weights: both
-       threads' share of the memory bandwidth */
-    #pragma omp parallel for num_threads(threads) schedule(static)
+/* the context's keys and values are the step's largest read after the weights: both
+   threads' share of the memory bandwidth */
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t h = 0; h < l->heads; h++) {
         const int64_t g = h / group;
         attend_head(q + h * d, k_row + g * head_stride, v_row + g * head_stride, n, d,
@@ -98,9 +97,8 @@ static void attend_row(const struct decode_layer *l, const float *q, const float
    scratch: rows * (hidden * 2 + heads * d * 2 + kv_heads * d * 2 + intermediate * 2) + heads *
    (the largest position + 1) floats. */
 void decode_layer(const struct decode_layer *l, float *x, int64_t rows, float *k_cache,
-                  float *v_cache, int64_t columns, const int64_t *slots,
-                  const int64_t *positions, const float *cos, const float *sin, float *scratch,
-                  int threads) {
+                  float *v_cache, int64_t columns, const int64_t *slots, const int64_t *positions,
+                  const float *cos, const float *sin, float *scratch, int threads) {
     const int64_t H = l->hidden, d = l->d, Q = l->heads * d, KV = l->kv_heads * d;
     const int64_t I = l->intermediate, head_stride = columns * d;
     const int64_t slot_stride = l->kv_heads * head_stride;
@@ -122,8 +120,8 @@ void decode_layer(const struct decode_layer *l, float *x, int64_t rows, float *k
             memcpy(k_row + at, k + r * KV + g * d, sizeof(float) * d);
             memcpy(v_row + at, v + r * KV + g * d, sizeof(float) * d);
         }
-        attend_row(l, q + r * Q, k_row, v_row, head_stride, positions[r] + 1, scores,
-                   attn + r * Q, threads);
+        attend_row(l, q + r * Q, k_row, v_row, head_stride, positions[r] + 1, scores, attn + r * Q,
+                   threads);
     }
     bf16_linear(attn, l->o, out, rows, H, Q, threads);
     add_into(x, out, rows * H);

@@ -100,9 +100,12 @@ static inline float vlargest(vec a) {
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
-static inline vec vround(vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vec vround(vec a) {
+    return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
 static inline vec vscale(vec a, vec n) {
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(a, _mm256_castsi256_ps(e));
 }
 static inline lanes first_lanes(int count) {
@@ -162,7 +165,8 @@ static inline vec vexp(vec a) {
 
 /* GELU, tanh form: 0.5 a (1 + tanh(u)) = a / (1 + e^(-2u)), u = sqrt(2 / pi) (a + 0.044715 a^3) */
 static inline vec vgelu_tanh(vec a) {
-    vec u = vmul(vfma(vmul(a, a), vset(0.044715f * 0.7978845608028654f), vset(0.7978845608028654f)), a);
+    vec u =
+        vmul(vfma(vmul(a, a), vset(0.044715f * 0.7978845608028654f), vset(0.7978845608028654f)), a);
     return vdiv(a, vadd(vset(1.0f), vexp(vmul(u, vset(-2.0f)))));
 }
 
@@ -191,7 +195,11 @@ static inline void tile_full(const float *x, int64_t ldx, const float *panel, in
 #define LOAD(m, j) vec b##j = vload(panel + k * ldp + j * GL);
         EACH_VECTOR(LOAD, 0)
 #define FMA(m, j) a##m##j = vfma(xb, b##j, a##m##j);
-#define FMA_ROW(m) { vec xb = vbroadcast(x + m * ldx + k); EACH_VECTOR(FMA, m) }
+#define FMA_ROW(m)                                                                                 \
+    {                                                                                              \
+        vec xb = vbroadcast(x + m * ldx + k);                                                      \
+        EACH_VECTOR(FMA, m)                                                                        \
+    }
         EACH_ROW(FMA_ROW)
     }
     if (!e.last) {
@@ -237,13 +245,16 @@ static inline __attribute__((always_inline)) void tile_any(const float *x, int64
         }
 }
 
-#define TILE_ROWS(R) case R: tile_any(x, ldx, panel, ldp, kc, y, ldy, e, R, channels); break;
-
-/* The edges: fewer than GR rows, or fewer than NR channels. */
+/* The edges: fewer than GR rows, or fewer than NR channels (each row count a constant where
+   tile_any is inlined). */
 static void tile_edge(const float *x, int64_t ldx, const float *panel, int64_t ldp, int64_t kc,
                       float *y, int64_t ldy, struct ends e, int mr, int channels) {
     switch (mr) {
-    TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4) TILE_ROWS(5)
+    case 1: tile_any(x, ldx, panel, ldp, kc, y, ldy, e, 1, channels); break;
+    case 2: tile_any(x, ldx, panel, ldp, kc, y, ldy, e, 2, channels); break;
+    case 3: tile_any(x, ldx, panel, ldp, kc, y, ldy, e, 3, channels); break;
+    case 4: tile_any(x, ldx, panel, ldp, kc, y, ldy, e, 4, channels); break;
+    case 5: tile_any(x, ldx, panel, ldp, kc, y, ldy, e, 5, channels); break;
     default: tile_any(x, ldx, panel, ldp, kc, y, ldy, e, GR, channels);
     }
 }

@@ -1,12 +1,14 @@
-/* y = (x @ w.T) * x_scale[m] * w_scale[n] + bias[n], summed exactly in int32: the int8 kernel cpu_kernel.py builds.
+/* y = (x @ w.T) * x_scale[m] * w_scale[n] + bias[n], summed exactly in int32: the int8 kernel
+   cpu_kernel.py builds.
 
-   x: M rows of Kp bytes, each activation a 7-bit integer in [-63, 63] stored plus 64 (so unsigned, in [1, 127]).
-   w: the weights in the layout linear.py's quantize_int8 writes and the prepared file stores as it is: groups of 16
-   output channels, and in each group, for every 4 input channels, the 16 channels' 4 bytes (the operand layout of
-   vpdpbusd; Np a multiple of 16, Kp of 4, zero padded). A weight lies in [-127, 127]. w_sum[n] is the sum of row
-   n: the 64 added to x is taken off as 64 * w_sum[n]. Activations of 7 bits keep vpmaddubsw (AVX2) from saturating:
-   a pair of products is at most 2 * 127 * 127, within int16. With AVX-512 VNNI one vpdpbusd does the 64 products
-   and sums of a 16-channel, 4-input step; both paths give the same integers. */
+   x: M rows of Kp bytes, each activation a 7-bit integer in [-63, 63] stored plus 64 (so unsigned,
+   in [1, 127]). w: the weights in the layout linear.py's quantize_int8 writes and the prepared file
+   stores as it is: groups of 16 output channels, and in each group, for every 4 input channels, the
+   16 channels' 4 bytes (the operand layout of vpdpbusd; Np a multiple of 16, Kp of 4, zero padded).
+   A weight lies in [-127, 127]. w_sum[n] is the sum of row n: the 64 added to x is taken off as 64
+   * w_sum[n]. Activations of 7 bits keep vpmaddubsw (AVX2) from saturating: a pair of products is
+   at most 2 * 127 * 127, within int16. With AVX-512 VNNI one vpdpbusd does the 64 products and sums
+   of a 16-channel, 4-input step; both paths give the same integers. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <math.h>
@@ -17,8 +19,8 @@
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define MR 6  /* x rows per tile */
-#define NV 4  /* vectors per tile: 64 output channels */
+#define MR 6 /* x rows per tile */
+#define NV 4 /* vectors per tile: 64 output channels */
 #define VLEN 16
 #define EACH_ROW(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #define EACH_VECTOR(X, m) X(m, 0) X(m, 1) X(m, 2) X(m, 3)
@@ -27,16 +29,22 @@ static inline ivec izero(void) { return _mm512_setzero_si512(); }
 static inline ivec iload(const int32_t *p) { return _mm512_loadu_si512((const void *)p); }
 static inline void istore(int32_t *p, ivec v) { _mm512_storeu_si512((void *)p, v); }
 static inline ivec wload(const int8_t *p) { return _mm512_loadu_si512((const void *)p); }
-static inline ivec xbroadcast(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+static inline ivec xbroadcast(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
 static inline ivec dot4(ivec acc, ivec x, ivec w) { return _mm512_dpbusd_epi32(acc, x, w); }
-static inline void store(float *y, ivec acc, const int32_t *w_sum, const float *w_scale, const float *bias, float xs) {
-    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_slli_epi32(_mm512_loadu_si512(w_sum), 6)));
+static inline void store(float *y, ivec acc, const int32_t *w_sum, const float *w_scale,
+                         const float *bias, float xs) {
+    __m512 v =
+        _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_slli_epi32(_mm512_loadu_si512(w_sum), 6)));
     v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs)), _mm512_loadu_ps(w_scale));
     _mm512_storeu_ps(y, _mm512_add_ps(v, _mm512_loadu_ps(bias)));
 }
 #else
 #define MR 4
-#define NV 2  /* 16 output channels: one group */
+#define NV 2 /* 16 output channels: one group */
 #define VLEN 8
 #define EACH_ROW(X) X(0) X(1) X(2) X(3)
 #define EACH_VECTOR(X, m) X(m, 0) X(m, 1)
@@ -45,11 +53,17 @@ static inline ivec izero(void) { return _mm256_setzero_si256(); }
 static inline ivec iload(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline void istore(int32_t *p, ivec v) { _mm256_storeu_si256((__m256i *)p, v); }
 static inline ivec wload(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline ivec xbroadcast(const uint8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
-static inline ivec dot4(ivec acc, ivec x, ivec w) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), _mm256_set1_epi16(1)));
+static inline ivec xbroadcast(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
 }
-static inline void store(float *y, ivec acc, const int32_t *w_sum, const float *w_scale, const float *bias, float xs) {
+static inline ivec dot4(ivec acc, ivec x, ivec w) {
+    return _mm256_add_epi32(acc,
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), _mm256_set1_epi16(1)));
+}
+static inline void store(float *y, ivec acc, const int32_t *w_sum, const float *w_scale,
+                         const float *bias, float xs) {
     __m256i sums = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)w_sum), 6);
     __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, sums));
     v = _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(xs)), _mm256_loadu_ps(w_scale));
@@ -62,17 +76,19 @@ static inline const int8_t *column_of(const int8_t *w, int64_t Kp, int64_t c) {
     return w + (c / 16) * Kp * 16 + (c % 16) * 4;
 }
 
-/* Output channels n0 .. n0 + nv * VLEN of rows x[0 .. mr), over inputs k0 .. k1: the int32 sums so far are kept in
-   y's own memory (as int32) between input blocks, and the last block writes the scaled float32 values over them. */
-static inline __attribute__((always_inline)) void tile(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0,
-                                                       int64_t k1, int64_t n0, int mr, int nv, const float *x_scale,
-                                                       const int32_t *w_sum, const float *w_scale, const float *bias,
-                                                       float *y, int64_t ldy) {
+/* Output channels n0 .. n0 + nv * VLEN of rows x[0 .. mr), over inputs k0 .. k1: the int32 sums so
+   far are kept in y's own memory (as int32) between input blocks, and the last block writes the
+   scaled float32 values over them. */
+static inline __attribute__((always_inline)) void
+tile(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int64_t n0, int mr,
+     int nv, const float *x_scale, const int32_t *w_sum, const float *w_scale, const float *bias,
+     float *y, int64_t ldy) {
     const int8_t *column[NV];
     for (int j = 0; j < nv; j++) column[j] = column_of(w, Kp, n0 + j * VLEN);
     ivec acc[MR][NV];
     for (int m = 0; m < mr; m++)
-        for (int j = 0; j < nv; j++) acc[m][j] = k0 ? iload((const int32_t *)(y + m * ldy + n0 + j * VLEN)) : izero();
+        for (int j = 0; j < nv; j++)
+            acc[m][j] = k0 ? iload((const int32_t *)(y + m * ldy + n0 + j * VLEN)) : izero();
     for (int64_t k = k0; k < k1; k += 4) {
         ivec wv[NV];
         for (int j = 0; j < nv; j++) wv[j] = wload(column[j] + k * 16);
@@ -84,96 +100,117 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *x, const i
     for (int m = 0; m < mr; m++)
         for (int j = 0; j < nv; j++) {
             int64_t c = n0 + j * VLEN;
-            if (k1 < Kp) istore((int32_t *)(y + m * ldy + c), acc[m][j]);
-            else store(y + m * ldy + c, acc[m][j], w_sum + c, w_scale + c, bias + c, x_scale[m]);
+            if (k1 < Kp)
+                istore((int32_t *)(y + m * ldy + c), acc[m][j]);
+            else
+                store(y + m * ldy + c, acc[m][j], w_sum + c, w_scale + c, bias + c, x_scale[m]);
         }
 }
 
-/* The same for a whole MR x NV tile, the hot path, with each accumulator a variable of its own: GCC keeps an array of
-   them in registers only with a copy to the stack at every step. */
-static void tile_full(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int64_t n0,
-                      const float *x_scale, const int32_t *w_sum, const float *w_scale, const float *bias, float *y,
-                      int64_t ldy) {
+/* The same for a whole MR x NV tile, the hot path, with each accumulator a variable of its own: GCC
+   keeps an array of them in registers only with a copy to the stack at every step. */
+static void tile_full(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1,
+                      int64_t n0, const float *x_scale, const int32_t *w_sum, const float *w_scale,
+                      const float *bias, float *y, int64_t ldy) {
     const int8_t *column[NV];
     for (int j = 0; j < NV; j++) column[j] = column_of(w, Kp, n0 + j * VLEN);
-#define DECLARE(m, j) ivec a##m##j = k0 ? iload((const int32_t *)(y + m * ldy + n0 + j * VLEN)) : izero();
+#define DECLARE(m, j)                                                                              \
+    ivec a##m##j = k0 ? iload((const int32_t *)(y + m * ldy + n0 + j * VLEN)) : izero();
 #define DECLARE_ROW(m) EACH_VECTOR(DECLARE, m)
     EACH_ROW(DECLARE_ROW)
     for (int64_t k = k0; k < k1; k += 4) {
 #define LOAD(m, j) ivec w##j = wload(column[j] + k * 16);
         EACH_VECTOR(LOAD, 0)
 #define DOT(m, j) a##m##j = dot4(a##m##j, xb, w##j);
-#define DOT_ROW(m) { ivec xb = xbroadcast(x + m * Kp + k); EACH_VECTOR(DOT, m) }
+#define DOT_ROW(m)                                                                                 \
+    {                                                                                              \
+        ivec xb = xbroadcast(x + m * Kp + k);                                                      \
+        EACH_VECTOR(DOT, m)                                                                        \
+    }
         EACH_ROW(DOT_ROW)
     }
-#define FINISH(m, j)                                                                                        \
-    if (k1 < Kp) istore((int32_t *)(y + m * ldy + n0 + j * VLEN), a##m##j);                                 \
-    else store(y + m * ldy + n0 + j * VLEN, a##m##j, w_sum + n0 + j * VLEN, w_scale + n0 + j * VLEN,          \
-               bias + n0 + j * VLEN, x_scale[m]);
+#define FINISH(m, j)                                                                               \
+    if (k1 < Kp)                                                                                   \
+        istore((int32_t *)(y + m * ldy + n0 + j * VLEN), a##m##j);                                 \
+    else                                                                                           \
+        store(y + m * ldy + n0 + j * VLEN, a##m##j, w_sum + n0 + j * VLEN,                         \
+              w_scale + n0 + j * VLEN, bias + n0 + j * VLEN, x_scale[m]);
 #define FINISH_ROW(m) EACH_VECTOR(FINISH, m)
     EACH_ROW(FINISH_ROW)
 }
 
 #define TILE(R, V) tile(x, w, Kp, k0, k1, n0, R, V, x_scale, w_sum, w_scale, bias, y, ldy)
-#define ROWS(R) case R: if (nv == NV) TILE(R, NV); else TILE(R, 1); break;
+/* R rows, NV vectors wide or, in a last narrow tile, one */
+#define TILE_ROWS(R) (nv == NV ? TILE(R, NV) : TILE(R, 1))
 
-/* The edges: fewer than MR rows, or a last tile narrower than NV vectors (one vector at a time), each size a
-   constant for the compiler. */
-static void tile_edge(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int64_t n0, int mr, int nv,
-                      const float *x_scale, const int32_t *w_sum, const float *w_scale, const float *bias, float *y,
-                      int64_t ldy) {
+/* The edges: fewer than MR rows, or a last tile narrower than NV vectors (one vector at a time),
+   each size a constant for the compiler. */
+static void tile_edge(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1,
+                      int64_t n0, int mr, int nv, const float *x_scale, const int32_t *w_sum,
+                      const float *w_scale, const float *bias, float *y, int64_t ldy) {
     switch (mr) {
-    ROWS(1) ROWS(2) ROWS(3)
+    case 1: TILE_ROWS(1); break;
+    case 2: TILE_ROWS(2); break;
+    case 3: TILE_ROWS(3); break;
 #if MR > 4
-    ROWS(4) ROWS(5)
+    case 4: TILE_ROWS(4); break;
+    case 5: TILE_ROWS(5); break;
 #endif
     default: TILE(MR, 1); /* MR rows come here only in a narrow tile */
     }
 }
 
-/* Output channels n0 .. n0 + nv * VLEN of every row, a block of KC inputs at a time: the block's weights (nv * VLEN
-   x KC bytes) stay in L1 while every row passes over them. */
+/* Output channels n0 .. n0 + nv * VLEN of every row, a block of KC inputs at a time: the block's
+   weights (nv * VLEN x KC bytes) stay in L1 while every row passes over them. */
 static void columns(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t n0, int nv, int64_t M,
-                    const float *x_scale, const int32_t *w_sum, const float *w_scale, const float *bias, float *y,
-                    int64_t Np) {
+                    const float *x_scale, const int32_t *w_sum, const float *w_scale,
+                    const float *bias, float *y, int64_t Np) {
     for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
         int64_t k1 = k0 + KC < Kp ? k0 + KC : Kp;
         for (int64_t m = 0; m < M; m += MR) {
             int mr = M - m >= MR ? MR : (int)(M - m);
             if (mr == MR && nv == NV)
-                tile_full(x + m * Kp, w, Kp, k0, k1, n0, x_scale + m, w_sum, w_scale, bias, y + m * Np, Np);
+                tile_full(x + m * Kp, w, Kp, k0, k1, n0, x_scale + m, w_sum, w_scale, bias,
+                          y + m * Np, Np);
             else
-                tile_edge(x + m * Kp, w, Kp, k0, k1, n0, mr, nv, x_scale + m, w_sum, w_scale, bias, y + m * Np, Np);
+                tile_edge(x + m * Kp, w, Kp, k0, k1, n0, mr, nv, x_scale + m, w_sum, w_scale, bias,
+                          y + m * Np, Np);
         }
     }
 }
 
-/* y is M x Np float32; w_sum, w_scale and bias hold Np values (zero past the layer's own channels). */
-void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum, const float *w_scale,
-                 const float *bias, float *y, int64_t M, int64_t Np, int64_t Kp, int threads) {
+/* y is M x Np float32; w_sum, w_scale and bias hold Np values (zero past the layer's own
+   channels). */
+void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
+                 const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
+                 int64_t Kp, int threads) {
     const int64_t width = NV * VLEN, tiles = (Np + width - 1) / width;
-    #pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t n0 = t * width;
         if (Np - n0 >= width)
             columns(x, w, Kp, n0, NV, M, x_scale, w_sum, w_scale, bias, y, Np);
         else /* a last, narrower tile: a vector at a time */
-            for (int64_t n = n0; n < Np; n += VLEN) columns(x, w, Kp, n, 1, M, x_scale, w_sum, w_scale, bias, y, Np);
+            for (int64_t n = n0; n < Np; n += VLEN)
+                columns(x, w, Kp, n, 1, M, x_scale, w_sum, w_scale, bias, y, Np);
     }
 }
 
-/* Each row of x (M x K float32) to int8_linear's activations: its scale (largest magnitude / 63, at least 1e-12) in
-   x_scale[m], and its values divided by it, rounded to the nearest (ties to even) and offset by 64, into q (M x Kp,
-   the padding 64: zero). The same arithmetic as linear.py's float32 path, in one pass over x. */
-void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp, float *x_scale, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
+/* Each row of x (M x K float32) to int8_linear's activations: its scale (largest magnitude / 63, at
+   least 1e-12) in x_scale[m], and its values divided by it, rounded to the nearest (ties to even)
+   and offset by 64, into q (M x Kp, the padding 64: zero). The same arithmetic as linear.py's
+   float32 path, in one pass over x. */
+void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp, float *x_scale,
+                   int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * K;
         uint8_t *out = q + m * Kp;
         __m256 top = _mm256_setzero_ps();
         const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
         int64_t k = 0;
-        for (; k + 8 <= K; k += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(row + k), magnitude));
+        for (; k + 8 <= K; k += 8)
+            top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(row + k), magnitude));
         float lanes[8], largest = 0.0f;
         _mm256_storeu_ps(lanes, top);
         for (int i = 0; i < 8; i++) largest = lanes[i] > largest ? lanes[i] : largest;
@@ -186,7 +223,8 @@ void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
             __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + k), vs),
                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             __m256i i = _mm256_add_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(64));
-            __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+            __m128i words =
+                _mm_packus_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
             _mm_storel_epi64((__m128i *)(out + k), _mm_packus_epi16(words, words));
         }
         for (; k < K; k++) out[k] = (uint8_t)((int32_t)__builtin_roundevenf(row[k] / s) + 64);

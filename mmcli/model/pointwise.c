@@ -12,8 +12,8 @@ static void rotate_head(const float *x, float *out, const float *cos, const floa
     for (int64_t i = 0; i < half; i += GL) {
         const lanes some = first_lanes(half - i < GL ? (int)(half - i) : GL);
         const vec x1 = vload_some(x + i, some), x2 = vload_some(x + half + i, some);
-        const vec first = vsub(vmul(x1, vload_some(cos + i, some)),
-                               vmul(x2, vload_some(sin + i, some)));
+        const vec first =
+            vsub(vmul(x1, vload_some(cos + i, some)), vmul(x2, vload_some(sin + i, some)));
         const vec second = vadd(vmul(x2, vload_some(cos + half + i, some)),
                                 vmul(x1, vload_some(sin + half + i, some)));
         vstore_some(out + i, first, some);
@@ -24,10 +24,9 @@ static void rotate_head(const float *x, float *out, const float *cos, const floa
 /* out (rows x heads x d, contiguous; x itself where x is contiguous) = x (a row every x_row
    floats, a head every x_head, d contiguous) rotated by cos/sin (rows x rot, contiguous: the same
    for every head); the values past rot (partial rotary) are copied as they are. */
-void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t rows,
-            int64_t heads, int64_t d, const float *cos, const float *sin, int64_t rot,
-            int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= 1 << 16)
+void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t rows, int64_t heads,
+            int64_t d, const float *cos, const float *sin, int64_t rot, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= 1 << 16)
     for (int64_t t = 0; t < rows * heads; t++) {
         const int64_t r = t / heads, h = t % heads;
         const float *from = x + r * x_row + h * x_head;
@@ -41,7 +40,7 @@ void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t r
 /* gate <- silu(gate) * up over n values, as F.silu(gate) * up: gate / (1 + e^-gate) * up. */
 void silu_times(float *gate, const float *up, int64_t n, int threads) {
     const int64_t vectors = n / GL;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (n >= 1 << 16)
+#pragma omp parallel for num_threads(threads) schedule(static) if (n >= 1 << 16)
     for (int64_t b = 0; b < vectors; b++) {
         const vec g = vload(gate + b * GL);
         const vec s = vdiv(g, vadd(vset(1.0f), vexp(vsub(vzero(), g))));
