@@ -15,7 +15,6 @@ from mmcli.compiled.cuda_graphs import DecodeGraphs
 from mmcli.compiled.graphs import CompiledGraphs
 from mmcli.compiled.steps import decode_step, prefill_step
 from mmcli.config import Config, SamplingParams
-from mmcli.engine.host_memory import keep_freed_memory, populate
 from mmcli.engine.positions import (
     decode_rotary_position_ids,
     mrope_cos_sin,
@@ -30,6 +29,7 @@ from mmcli.model.attention import choose_block_attention
 from mmcli.model.cache import AttentionBatch, DecoderCache
 from mmcli.model.config import ModelConfig
 from mmcli.model.fused_decode import FusedDecode
+from mmcli.model.host_memory import keep_freed_memory, populate
 from mmcli.model.linear import KERNEL_ROWS, held_tensors, int8_kernel_name, pack_linears
 from mmcli.model.prepared import PreparedWeights
 from mmcli.model.quantize import quantize_model

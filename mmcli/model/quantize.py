@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmcli.model.host_memory import release_freed_memory
 from mmcli.model.linear import Linear
 from mmcli.model.moe import SparseMoeBlock
 
@@ -77,10 +78,14 @@ def quantize_model(model: nn.Module, prepared: dict[str, dict] | None = None) ->
                 layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj], fold
             )
         quantize(layer)
+        if fold:  # the layer's float32 temporaries, freed between its int8 weights
+            release_freed_memory()
     for block in model.visual.blocks:
         fold_norm(block.norm1, [block.attn.qkv], fold)
         fold_norm(block.norm2, [block.mlp.linear_fc1], fold)
         quantize(block)
+        if fold:
+            release_freed_memory()
     quantize(model)
     return len(targets)
 
