@@ -172,7 +172,7 @@ ROTARY_CASES = [((50, 16, 64), 64, True), ((2, 9, 3, 40), 40, False), ((7, 2, 48
 
 
 @pytest.mark.parametrize("shape,rot,fused", ROTARY_CASES)
-def test_the_rotary_kernel_matches_rotate_half_in_float64(build, shape, rot, fused):
+def test_the_rotary_kernel_matches_rotate_half_in_float64(build, monkeypatch, shape, rot, fused):
     from mmcli.model.rope import apply_rotary
 
     generator = torch.Generator().manual_seed(rot)
@@ -180,9 +180,8 @@ def test_the_rotary_kernel_matches_rotate_half_in_float64(build, shape, rot, fus
     x = torch.randn(*lead, 3 if fused else 1, heads, d, generator=generator).select(-3, 0)
     cos, sin = torch.randn(2, *lead, rot, generator=generator)
     called, original = [], cpu_kernel.rotary
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_kernel, "rotary", lambda *a: called.append(1) or original(*a))
-        out = apply_rotary(x, cos, sin)
+    monkeypatch.setattr(cpu_kernel, "rotary", lambda *a: called.append(1) or original(*a))
+    out = apply_rotary(x, cos, sin)
     assert called and out.shape == x.shape
     torch.testing.assert_close(out.double(), _torch_rotary(x, cos, sin), atol=1e-6, rtol=1e-6)
 

@@ -2,9 +2,8 @@
 (a few-rows kernel for decode and a GEMM for prefill and vision), `attention.c`, the vision tower's
 attention and the decoder's prefill attention, both on the float32 tiles of `float_tiles.h`,
 `rms_norm.c` (the decoder's norms in one call each), `pointwise.c` (the rotary and the SwiGLU, one
-pass each), `decode_layer.c` (a dense decoder layer's
-step for a few tokens in one call) and `int8_linear.c`, int8 weights in a layout that is stored as
-it runs.
+pass each), `decode_layer.c` (a dense decoder layer's step for a few tokens in one call) and
+`int8_linear.c`, int8 weights in a layout that is stored as it runs.
 
 PyTorch has no bfloat16-weight, float32-activation kernel: its bfloat16 GEMM rounds the
 activations, and converting weights in one call and multiplying in another writes and reads a
@@ -36,8 +35,10 @@ from mmcli.model.hub import mmcli_cache
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("bf16_linear.c", "attention.c", "rms_norm.c", "pointwise.c", "decode_layer.c")
-    + ("int8_linear.c",)
+    for name in (
+        *("bf16_linear.c", "attention.c", "rms_norm.c"),
+        *("pointwise.c", "decode_layer.c", "int8_linear.c"),
+    )
 ]
 HEADERS = [Path(__file__).with_name("float_tiles.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]

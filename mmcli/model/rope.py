@@ -12,12 +12,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x [..., heads, head_dim] rotated by cos/sin [..., rotary_dim] (broadcast over heads);
     with partial rotary (rotary_dim < head_dim) the rest of each head passes through. One pass
     of pointwise.c on the CPU in float32, where it builds."""
+    rotary = cos.shape[-1]
     rows = _kernel_rows(x, cos, sin)
     if rows is not None:
-        rot = cos.shape[-1]
-        cos, sin = cos.reshape(-1, rot).contiguous(), sin.reshape(-1, rot).contiguous()
+        cos, sin = cos.reshape(-1, rotary).contiguous(), sin.reshape(-1, rotary).contiguous()
         return cpu_kernel.rotary(rows, cos, sin).view(x.shape)
-    rotary = cos.shape[-1]
     if rotary < x.shape[-1]:
         return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     half = rotary // 2

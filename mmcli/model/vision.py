@@ -190,7 +190,7 @@ class VisionTower(nn.Module):
         # temporary
         pos = self.pos_embed(pos_idx[..., 0]) * pos_weights[..., 0, None]
         for corner in range(1, pos_idx.shape[-1]):
-            pos = pos + self.pos_embed(pos_idx[..., corner]) * pos_weights[..., corner, None]
+            pos += self.pos_embed(pos_idx[..., corner]) * pos_weights[..., corner, None]
         return x + pos.to(x.dtype)
 
     def run_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend):
