@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from mmcli.model import cpu_kernel
 from mmcli.model.attention import bounded_attention, full_attention, segment_attention
-from mmcli.model.linear import Linear
+from mmcli.model.linear import Linear, quantize_int8
 
 pytestmark = pytest.mark.skipif(
     cpu_kernel.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
@@ -200,3 +200,32 @@ def test_the_swiglu_kernel_matches_silu_times_up(build, monkeypatch):
             silu_times(gate.clone(), up).double(), expected, atol=1e-6, rtol=1e-6
         )
     assert len(called) == 2
+
+
+def test_the_kernels_give_the_same_bits_on_any_number_of_threads(build):
+    """The threads take panels, tiles and heads as they come free, so who computes what changes
+    from call to call; every sum is still made in one order: one thread and three (more than
+    this machine's cores, handed out unevenly) agree to the bit."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(37, 300, generator=generator)
+    weight = torch.randn(650, 300, generator=generator).bfloat16()
+    q, k, v = (torch.randn(150, heads, 32, generator=generator) for heads in (4, 2, 2))
+    int8 = quantize_int8(weight.float())
+
+    def outputs():
+        return [
+            cpu_kernel.bf16_gemm(x, weight, None, "gelu_tanh"),
+            cpu_kernel.bf16_linear(x[:3].contiguous(), weight),
+            cpu_kernel.attention(q, k, v, causal=True),
+            cpu_kernel.int8_linear(x, int8),
+        ]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = outputs()
+        torch.set_num_threads(3)
+        for _ in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(alone, outputs()))
+    finally:
+        torch.set_num_threads(threads)

@@ -164,7 +164,8 @@ int attention(const float *q, int64_t q_row, int64_t q_head, const float *k, int
         float *values = aligned_alloc(64, sizeof(float) * (d + NR - 1) / NR * NR * keys);
         float inverse[QB];
         failed = !scores || !panels || !values;
-#pragma omp for schedule(static)
+/* one task at a time to whichever thread is free, as bf16_linear.c shares out its rows */
+#pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < kv_heads * shares; t++) {
             const int64_t g = t / shares, first = (t % shares) * per_share;
             if (failed || first >= blocks) continue;

@@ -61,7 +61,9 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t K
 /* y (M x N, float32) = x (M x K, float32) @ w.T (N x K, bfloat16 bits), both row-major. */
 void bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                  int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+/* 64 weight rows at a time to whichever thread is free: a core slowed by another tenant's work
+   takes fewer (equal shares wait for the slowest); each sum is the same whoever makes it */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
     for (int64_t n = 0; n < N / 4 * 4; n += 4) { ROWS(4) }
     for (int64_t n = N / 4 * 4; n < N; n++) { ROWS(1) }
 }
@@ -103,11 +105,12 @@ static void pack_panel(const uint16_t *w, int64_t K, int64_t channels, int64_t k
 static _Thread_local float panel_buffer[GKC * NR] __attribute__((aligned(64)));
 
 /* y (M x N, float32) = act(x (M x K, float32) @ w.T (N x K, bfloat16 bits) + bias (N, or NULL)),
-   all row-major; act is an enum activation. The threads share out the panels of NR channels. */
+   all row-major; act is an enum activation. The threads take the panels of NR channels one at a
+   time, as bf16_linear takes its rows. */
 void bf16_gemm(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t N,
                int64_t K, int act, int threads) {
     const int64_t panels = (N + NR - 1) / NR;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t p = 0; p < panels; p++) {
         const int64_t n0 = p * NR;
         const int channels = N - n0 < NR ? (int)(N - n0) : NR;

@@ -185,7 +185,8 @@ void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const 
                  const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
                  int64_t Kp, int threads) {
     const int64_t width = NV * VLEN, tiles = (Np + width - 1) / width;
-#pragma omp parallel for num_threads(threads) schedule(static)
+/* a tile at a time to whichever thread is free, as bf16_linear.c shares out its rows */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t n0 = t * width;
         if (Np - n0 >= width)
