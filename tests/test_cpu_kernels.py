@@ -229,3 +229,24 @@ def test_the_kernels_give_the_same_bits_on_any_number_of_threads(build):
             assert all(torch.equal(a, b) for a, b in zip(alone, outputs()))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_compiler_that_fails_leaves_the_portable_path_and_says_why(tmp_path, monkeypatch):
+    """The sources compile at once, one process each (here a compiler that fails on one and
+    does nothing for the others); where one fails, the build stops, no library is left in the
+    cache, and load() says which step failed, in the compiler's own words."""
+    compiler = tmp_path / "cc"
+    compiler.write_text(
+        '#!/bin/sh\ncase "$*" in *attention.c*) echo "attention.c: no room" >&2; exit 1;; esac\n'
+    )
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cpu_kernel.load.cache_clear()
+    try:
+        library, reason = cpu_kernel.load()
+    finally:
+        monkeypatch.undo()
+        cpu_kernel.load.cache_clear()
+    assert library is None and "failed" in reason and "attention.c: no room" in reason
+    assert not list((tmp_path / "cache").rglob("*.so"))

@@ -20,7 +20,7 @@ from mmcli.config import load_config
 from mmcli.engine.runner import PrefillItem
 from mmcli.model import cpu_kernel
 from mmcli.model.checkpoint import expected_shapes
-from mmcli.model.linear import X_MAX, Linear, quantize_linears
+from mmcli.model.linear import X_MAX, Linear, quantize_int8, quantize_linears
 from mmcli.testing import make_outlier_checkpoint, make_tiny_checkpoint
 
 IMAGE = [SAMPLES / "chelsea.jpg"]
@@ -248,6 +248,39 @@ def test_the_int8_kernel_sums_exactly_in_both_builds(rows, build, monkeypatch):
     finally:
         monkeypatch.undo()
         cpu_kernel.load.cache_clear()
+
+
+@pytest.mark.skipif(
+    cpu_kernel.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
+)
+@pytest.mark.parametrize("build", ["this CPU's", "AVX2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("folded", [False, True])
+def test_the_weights_quantize_in_c_to_the_bits_torch_gives(build, dtype, folded, monkeypatch):
+    """int8_weights.c against quantize_int8's torch operations, with and without a folded
+    norm's column scales: the same values, scales and sums, bit for bit, on sides off its
+    vectors and the layout's groups (37 channels padded to 48, 45 inputs to 48), with a zero
+    channel (the scale's floor) and ties of the rounding (weights of whole halves)."""
+    if build == "AVX2":
+        monkeypatch.setenv("MMCLI_CPU_KERNEL", "avx2")
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(37, 45, generator=generator)
+    weight[3] = 0.0
+    weight[5] = torch.arange(45) - 22.0  # scale 22 / 127: some quotients land on halves
+    weight = weight.to(dtype)
+    columns = torch.rand(45, generator=generator) + 0.5 if folded else None
+    try:
+        cpu_kernel.load.cache_clear()
+        assert cpu_kernel.load()[0] is not None, cpu_kernel.load()[1]
+        ours = quantize_int8(weight, None, columns)
+        monkeypatch.setenv("MMCLI_CPU_KERNEL", "0")
+        cpu_kernel.load.cache_clear()
+        theirs = quantize_int8(weight, None, columns)
+    finally:
+        monkeypatch.undo()
+        cpu_kernel.load.cache_clear()
+    for part, value in theirs.tensors().items():
+        assert torch.equal(ours.tensors()[part], value), part
 
 
 def _resident_bytes(address: int) -> int:

@@ -2,8 +2,9 @@
 (a few-rows kernel for decode and a GEMM for prefill and vision), `attention.c`, the vision tower's
 attention and the decoder's prefill attention, both on the float32 tiles of `float_tiles.h`,
 `rms_norm.c` (the decoder's norms in one call each), `pointwise.c` (the rotary and the SwiGLU, one
-pass each), `decode_layer.c` (a dense decoder layer's step for a few tokens in one call) and
-`int8_linear.c`, int8 weights in a layout that is stored as it runs.
+pass each), `decode_layer.c` (a dense decoder layer's step for a few tokens in one call),
+`int8_linear.c`, int8 weights in a layout that is stored as it runs, and `int8_weights.c`, which
+quantizes a checkpoint's weights into that layout in one pass.
 
 PyTorch has no bfloat16-weight, float32-activation kernel: its bfloat16 GEMM rounds the
 activations, and converting weights in one call and multiplying in another writes and reads a
@@ -37,11 +38,11 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         *("bf16_linear.c", "attention.c", "rms_norm.c"),
-        *("pointwise.c", "decode_layer.c", "int8_linear.c"),
+        *("pointwise.c", "decode_layer.c", "int8_linear.c", "int8_weights.c"),
     )
 ]
 HEADERS = [Path(__file__).with_name("float_tiles.h")]
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 
 
@@ -73,23 +74,47 @@ def why_unavailable() -> str | None:
 
 
 def _build(compiler: str, torch_lib: Path, extra: list[str]) -> Path:
-    command = [compiler, *FLAGS, *extra, *map(str, SOURCES)]
+    link = [compiler, "-shared", "-fopenmp"]
     # torch's own OpenMP runtime, already loaded: one thread pool
     if (torch_lib / "libgomp.so.1").exists():
-        command += [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
+        link += [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
     sources = b"".join(source.read_bytes() for source in [*SOURCES, *HEADERS])
-    digest = hashlib.sha256(sources + " ".join(command).encode()).hexdigest()[:16]
+    flags = " ".join([compiler, *FLAGS, *extra, *link]).encode()
+    digest = hashlib.sha256(sources + flags).hexdigest()[:16]
     target = cache_dir() / f"linear-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # built aside, renamed: concurrent runs are safe
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run(
-                [*command, "-o", str(built)], check=True, capture_output=True, timeout=120
+            objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+            _run_together(
+                [compiler, *FLAGS, *extra, "-c", str(source), "-o", str(obj)]
+                for source, obj in zip(SOURCES, objects)
             )
+            built = Path(tmp) / target.name
+            _run_together([[*map(str, [*link[:3], *objects]), *link[3:], "-o", str(built)]])
             os.replace(built, target)
     return target
+
+
+def _run_together(commands) -> None:
+    """Run the commands at once (a source file each: the build takes its longest file's time,
+    not the sum), raising CalledProcessError, with its stderr, for the first that fails."""
+    running = [
+        (command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        for command in commands
+    ]
+    failed = None
+    for command, process in running:
+        try:
+            out, err = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+        if process.returncode and failed is None:
+            failed = subprocess.CalledProcessError(process.returncode, command, out, err)
+    if failed is not None:
+        raise failed
 
 
 class DecodeLayer(ctypes.Structure):
@@ -155,6 +180,10 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     library.quantize_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
     library.quantize_rows.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     library.quantize_rows.restype = None
+    library.quantize_weights.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    library.quantize_weights.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+    library.quantize_weights.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_int]
+    library.quantize_weights.restype = None
     return library, ""
 
 
@@ -368,3 +397,31 @@ def int8_linear(x: torch.Tensor, weight) -> torch.Tensor:
         threads,
     )
     return out
+
+
+def quantize_weights(
+    weight: torch.Tensor, column_scale: torch.Tensor | None, padded: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8_weights.c: weight (out, in) bfloat16 or float32, contiguous, its columns times
+    `column_scale` (float32, or None) -> int8 values in int8_linear.c's layout (`padded` sides),
+    each channel's scale and each channel's sum, as linear.py's quantize_int8 computes them."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    (rows, width), (n, k) = weight.shape, padded
+    values = torch.empty(n, k, dtype=torch.int8)
+    scale, sums = torch.empty(n), torch.empty(n, dtype=torch.int32)
+    library.quantize_weights(
+        weight.data_ptr(),
+        int(weight.dtype == torch.bfloat16),
+        None if column_scale is None else column_scale.data_ptr(),
+        rows,
+        width,
+        values.data_ptr(),
+        scale.data_ptr(),
+        sums.data_ptr(),
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return values, scale, sums

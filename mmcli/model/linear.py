@@ -127,19 +127,35 @@ def _padded(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
-def quantize_int8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Weight:
+def quantize_int8(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, column_scale: torch.Tensor | None = None
+) -> Int8Weight:
     """Symmetric int8 with one scale per output channel (largest magnitude -> 127), in the
-    kernel's layout."""
-    w = weight.detach().float()
-    out_features, in_features = w.shape
+    kernel's layout, of weight * column_scale (a folded norm's scale, one per input column) where
+    one is given. By int8_weights.c from the stored weights where it builds (the same bits)."""
+    out_features, in_features = weight.shape
     n, k = _padded(out_features, 16), _padded(in_features, 4)
+    full_bias = torch.zeros(n)
+    if bias is not None:
+        full_bias[:out_features] = bias.detach().float()
+    if column_scale is not None:
+        column_scale = column_scale.detach().float().contiguous()
+    if (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float32)
+        and cpu_kernel.load()[0] is not None
+    ):
+        values, scale, sums = cpu_kernel.quantize_weights(
+            weight.detach().contiguous(), column_scale, (n, k)
+        )
+        return Int8Weight(values=values, scale=scale, sums=sums, bias=full_bias)
+    w = weight.detach().float()
+    if column_scale is not None:
+        w = w * column_scale
     scale = torch.zeros(n)
     scale[:out_features] = torch.maximum(w.amax(1), w.amin(1).neg()).div_(127).clamp_min_(1e-12)
     rows = torch.zeros(n, k, dtype=torch.int8)
     rows[:out_features, :in_features] = w.div(scale[:out_features, None]).round_()
-    full_bias = torch.zeros(n)
-    if bias is not None:
-        full_bias[:out_features] = bias.detach().float()
     return Int8Weight(
         values=rows.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(n, k),
         scale=scale,
@@ -227,11 +243,16 @@ class Linear(nn.Linear):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
         self.weight, self.kernel = None, "packed"
 
-    def quantize(self, prepared: dict[str, torch.Tensor] | None = None) -> None:
-        """int8 weights (and the bias beside them), quantized from this layer's weight alone (no
-        float32 copy of the model is made), or as `prepared` holds them from an earlier run."""
+    def quantize(
+        self,
+        prepared: dict[str, torch.Tensor] | None = None,
+        column_scale: torch.Tensor | None = None,
+    ) -> None:
+        """int8 weights (and the bias beside them), quantized from this layer's weight alone
+        (times `column_scale`, a folded norm's, where given; no float32 copy of the model is
+        made), or as `prepared` holds them from an earlier run."""
         if prepared is None:
-            self.packed_weight = quantize_int8(self.weight, self.bias)
+            self.packed_weight = quantize_int8(self.weight, self.bias, column_scale)
         else:
             self.packed_weight = Int8Weight(**prepared)
         self.weight, self.bias, self.kernel = None, None, "int8"

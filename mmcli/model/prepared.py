@@ -33,7 +33,7 @@ RECIPE = (
     "int8_linear.c's layout"
 )
 # the code whose output the file holds
-CODE = ("quantize.py", "linear.py", "prepared.py")
+CODE = ("quantize.py", "linear.py", "prepared.py", "int8_weights.c")
 
 
 def checkpoint_identity(path: Path) -> dict:

@@ -18,22 +18,28 @@ from mmcli.model.moe import SparseMoeBlock
 
 
 @torch.no_grad()
-def fold_norm(norm: nn.Module, linears: list[Linear], into_linears: bool = True) -> None:
+def fold_norm(
+    norm: nn.Module, linears: list[Linear], into_linears: bool = True, quantize: bool = False
+) -> None:
     """Move `norm`'s scale (and bias, for LayerNorm) into the linears that read its output; a
     norm scaling by 1 + weight (Qwen3.5) is left scaling by 1. Without `into_linears` the norm
-    only: the linears' folded values come prepared from an earlier run."""
+    only: the linears' folded values come prepared from an earlier run. With `quantize`, each
+    linear is quantized to int8 with the scale applied on the way (no float32 copy of its
+    weight)."""
     offset = float(getattr(norm, "unit_offset", False))
     scale = norm.weight.detach().float() + offset
     shift = norm.bias.detach().float() if getattr(norm, "bias", None) is not None else None
     for linear in linears if into_linears else []:
-        weight = linear.weight.detach().float()
         if shift is not None:
-            extra = weight @ shift
+            extra = linear.weight.detach().float() @ shift
             linear.bias = nn.Parameter(
                 extra if linear.bias is None else linear.bias.float() + extra, requires_grad=False
             )
-        # float32, quantized right after
-        linear.weight = nn.Parameter(weight * scale, requires_grad=False)
+        if quantize:
+            linear.quantize(column_scale=scale)
+        else:
+            weight = linear.weight.detach().float()
+            linear.weight = nn.Parameter(weight * scale, requires_grad=False)
     norm.weight.fill_(1.0 - offset)
     if shift is not None:
         norm.bias.zero_()
@@ -59,10 +65,10 @@ def int8_linears(model: nn.Module) -> dict[str, Linear]:
 
 
 def quantize_model(model: nn.Module, prepared: dict[str, dict] | None = None) -> int:
-    """Fold the decoder's and the vision blocks' norms, then int8 for every linear of
-    int8_linears, layer by layer (one layer's folded float32 weights at a time); with `prepared`
-    (int8_linears' names to what Linear.quantize takes) the values are packed as given. Returns
-    how many linears were quantized."""
+    """Fold the decoder's and the vision blocks' norms into the linears that read them, each
+    quantized as it is folded, then int8 for every other linear of int8_linears, layer by layer;
+    with `prepared` (int8_linears' names to what Linear.quantize takes) the values are packed as
+    given. Returns how many linears were quantized."""
     targets = {module: name for name, module in int8_linears(model).items()}
     fold = prepared is None
 
@@ -72,17 +78,16 @@ def quantize_model(model: nn.Module, prepared: dict[str, dict] | None = None) ->
                 module.quantize(None if prepared is None else prepared[targets[module]])
 
     for layer in model.language_model.layers:
-        fold_norm(layer.input_layernorm, _mixer_inputs(layer), fold)
+        fold_norm(layer.input_layernorm, _mixer_inputs(layer), fold, quantize=True)
         if not isinstance(layer.mlp, SparseMoeBlock):
-            fold_norm(
-                layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj], fold
-            )
+            mlp = layer.mlp
+            fold_norm(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], fold, True)
         quantize(layer)
         if fold:  # the layer's float32 temporaries, freed between its int8 weights
             release_freed_memory()
     for block in model.visual.blocks:
-        fold_norm(block.norm1, [block.attn.qkv], fold)
-        fold_norm(block.norm2, [block.mlp.linear_fc1], fold)
+        fold_norm(block.norm1, [block.attn.qkv], fold, quantize=True)
+        fold_norm(block.norm2, [block.mlp.linear_fc1], fold, quantize=True)
         quantize(block)
         if fold:
             release_freed_memory()
