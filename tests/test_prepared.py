@@ -4,6 +4,7 @@ truncated or stale file, or two runs at once, never give wrong weights."""
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -21,7 +22,9 @@ from mmcli.model import prepared as prepared_module
 
 def _int8(path, cache, **settings):
     settings = {"device": "cpu", "quantize": "int8", "cache_dir": str(cache), **settings}
-    return Labeler.from_pretrained(str(path), config=load_config(None, settings))
+    labeler = Labeler.from_pretrained(str(path), config=load_config(None, settings))
+    labeler.prepared_weights_report()  # the file it writes whole before the test looks
+    return labeler
 
 
 def _logits(labeler):
@@ -41,8 +44,9 @@ def _files(cache):
 
 def test_the_second_run_reads_what_the_first_prepared(tiny_dir, tmp_path):
     first = _int8(tiny_dir, tmp_path)
-    assert "prepared weights written to" in first.runner.kernels
+    assert "prepared weights being written to" in first.runner.kernels
     (written,) = _files(tmp_path)
+    assert first.prepared_weights_report() == f"prepared weights written to {written}"
     second = _int8(tiny_dir, tmp_path)
     assert f"prepared weights read from {written}" in second.runner.kernels
     assert torch.equal(_logits(first), _logits(second))  # the same int8 weights, bit for bit
@@ -86,7 +90,7 @@ def test_a_damaged_truncated_or_stale_file_is_said_and_prepared_again(
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"mmcli: prepared weights {file}: {lines[0].split(': ', 2)[2]}"]
     assert said in lines[0] and "preparing again" in lines[0]
-    assert "prepared weights written to" in again.runner.kernels
+    assert "prepared weights written to" in again.prepared_weights_report()
     assert torch.equal(_logits(again), reference)
     assert "read from" in _int8(tiny_dir, tmp_path).runner.kernels  # whole again
 
@@ -98,7 +102,7 @@ def test_a_file_of_another_models_linears_is_not_used(tiny_dir, variant_dirs, tm
     other.file.parent.mkdir(parents=True, exist_ok=True)
     other.file.write_bytes(file.read_bytes())  # this model's key, another model's tensors
     labeler = _int8(variant_dirs["wide_attn"], tmp_path)
-    assert "prepared weights written to" in labeler.runner.kernels
+    assert "prepared weights written to" in labeler.prepared_weights_report()
 
 
 def test_a_file_missing_a_part_or_of_another_dtype_is_not_used(tiny_dir, tmp_path, capsys):
@@ -116,16 +120,40 @@ def test_a_file_missing_a_part_or_of_another_dtype_is_not_used(tiny_dir, tmp_pat
         save_file(broken, str(file), metadata=metadata)
         labeler = _int8(tiny_dir, tmp_path)
         assert "not this model's linears; preparing again" in capsys.readouterr().err
-        assert "prepared weights written to" in labeler.runner.kernels
+        assert "prepared weights written to" in labeler.prepared_weights_report()
 
 
-def test_a_cache_that_cannot_be_written_leaves_the_run_going(tiny_dir, tmp_path):
+def test_a_cache_that_cannot_be_written_leaves_the_run_going(tiny_dir, tmp_path, capsys):
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "weights").write_text("a file where the directory would be")
     labeler = _int8(tiny_dir, cache)
-    assert "prepared weights not written" in labeler.runner.kernels
+    assert "prepared weights not written" in labeler.prepared_weights_report()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "prepared weights not written" in line and "the next run prepares them" in line
     assert labeler.ask([photo("coffee.jpg")], "What?", max_new_tokens=3).token_ids
+
+
+def test_the_run_answers_while_the_file_is_written(tiny_dir, tmp_path, monkeypatch):
+    """The write (bound by the disk) is a thread's: the load returns and the run answers while
+    it is held back; the report waits for it, and then the file is whole."""
+    release = threading.Event()
+
+    def held_back(*args, **kwargs):
+        assert release.wait(120)
+        save_file(*args, **kwargs)
+
+    monkeypatch.setattr(prepared_module, "save_file", held_back)
+    settings = {"device": "cpu", "quantize": "int8", "cache_dir": str(tmp_path)}
+    labeler = Labeler.from_pretrained(str(tiny_dir), config=load_config(None, settings))
+    assert "prepared weights being written to" in labeler.runner.kernels
+    assert labeler.ask([photo("coffee.jpg")], "What?", max_new_tokens=3).token_ids
+    assert not _files(tmp_path)
+    release.set()
+    report = labeler.prepared_weights_report()
+    (file,) = _files(tmp_path)
+    assert report == f"prepared weights written to {file}"
+    assert "read from" in _int8(tiny_dir, tmp_path).runner.kernels
 
 
 def test_two_runs_at_once_each_write_a_whole_file(tiny_dir, tmp_path):

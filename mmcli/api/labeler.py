@@ -232,6 +232,11 @@ class Labeler:
         """With a compiled backend: which configured buckets were not compiled ahead."""
         return self.graphs.missing_report() if self.graphs is not None else None
 
+    def prepared_weights_report(self) -> str | None:
+        """With `quantize: int8` and the cache: where the prepared weights are, once the file this
+        run writes (in a thread, while it runs) is whole or has failed."""
+        return self.runner.prepared.written() if self.runner.prepared is not None else None
+
     def compile_use_report(self) -> str | None:
         """With a compiled backend: how many buckets were loaded and compiled in this run."""
         return self.graphs.use_report() if self.graphs is not None else None

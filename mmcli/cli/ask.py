@@ -45,9 +45,12 @@ def run_ask(
     try:
         with status_line(Console(stderr=True), f"loading {load_description(config)}"):
             labeler = Labeler.from_pretrained(config=config)
-        return _answer(
-            labeler, images, list(videos), question, out, logprobs, stream, task, sampling or {}
-        )
+        try:
+            return _answer(
+                labeler, images, list(videos), question, out, logprobs, stream, task, sampling or {}
+            )
+        finally:  # the int8 file written while it answered: whole before the command ends
+            labeler.prepared_weights_report()
     finally:
         if out is not None:
             out.close()

@@ -41,7 +41,10 @@ def prepare_weights_only(cfg: Config) -> None:
 
     started = time.perf_counter()
     labeler = Labeler.from_pretrained(config=cfg)
-    Console(width=100).print(
-        f"eager backend, nothing to compile; {labeler.runner.kernels} "
-        f"({time.perf_counter() - started:.1f} s)"
-    )
+    line = f"eager backend, nothing to compile; {labeler.runner.kernels}"
+    line += f" ({time.perf_counter() - started:.1f} s)"
+    # the warm-up is done when the file being written is whole
+    outcome = labeler.prepared_weights_report()
+    if outcome and outcome not in line:
+        line += f"; {outcome} ({time.perf_counter() - started:.1f} s)"
+    Console(width=100).print(line)

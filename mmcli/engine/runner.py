@@ -136,6 +136,7 @@ class ModelRunner:
         self.cfg: ModelConfig = model.cfg
         self.device = device
         self.dtype = model.language_model.norm.weight.dtype  # compute dtype; matrices may be lower
+        self.prepared = prepared  # the int8 cache file: `written()` says where it is
         self.kernels = self._prepare(model, device, config.quantize, graphs is not None, prepared)
         backend = "eager" if graphs is None else graphs.backend
         model.visual.block_attention = choose_block_attention(backend, device.type)

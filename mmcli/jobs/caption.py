@@ -265,6 +265,8 @@ def _run(
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if labeler is not None:  # the int8 file written while it labeled: whole before the end
+            labeler.prepared_weights_report()
 
 
 def _refuse_clashes(

@@ -8,7 +8,8 @@ full key (adding mmcli's quantization code and torch's version) and a CRC-32 of 
 file that cannot be read, whose values do not match their CRC, whose tensors are not the model's
 or whose key differs is ignored with one line saying so and written again. Written to a file of
 its own beside it and renamed, so a reader sees a whole file or none, and two runs at once
-each write theirs."""
+each write theirs; written by a thread of its own while the run goes on (the write is bound by
+the disk, the run by the CPU), which the interpreter waits for before it exits."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -69,21 +71,39 @@ class PreparedWeights:
         name = hashlib.sha256(json.dumps([identity, RECIPE]).encode()).hexdigest()[:24]
         self.file = Path(directory).expanduser() / "weights" / f"{name}.safetensors"
         self.key = {"recipe": RECIPE, "code": code_digest(), "torch": torch.__version__}
+        self._writer: threading.Thread | None = None
+        self._outcome = "prepared weights not written: none were prepared"
 
     def quantize(self, model: torch.nn.Module) -> str:
         """int8 for `model` (quantize.quantize_model), from the file when it holds this key,
-        else computed and written; says which."""
+        else computed and written (by a thread: `written` waits for it); says which."""
         prepared, problem = self._read(model)
         if prepared is not None:
             count = quantize_model(model, prepared)
-            return f"{count} linears, {kernel_name()}; prepared weights read from {self.file}"
+            self._outcome = f"prepared weights read from {self.file}"
+            return f"{count} linears, {kernel_name()}; {self._outcome}"
         if problem is not None:
             print(
                 f"mmcli: prepared weights {self.file}: {problem}; preparing again", file=sys.stderr
             )
         count = quantize_model(model)
-        written = self._write(model)
-        return f"{count} linears, {kernel_name()}; {written}"
+        tensors = {
+            f"{name}.{part}": value.contiguous()
+            for name, linear in int8_linears(model).items()
+            for part, value in linear.packed_weight.tensors().items()
+        }
+        # not a daemon: the interpreter waits for the file before it exits
+        self._writer = threading.Thread(target=self._write, args=(tensors,), name="mmcli-prepared")
+        self._writer.start()
+        return f"{count} linears, {kernel_name()}; prepared weights being written to {self.file}"
+
+    def written(self) -> str:
+        """Where the prepared weights are, once the file being written (if one is) is whole or
+        has failed: "prepared weights written to ...", "... read from ..." or "... not written
+        (why)"."""
+        if self._writer is not None:
+            self._writer.join()
+        return self._outcome
 
     def _read(self, model) -> tuple[dict | None, str | None]:
         if not self.file.is_file():
@@ -111,12 +131,9 @@ class PreparedWeights:
         )
         return (prepared, None) if shapes_match else (None, "not this model's linears")
 
-    def _write(self, model) -> str:
-        tensors = {
-            f"{name}.{part}": value.contiguous()
-            for name, linear in int8_linears(model).items()
-            for part, value in linear.packed_weight.tensors().items()
-        }
+    def _write(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The file written aside and renamed into place; the outcome kept for `written`, and a
+        failure said in one line (the run goes on without it)."""
         metadata = {"key": json.dumps(self.key), "crc32": _checksum(tensors)}
         # this process's own name: runs on two hosts sharing the cache may have equal pids
         partial = self.file.with_name(
@@ -131,5 +148,10 @@ class PreparedWeights:
         except (OSError, SafetensorError) as e:  # a full disk, a read-only cache
             with contextlib.suppress(OSError):
                 partial.unlink(missing_ok=True)
-            return f"prepared weights not written ({getattr(e, 'strerror', None) or e})"
-        return f"prepared weights written to {self.file}"
+            self._outcome = f"prepared weights not written ({getattr(e, 'strerror', None) or e})"
+            print(
+                f"mmcli: {self.file}: {self._outcome}; the next run prepares them again",
+                file=sys.stderr,
+            )
+            return
+        self._outcome = f"prepared weights written to {self.file}"
