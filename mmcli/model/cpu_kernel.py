@@ -74,25 +74,26 @@ def why_unavailable() -> str | None:
 
 
 def _build(compiler: str, torch_lib: Path, extra: list[str]) -> Path:
-    link = [compiler, "-shared", "-fopenmp"]
+    compile_flags, libraries = [*FLAGS, *extra], []
     # torch's own OpenMP runtime, already loaded: one thread pool
     if (torch_lib / "libgomp.so.1").exists():
-        link += [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
+        libraries = [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
     sources = b"".join(source.read_bytes() for source in [*SOURCES, *HEADERS])
-    flags = " ".join([compiler, *FLAGS, *extra, *link]).encode()
+    flags = " ".join([compiler, *compile_flags, *libraries]).encode()
     digest = hashlib.sha256(sources + flags).hexdigest()[:16]
     target = cache_dir() / f"linear-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # built aside, renamed: concurrent runs are safe
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+            objects = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
             _run_together(
-                [compiler, *FLAGS, *extra, "-c", str(source), "-o", str(obj)]
+                [compiler, *compile_flags, "-c", str(source), "-o", obj]
                 for source, obj in zip(SOURCES, objects)
             )
             built = Path(tmp) / target.name
-            _run_together([[*map(str, [*link[:3], *objects]), *link[3:], "-o", str(built)]])
+            link = [compiler, "-shared", "-fopenmp", *objects, *libraries, "-o", str(built)]
+            _run_together([link])
             os.replace(built, target)
     return target
 

@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* 8 of the weights from index i, in float32, times their columns' scales where there are */
+/* 8 weights from index i (input k) in float32, times their columns' scales where given */
 static inline __m256 load8(const void *w, int bf16, const float *column_scale, int64_t i,
                            int64_t k) {
     __m256 v;
