@@ -30,15 +30,17 @@ def fold_norm(
     scale = norm.weight.detach().float() + offset
     shift = norm.bias.detach().float() if getattr(norm, "bias", None) is not None else None
     for linear in linears if into_linears else []:
+        weight = linear.weight.detach()
+        if shift is not None or not quantize:
+            weight = weight.float()  # one float32 copy, for the shift and the folded weight
         if shift is not None:
-            extra = linear.weight.detach().float() @ shift
+            extra = weight @ shift
             linear.bias = nn.Parameter(
                 extra if linear.bias is None else linear.bias.float() + extra, requires_grad=False
             )
-        if quantize:
+        if quantize:  # from the stored weight
             linear.quantize(column_scale=scale)
         else:
-            weight = linear.weight.detach().float()
             linear.weight = nn.Parameter(weight * scale, requires_grad=False)
     norm.weight.fill_(1.0 - offset)
     if shift is not None:
