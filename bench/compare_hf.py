@@ -158,7 +158,7 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
     from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
     from mmcli.inputs.prefetch import NOT_READY, default_workers, prefetch
-    from mmcli.model.checkpoint import expected_shapes
+    from mmcli.weights.checkpoint import expected_shapes
 
     cfg = load_config(None, settings)
     loading = time.perf_counter()
@@ -188,7 +188,7 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
     split = dict(spent)
     assert [done[f"img{n}"] for n in range(len(images))] == lengths, done
     # Decode step at batch 1: one sequence alone, timed step by step after its prefill.
-    from mmcli.engine.runner import DecodeItem, PrefillItem
+    from mmcli.engine.batch import DecodeItem, PrefillItem
 
     req, _ = cap.request("solo", [images[0]], PROMPT, cap.sampling())
     runner = cap.runner

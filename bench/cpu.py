@@ -27,7 +27,6 @@ import json
 import math
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 import compare_hf
 import torch
 
-from mmcli.testing import make_outlier_checkpoint
+from mmcli.testing import installed_command, make_outlier_checkpoint
 
 ASK_IMAGE = 14  # compare_hf's 448x448 image
 PATHS = {
@@ -108,8 +107,8 @@ def teacher_forced(
     `tokens` is None)."""
     from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
-    from mmcli.engine.positions import rope_index
-    from mmcli.engine.runner import PrefillItem
+    from mmcli.engine.batch import PrefillItem
+    from mmcli.models.qwen3_vl.rope_index import rope_index
 
     cap = Labeler.from_pretrained(
         str(ckpt), config=load_config(None, {"device": "cpu", **settings})
@@ -193,7 +192,7 @@ def agreement(args, ckpt: Path, image: Path, label: str) -> str:
 def start_times() -> None:
     """`mmcli --help`, `config show` and `plan` (no torch): best of 5 wall times each, as a
     user's shell runs them."""
-    mmcli = shutil.which("mmcli") or "mmcli"
+    mmcli = installed_command("mmcli")
     for command in (["--help"], ["config", "show"], ["plan", "--tokens", "512,256"]):
         best = math.inf
         for _ in range(5):
@@ -232,7 +231,7 @@ def ask_flops(cfg, image_tokens: int, input_tokens: int) -> tuple[float, int, in
     """The ask's prefill FLOPs (the vision tower's linears on every patch, its mergers on the
     merged tokens, both towers' attention products, the decoder's linears on every prompt token
     and the lm_head on the last), with the decoder's and the head's parameter counts."""
-    from mmcli.model.checkpoint import expected_shapes
+    from mmcli.weights.checkpoint import expected_shapes
 
     shapes = expected_shapes(cfg)
     count = {"patch": 0, "merged": 0, "text": 0}
@@ -330,11 +329,11 @@ def ask_part(args, ckpt: Path, image: Path) -> None:
     """(b) and (c) for `mmcli ask`: the instrumented run, then the real command for its wall time
     and peak RSS; the same at int8 on an empty cache (the first run prepares it). Each timing
     args.repeats times against the limits measured next to it; the median counts."""
-    from mmcli.model.config import parse_config
+    from mmcli.models.registry import parse_config
 
     worker = ["--worker", "ask", "--ckpt", str(ckpt), "--image", str(image), "--settings"]
     timed = instrumented(args, worker, {})
-    command = [shutil.which("mmcli") or "mmcli", "ask", "--model", str(ckpt), "--device", "cpu"]
+    command = [installed_command("mmcli"), "ask", "--model", str(ckpt), "--device", "cpu"]
     command += ["--image", str(image), "--max-new-tokens", "16", compare_hf.PROMPT]
     default, cli_rss = commands(args, command)
     cold = {}
@@ -443,8 +442,8 @@ def main() -> None:
         max_len=512,
         smoke=args.smoke,
     )
-    from mmcli.model.checkpoint import expected_shapes
-    from mmcli.model.config import parse_config
+    from mmcli.models.registry import parse_config
+    from mmcli.weights.checkpoint import expected_shapes
 
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
     parameters = sum(

@@ -25,8 +25,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mmcli.model import cpu_kernel
-from mmcli.model.linear import upcast_linear
+from mmcli.kernels import cpu
+from mmcli.kernels.cpu_ops import bf16_matmul
+from mmcli.models.layers.linear import upcast_linear
 
 # (rows, out, in): the ask's vision tower (784 patches) and prefill (219 tokens)
 GEMMS = [
@@ -59,7 +60,7 @@ THIS_CPU = os.environ.get("MMCLI_CPU_KERNEL", "1")  # avx2: as an AVX2 machine w
 def build(name: str) -> None:
     """Load this CPU's build, the AVX2 one, or none (the chunked path)."""
     os.environ["MMCLI_CPU_KERNEL"] = {"this CPU's": THIS_CPU, "AVX2": "avx2", "none": "0"}[name]
-    cpu_kernel.load.cache_clear()
+    cpu.load.cache_clear()
 
 
 def rounds(variants: dict, flops: float, repeats: int, peak) -> dict[str, float]:
@@ -80,8 +81,10 @@ def gemm_row(rows: int, out: int, width: int, builds: list[str], repeats: int, p
     full = [w.float() for w in weights[:3]]
     x, turn = torch.randn(rows, width), iter(range(1 << 30))
 
-    def ours():
-        return upcast_linear(x, weights[next(turn) % copies], None)
+    def ours():  # as a Linear with bfloat16 weights runs: the kernel where it loads, else chunks
+        weight = weights[next(turn) % copies]
+        y = bf16_matmul(x, weight, None, None)
+        return y if y is not None else upcast_linear(x, weight, None)
 
     variants = {b: (lambda b=b: build(b), ours) for b in [*builds, "none"]}
     variants["MKL, float32 weights"] = (lambda: None, lambda: x @ full[next(turn) % 3].t())
@@ -103,7 +106,7 @@ def attention_row(
         )
 
     variants = {
-        "ours": (lambda: None, lambda: cpu_kernel.attention(q, k, v, causal)),
+        "ours": (lambda: None, lambda: cpu.attention(q, k, v, causal)),
         "torch SDPA": (lambda: None, sdpa),
     }
     flops = 4 * positions**2 * heads * d // (2 if causal else 1)
@@ -116,7 +119,7 @@ def norm_row(rows: int, width: int, repeats: int) -> str:
     """rms_norm.c against torch's rms_norm: each one's median microseconds a call."""
     x, weight = torch.randn(rows, width), torch.randn(width)
     calls = {
-        "ours": lambda: cpu_kernel.rms_norm(x, weight, 1e-6),
+        "ours": lambda: cpu.rms_norm(x, weight, 1e-6),
         "torch": lambda: F.rms_norm(x, (width,), weight, 1e-6),
     }
     times = {name: [] for name in calls}
@@ -134,8 +137,8 @@ def crossover_row(rows: int, out: int, width: int, repeats: int, peak) -> str:
     weights = [torch.randn(out, width).bfloat16() for _ in range(copies)]
     x, turn = torch.randn(rows, width), iter(range(1 << 30))
     variants = {
-        "few rows": (lambda: None, lambda: cpu_kernel.bf16_linear(x, weights[next(turn) % copies])),
-        "GEMM": (lambda: None, lambda: cpu_kernel.bf16_gemm(x, weights[next(turn) % copies], None)),
+        "few rows": (lambda: None, lambda: cpu.bf16_linear(x, weights[next(turn) % copies])),
+        "GEMM": (lambda: None, lambda: cpu.bf16_gemm(x, weights[next(turn) % copies], None)),
     }
     shares = rounds(variants, 2 * rows * out * width, repeats, peak)
     return f"| {rows} x {out} x {width} | " + " | ".join(f"{v:.0%}" for v in shares.values()) + " |"
@@ -147,9 +150,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     repeats = 1 if args.smoke else args.repeats
-    if cpu_kernel.load()[0] is None:
-        raise SystemExit(f"the kernels do not build here: {cpu_kernel.load()[1]}")
-    builds = ["this CPU's"] + (["AVX2"] if cpu_kernel.name() != "AVX2" else [])
+    if cpu.load()[0] is None:
+        raise SystemExit(f"the kernels do not build here: {cpu.load()[1]}")
+    builds = ["this CPU's"] + (["AVX2"] if cpu.name() != "AVX2" else [])
     square = torch.randn(2048, 2048)
     square @ square
 
@@ -160,7 +163,7 @@ def main() -> None:
         f"{torch.get_num_threads()} threads; shares of the float32 matmul peak, the median of "
         f"{repeats} rounds"
     )
-    names = [cpu_kernel.name(), *builds[1:]]
+    names = [cpu.name(), *builds[1:]]
     print(
         f"| rows x out x in | ours, {' | ours, '.join(names)} | chunks + MKL | MKL, float32 "
         "weights |"
@@ -168,7 +171,7 @@ def main() -> None:
     print("|---|" + "---|" * (len(builds) + 2))
     for shape in SMOKE_GEMMS if args.smoke else GEMMS:
         print(gemm_row(*shape, builds, repeats, peak), flush=True)
-    print(f"\n| positions x heads/key heads x head_dim | ours ({cpu_kernel.name()}) | torch SDPA |")
+    print(f"\n| positions x heads/key heads x head_dim | ours ({cpu.name()}) | torch SDPA |")
     print("|---|---|---|")
     for shape in SMOKE_ATTENTION if args.smoke else ATTENTION:
         print(attention_row(*shape, repeats, peak), flush=True)
@@ -176,7 +179,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for shape in NORMS[:1] if args.smoke else NORMS:
         print(norm_row(*shape, repeats), flush=True)
-    print(f"\n| rows x out x in | few-rows kernel ({cpu_kernel.name()}) | GEMM |")
+    print(f"\n| rows x out x in | few-rows kernel ({cpu.name()}) | GEMM |")
     print("|---|---|---|")
     for rows in CROSSOVER_ROWS[:1] if args.smoke else CROSSOVER_ROWS:
         print(crossover_row(rows, *((64, 96) if args.smoke else (6144, 2048)), repeats, peak))

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import VARIANTS, hf_processor, hf_written, photo  # noqa: E402
 
 from mmcli.api.labeler import Labeler  # noqa: E402
-from mmcli.engine.runner import DecodeItem, PrefillItem  # noqa: E402
+from mmcli.engine.batch import DecodeItem, PrefillItem  # noqa: E402
 from mmcli.testing import MOE_VARIANTS, QWEN3_5_VARIANTS, make_tiny_checkpoint  # noqa: E402
 
 CASES = {

@@ -14,8 +14,10 @@ import warnings
 
 import torch
 
-from mmcli.model import cpu_kernel
-from mmcli.model.linear import Linear
+from mmcli.kernels import cpu
+from mmcli.kernels.cpu_ops import int8_matmul
+from mmcli.models.layers.linear import Linear
+from mmcli.weights.int8 import int8_linear
 
 # (rows, out, in): decode, a few rows, the ask's prefill and vision, the decoder's down projection
 SHAPES = [(1, 6144, 2048), (8, 6144, 2048), (219, 6144, 2048), (784, 4304, 1152), (219, 2048, 6144)]
@@ -35,9 +37,9 @@ def best(fn, tries: int = 5) -> float:
 def ours(rows: int, out: int, width: int, build: str) -> float:
     """Seconds per call of the int8 Linear (activations quantized in the call, as a run does)."""
     os.environ["MMCLI_CPU_KERNEL"] = "avx2" if build == "AVX2" else "1"
-    cpu_kernel.load.cache_clear()
-    layer = Linear(width, out, bias=False).requires_grad_(False)
-    layer.quantize()
+    cpu.load.cache_clear()
+    layer = int8_linear(Linear(width, out, bias=False).requires_grad_(False))
+    layer.kernel = int8_matmul  # what the kernel plan installs in an int8 run
     x = torch.randn(rows, width)
     return best(lambda: layer(x))
 
@@ -66,9 +68,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes")
     args = parser.parse_args()
-    if cpu_kernel.load()[0] is None:
-        raise SystemExit(f"int8_linear.c does not build here: {cpu_kernel.load()[1]}")
-    builds = [cpu_kernel.name()] + (["AVX2"] if cpu_kernel.has_vnni() else [])
+    if cpu.load()[0] is None:
+        raise SystemExit(f"int8_linear.c does not build here: {cpu.load()[1]}")
+    builds = [cpu.name()] + (["AVX2"] if cpu.has_vnni() else [])
     has_fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
     print(f"{torch.get_num_threads()} threads; GOP/s (2 x rows x out x in / s)")
     print(f"| rows x out x in | {' | '.join(builds)} | fbgemm (its packing) | float32 |")

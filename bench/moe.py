@@ -25,9 +25,9 @@ from pathlib import Path
 
 import compare_hf
 
-from mmcli.model.checkpoint import expected_shapes
-from mmcli.model.config import parse_config
+from mmcli.models.registry import parse_config
 from mmcli.testing import MOE_VARIANTS, make_outlier_checkpoint, make_tiny_checkpoint
+from mmcli.weights.checkpoint import expected_shapes
 
 LAYERS = 48
 # int8 quantizes at every load here (weights_cache off): bench/cpu.py measures the prepared cache
@@ -79,7 +79,7 @@ def load_overshoot(ckpt: Path, settings: dict) -> int:
     the extrapolated peak can add it on top of everything 48 layers hold, as if at the last file."""
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); import compare_hf; "
-        "from mmcli.model import checkpoint; from mmcli.api.labeler import Labeler; "
+        "from mmcli.weights import checkpoint; from mmcli.api.labeler import Labeler; "
         "from mmcli.config import load_config; read, rise = checkpoint._read_file, [0]\n"
         "def each(file, keep):\n"
         "    before = compare_hf.resident(); compare_hf.reset_peak_rss(); read(file, keep)\n"

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 from mmcli.config import Config
+from mmcli.inputs.sources import file_facts
 from mmcli.jobs.caption import CaptionJob, pending
-from mmcli.jobs.records import JsonlOutput, file_facts
+from mmcli.jobs.records import JsonlOutput
 
 
 def main() -> None:

@@ -17,9 +17,9 @@ import torch
 
 from mmcli.engine.packing import ffd_pack, flat_efficiency, packed_efficiency, padded_efficiency
 from mmcli.engine.vision_encoder import VisionEncoder
-from mmcli.model.attention import bounded_attention
-from mmcli.model.config import VisionConfig
-from mmcli.model.vision import VisionTower
+from mmcli.kernels.attention import bounded_attention
+from mmcli.models.config import VisionConfig
+from mmcli.models.qwen3_vl.vision import VisionTower
 
 # Patch grids (t, h, w) of a mixed set: 640x480, 512x512, 448x336, 320x320, 256x256 x2, 224x448,
 # 256x512
@@ -74,7 +74,7 @@ def main() -> None:
     )
     visual = VisionTower(cfg).eval()
     # every layout through the same kernel: only the layout differs
-    visual.block_attention = bounded_attention
+    visual.kernel = bounded_attention
     for p in visual.parameters():
         torch.nn.init.normal_(p, std=0.02)
     patches = [t * h * w for t, h, w in GRIDS]

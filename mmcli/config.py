@@ -16,8 +16,8 @@ from pathlib import Path
 import yaml
 
 from mmcli.errors import ConfigError
-from mmcli.model.config import DEFAULT_MODEL, QWEN_MERGE_SIZE, QWEN_PATCH_SIZE
-from mmcli.model.hub import mmcli_cache
+from mmcli.models.config import DEFAULT_MODEL, QWEN_MERGE_SIZE, QWEN_PATCH_SIZE
+from mmcli.paths import mmcli_cache
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,9 @@ class SamplingParams:
 
 
 PLACEHOLDERS = ("filename", "stem", "folder", "sidecar")  # filled per input in a task prompt
-# `{name}` is a placeholder; `{{filename}}` (a known one, doubled) is the literal text `{filename}`;
-# every other character, braces included, is the prompt as written.
-PLACEHOLDER = re.compile(r"\{\{(" + "|".join(PLACEHOLDERS) + r")\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# `{name}` is a placeholder; `{{name}}` (any name, doubled) is the literal text `{name}`; every
+# other character, braces included, is the prompt as written.
+PLACEHOLDER = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 OUTPUTS = ("text", "json", "boxes")
 
 

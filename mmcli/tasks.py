@@ -50,8 +50,10 @@ def resolve_tasks(
     sampling decided by `decide_sampling`."""
     tasks = []
     for name in names or cfg.task:
-        if isinstance(name, Task):
-            tasks.append(replace(name, sampling=decide_sampling(name.sampling, {}, given)))
+        if isinstance(name, Task):  # resolved before: only sampling given now changes it
+            tasks.append(
+                replace(name, sampling=decide_sampling(name.sampling, {}, given)) if given else name
+            )
             continue
         if name not in cfg.tasks:
             raise ConfigError(f"task {name!r} is not defined (known: {', '.join(cfg.tasks)})")

@@ -7,6 +7,8 @@ transformers loads the result unchanged. Never used on a real model."""
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -14,7 +16,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from mmcli.model.checkpoint import expected_shapes, parse_config
+from mmcli.models.registry import parse_config
+from mmcli.weights.checkpoint import expected_shapes
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -103,6 +106,13 @@ _CORPUS = [
     "There are 3 dogs, 12 birds and 7 trees in the park at 10:30 in the morning.",
     "user assistant system The quick brown fox jumps over the lazy dog.",
 ]
+
+
+def installed_command(name: str) -> str:
+    """A console script of this environment (`mmcli`, `clang-format`): beside the interpreter
+    running, so a venv works unactivated, else as PATH finds it."""
+    beside = Path(sys.executable).with_name(name)
+    return str(beside) if beside.is_file() else shutil.which(name) or name
 
 
 # A JSON task's schema for tests and benches: an enum, bounded numbers, strings and a list.

@@ -25,15 +25,23 @@ VARIANTS = ["base", "wide_attn", "deepstack_last"]
 @pytest.fixture(params=["this CPU's", "AVX2"])
 def build(request, monkeypatch):
     """Each test once with the build this CPU loads and once with the AVX2 one."""
-    from mmcli.model import cpu_kernel
+    from mmcli.kernels import cpu
 
     if request.param == "AVX2":
         monkeypatch.setenv("MMCLI_CPU_KERNEL", "avx2")
-    cpu_kernel.load.cache_clear()
-    assert cpu_kernel.load()[0] is not None, cpu_kernel.load()[1]
-    yield cpu_kernel.name()
+    cpu.load.cache_clear()
+    assert cpu.load()[0] is not None, cpu.load()[1]
+    yield cpu.name()
     monkeypatch.undo()
-    cpu_kernel.load.cache_clear()
+    cpu.load.cache_clear()
+
+
+def with_cpu_kernels(module, compute="float32", loaded="bfloat16", quantize="none"):
+    """`module` with the kernels the kernel plan of an eager CPU run installs in its layers."""
+    from mmcli.kernels.plan import RunShape, choose, install
+
+    install(choose(RunShape("cpu", "eager", compute, loaded, quantize)), module)
+    return module
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +100,30 @@ def moe_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def moe_dir(moe_dirs) -> Path:
     return moe_dirs["qwen3_5_moe"]
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a JSONL file, in order."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def caption_cli(*args, model, max_new_tokens: int = 3):
+    """`mmcli caption ARGS --model MODEL -q` through Typer's runner (in this process)."""
+    from typer.testing import CliRunner
+
+    from mmcli.cli.app import app
+
+    argv = ["caption", *map(str, args), "--model", str(model), "-q"]
+    return CliRunner().invoke(app, [*argv, "--max-new-tokens", str(max_new_tokens)])
+
+
+def image_folder(root: Path, n: int = 2) -> Path:
+    """`n` small JPEGs of the samples, of different sizes, in `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        name = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg"][i % 3]
+        photo(name, (64 + 16 * i, 48 + 8 * i)).save(root / f"im{i}.jpg")
+    return root
 
 
 def hf_processor(path: Path):
@@ -223,14 +255,28 @@ def encoded(im: Image.Image, fmt: str, **kw) -> bytes:
 # Comparing a run with transformers' (the Qwen3.5 and MoE parity tests)
 
 
-def prefill_logits(labeler, req):
+def prefill_item(req, rotary=None, slot: int = 0, **fields):
+    """The runner's PrefillItem of a request (its rotary ids, or `rotary`), in cache row `slot`."""
+    from mmcli.engine.batch import PrefillItem
 
-    from mmcli.engine.runner import PrefillItem
+    rotary = req.rotary_position_ids if rotary is None else rotary
+    return PrefillItem(slot, req.input_ids, rotary, req.pixel_values, req.vision_grids, **fields)
 
-    item = PrefillItem(
-        0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids
-    )
-    return labeler.model.lm_head(labeler.runner.forward_prompts([item])).float()
+
+def prefill_hidden(labeler, req, rotary=None):
+    """The final hidden states [T, H] of a request's prompt, prefilled alone."""
+    import torch
+
+    with torch.inference_mode():
+        return labeler.runner.forward_prompts([prefill_item(req, rotary)])
+
+
+def prefill_logits(labeler, req, rotary=None):
+    """The logits [T, V] (float32) of every token of a request's prompt, prefilled alone."""
+    import torch
+
+    with torch.inference_mode():
+        return labeler.model.lm_head(prefill_hidden(labeler, req, rotary)).float()
 
 
 def assert_logits_match(labeler, req, model, inputs):

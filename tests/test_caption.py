@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import SAMPLES, encoded, photo
+from conftest import SAMPLES, encoded, photo, read_records
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -22,10 +22,6 @@ def _caption(*args, model):
     return CliRunner().invoke(
         app, ["caption", *map(str, args), "--model", str(model), "--max-new-tokens", "4"]
     )
-
-
-def _records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _good_folder(root, n=5):
@@ -55,8 +51,8 @@ def test_bad_inputs_become_error_records_and_the_run_goes_on(tiny_dir, tmp_path)
     out = tmp_path / "out.jsonl"
     result = _caption(root, "-o", out, "-c", cfg, "--quiet", model=tiny_dir)
     assert result.exit_code == 1, result.output
-    records = {r["key"]: r for r in _records(out)}
-    assert len(records) == len(_records(out)) == 16
+    records = {r["key"]: r for r in read_records(out)}
+    assert len(records) == len(read_records(out)) == 16
     causes = {
         "zero.jpg": "empty file",
         "truncated.jpg": "corrupt or truncated",
@@ -90,17 +86,17 @@ def test_resume_prompt_change_and_overwrite(tiny_dir, tmp_path):
     root = _good_folder(tmp_path / "imgs", 3)
     out = tmp_path / "out.jsonl"
     assert _caption(root, "-o", out, "-q", model=tiny_dir).exit_code == 0
-    assert len(_records(out)) == 3
+    assert len(read_records(out)) == 3
     assert _caption(root, "-o", out, "-q", model=tiny_dir).exit_code == 0
-    assert len(_records(out)) == 3  # nothing redone
+    assert len(read_records(out)) == 3  # nothing redone
     assert (
         _caption(root, "-o", out, "-q", "--prompt", "Name the colours.", model=tiny_dir).exit_code
         == 0
     )
-    records = _records(out)
+    records = read_records(out)
     assert len(records) == 6 and {r["prompt"] for r in records[3:]} == {"Name the colours."}
     assert _caption(root, "-o", out, "-q", "--overwrite", model=tiny_dir).exit_code == 0
-    assert len(_records(out)) == 9
+    assert len(read_records(out)) == 9
 
 
 def test_retry_errors_only_when_asked(tiny_dir, tmp_path):
@@ -109,10 +105,11 @@ def test_retry_errors_only_when_asked(tiny_dir, tmp_path):
     out = tmp_path / "out.jsonl"
     assert _caption(root, "-o", out, "-q", model=tiny_dir).exit_code == 1
     assert (
-        _caption(root, "-o", out, "-q", model=tiny_dir).exit_code == 0 and len(_records(out)) == 2
+        _caption(root, "-o", out, "-q", model=tiny_dir).exit_code == 0
+        and len(read_records(out)) == 2
     )
     assert _caption(root, "-o", out, "-q", "--retry-errors", model=tiny_dir).exit_code == 1
-    records = _records(out)
+    records = read_records(out)
     assert (
         len(records) == 3 and records[-1]["key"] == "bad.jpg" and records[-1]["status"] == "error"
     )
@@ -137,7 +134,7 @@ def test_torn_last_line_is_set_aside(tiny_dir, tmp_path):
     with open(out, "a") as f:
         f.write('{"schema": 1, "key": "good1.jpg", "status": "o')  # a crash mid-write
     assert _caption(root, "-o", out, "-q", model=tiny_dir).exit_code == 0
-    records = _records(out)
+    records = read_records(out)
     assert [r["key"] for r in records] == ["good0.jpg", "good1.jpg"] and all(
         r["status"] == "ok" for r in records
     )
@@ -227,7 +224,7 @@ def test_killed_run_then_rerun_records_every_key_once(tiny_dir, tmp_path, sig):
     assert 5 <= len(partial) < 40
     rerun = subprocess.run(cmd, timeout=300)
     assert rerun.returncode == 0
-    records = _records(out)
+    records = read_records(out)
     assert sorted(r["key"] for r in records) == sorted(p.name for p in root.iterdir())
     assert all(r["status"] == "ok" for r in records)
 
@@ -245,3 +242,13 @@ def test_without_ray_installed_the_flag_says_how_to_install(monkeypatch, tmp_pat
     monkeypatch.setattr(builtins, "__import__", no_ray)
     result = CliRunner().invoke(app, ["caption", str(tmp_path), "--ray"])
     assert result.exit_code == 2 and "pip install 'mmcli[ray]'" in result.output
+
+
+def test_duplicate_keys_are_refused_before_any_work(tiny_dir):
+    from mmcli import Labeler
+
+    cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
+    image = SAMPLES / "coffee.jpg"
+    with pytest.raises(ValueError, match="key 'a' is given twice"):
+        next(iter(cap.label([("a", image), ("b", image), ("a", image)])))
+    assert cap.runner.images_encoded == 0

@@ -9,9 +9,10 @@ from typer.testing import CliRunner
 from mmcli.api.labeler import Labeler
 from mmcli.cli.app import app
 from mmcli.errors import CheckpointError
-from mmcli.model.checkpoint import load_weights, parse_config, read_model_config
-from mmcli.model.hub import read_ahead
+from mmcli.models.registry import parse_config
 from mmcli.testing import make_tiny_checkpoint, tiny_config
+from mmcli.weights.checkpoint import load_weights, read_model_config
+from mmcli.weights.hub import read_ahead
 
 
 def test_both_rope_config_forms_parse_the_same():

@@ -98,3 +98,8 @@ def test_bad_sampling_value_is_a_usage_error(tiny_dir):
         ],
     )
     assert result.exit_code == 2 and "top_p" in result.output
+
+
+def test_caption_help_shows_the_install_extra():
+    result = CliRunner().invoke(app, ["caption", "--help"], terminal_width=100)
+    assert result.exit_code == 0 and "pip install 'mmcli[ray]'" in result.output

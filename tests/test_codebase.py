@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from mmcli.testing import installed_command
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mmcli"
 MODULES = sorted(PACKAGE.rglob("*.py"))
@@ -45,9 +47,10 @@ def test_ruff_lint_and_format_are_clean(args):
 def test_the_c_kernels_are_formatted_by_clang_format():
     """The C beside the Python has one formatter too (.clang-format: 100 columns; the test
     extra pins clang-format's major version, whose output can change between them)."""
-    sources = sorted((PACKAGE / "model").glob("*.[ch]"))
+    sources = sorted((PACKAGE / "kernels" / "csrc").glob("*.[ch]"))
+    assert len(sources) >= 8
     run = subprocess.run(
-        ["clang-format", "--dry-run", "--Werror", *map(str, sources)],
+        [installed_command("clang-format"), "--dry-run", "--Werror", *map(str, sources)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -70,6 +73,21 @@ def test_import_does_not_load_torch(statement):
         [sys.executable, "-c", check], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "args", [["--help"], ["config", "show"], ["plan", "--tokens", "512,256,128"]]
+)
+def test_the_commands_that_load_no_model_import_no_torch(args):
+    """What keeps them fast (bench/cpu.py times them): they run without torch."""
+    run = (
+        "import sys\nfrom mmcli.cli.app import app\n"
+        f"sys.argv = ['mmcli', *{args!r}]\n"
+        "try:\n    app()\nexcept SystemExit as e:\n    code = e.code\n"
+        "print(code, 'torch' in sys.modules, file=sys.stderr)"
+    )
+    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True)
+    assert done.stderr.split()[-2:] == ["0", "False"], done.stderr[-2000:]
 
 
 def test_public_names_load_on_first_use():

@@ -3,10 +3,12 @@ on a tiny checkpoint."""
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from mmcli.cli.app import app
 from mmcli.compiled.buckets import Bucket, configured_buckets, parse_buckets
 from mmcli.compiled.graphs import CompiledGraphs
 from mmcli.config import load_config
+from mmcli.engine.decoding import CompiledDecode, EagerDecode
 from mmcli.errors import ConfigError
 
 NAMES = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg", "rocket.jpg"]
@@ -145,8 +148,8 @@ def test_padded_buckets_give_the_eager_tokens(request, family, tmp_path, monkeyp
     }
     padded = Labeler.from_pretrained(str(tiny_dir), config=load_config(None, padded_cfg))
     # each runner chose its decode step once, at construction
-    assert eager.runner._decode == eager.runner._decode_eager
-    assert padded.runner._decode == padded.runner._decode_compiled
+    assert isinstance(eager.runner._decode, EagerDecode)
+    assert isinstance(padded.runner._decode, CompiledDecode)
     assert padded.graphs.attach() == padded.graphs.buckets  # nothing compiled: all run eagerly
     assert {r.key: r.token_ids for r in padded.label(items)} == expected
     used = {b.label for b in padded.graphs.missing_used}
@@ -329,3 +332,36 @@ def test_cuda_graphs_use_the_configured_decode_buckets_clipped_to_the_engine():
     assert _covering([1, 2, 4, 8], 64) == [1, 2, 4, 8, 64]  # the engine's largest batch too
     graphs = DecodeGraphs(None, None, 6, 128, batch, context)  # nothing is captured before use
     assert graphs.fits(6, 2048) and not graphs.fits(7, 10) and not graphs.fits(1, 2049)
+
+
+def test_the_compile_digest_covers_every_module_a_graph_runs(tmp_path, monkeypatch):
+    import mmcli.compiled.graphs as compiled
+    from mmcli.compiled.graphs import Bucket, CompiledGraphs
+
+    assert {
+        "compiled/steps.py",
+        "models/layers/linear.py",
+        "models/qwen3_vl/text.py",
+        "models/qwen3_vl/vision.py",
+        "models/layers/attention.py",
+        "models/qwen3_5/gated_delta_net.py",
+        "kernels/attention.py",
+    } <= set(compiled.compiled_sources(compiled.PACKAGE_ROOT))
+    copy = Path(shutil.copytree(compiled.PACKAGE_ROOT, tmp_path / "pkg"))
+    graphs = CompiledGraphs(
+        "inductor",
+        tmp_path / "cache",
+        {"model_config": "m", "device": "cpu"},
+        [Bucket("decode", (1, 64))],
+    )
+    artifact = graphs.cache_dir / "a"
+    monkeypatch.setattr(graphs, "_artifacts", lambda: {"a"} if artifact.exists() else set())
+    assert graphs.compile_bucket(graphs.buckets[0], lambda b: artifact.write_text("x"))[0] == "new"
+    package_root = compiled.PACKAGE_ROOT
+    for edited in ("models/layers/linear.py", "compiled/steps.py"):
+        target = copy / edited
+        target.write_text(target.read_text() + "\n# edited\n")
+        monkeypatch.setattr(compiled, "PACKAGE_ROOT", copy)
+        assert graphs.status(graphs.buckets[0], graphs.manifest.entries()) == ("stale", ["source"])
+        monkeypatch.setattr(compiled, "PACKAGE_ROOT", package_root)
+        shutil.copy(package_root / edited, target)

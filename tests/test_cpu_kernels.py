@@ -4,14 +4,22 @@ float64 references, in this CPU's build and the AVX2 one; the layers that call t
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import with_cpu_kernels
 
-from mmcli.model import cpu_kernel
-from mmcli.model.attention import bounded_attention, full_attention, segment_attention
-from mmcli.model.linear import Linear, quantize_int8
+from mmcli.kernels import cpu
+from mmcli.kernels.attention import bounded_attention, segment_attention
+from mmcli.models.layers.attention import RangeAttention
+from mmcli.models.layers.linear import Linear, PackedLinear
+from mmcli.weights.int8 import int8_linear, quantize_int8
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernel.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
+    cpu.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
 )
+
+
+def full_attention(q, k, v, causal=False):
+    """The layers' attention within one range, with the kernel the plan installs."""
+    return with_cpu_kernels(RangeAttention())(q, k, v, causal)
 
 
 # rows off the 6-row tiles; channels off the 64- (AVX2: 16-) channel panels and their vectors;
@@ -24,8 +32,8 @@ def test_the_bf16_gemm_computes_bfloat16_weights_in_float32(build, rows, channel
     bias = torch.randn(channels, generator=generator)
     exact = x.double() @ weight.double().t()
     tolerance = {"atol": 2e-6 * inputs**0.5, "rtol": 1e-5}
-    torch.testing.assert_close(cpu_kernel.bf16_gemm(x, weight, None).double(), exact, **tolerance)
-    with_bias = cpu_kernel.bf16_gemm(x, weight, bias, "gelu_tanh").double()
+    torch.testing.assert_close(cpu.bf16_gemm(x, weight, None).double(), exact, **tolerance)
+    with_bias = cpu.bf16_gemm(x, weight, bias, "gelu_tanh").double()
     expected = F.gelu(exact + bias.double(), approximate="tanh")
     torch.testing.assert_close(with_bias, expected, **tolerance)
 
@@ -36,7 +44,7 @@ def test_the_fused_gelu_is_within_a_few_ulp_everywhere(build):
     finite."""
     values = torch.linspace(-12, 12, 64 * 500).view(500, 64)
     values[0, :4] = torch.tensor([-1e4, -100.0, 100.0, 1e4])
-    out = cpu_kernel.bf16_gemm(values, torch.eye(64).bfloat16(), None, "gelu_tanh").double()
+    out = cpu.bf16_gemm(values, torch.eye(64).bfloat16(), None, "gelu_tanh").double()
     exact = F.gelu(values.double(), approximate="tanh")
     meaningful = exact.abs() > 1e-6
     ulps = (out - exact).abs() / (exact.abs() * 2**-23)
@@ -54,10 +62,11 @@ def test_every_linear_kernel_applies_the_activation_it_is_asked_for(kernel):
     layer.bias.data = torch.randn(80, generator=generator)
     if kernel == "upcast":
         layer.weight.data = layer.weight.data.bfloat16()
+        with_cpu_kernels(layer)
     elif kernel == "packed":
-        layer.pack()
+        layer = PackedLinear(layer)
     elif kernel == "int8":
-        layer.quantize()
+        layer = with_cpu_kernels(int8_linear(layer), quantize="int8")
     x = torch.randn(100, 48, generator=generator)
     expected = F.gelu(layer(x), approximate="tanh")
     torch.testing.assert_close(layer(x, activation="gelu_tanh"), expected, atol=1e-5, rtol=1e-5)
@@ -80,7 +89,7 @@ def test_the_attention_kernel_matches_sdpa_in_float64(build, queries, keys, head
     exact = F.scaled_dot_product_attention(
         *(t.double().transpose(0, 1) for t in (q, k, v))
     ).transpose(0, 1)
-    torch.testing.assert_close(cpu_kernel.attention(q, k, v).double(), exact, atol=2e-6, rtol=0)
+    torch.testing.assert_close(cpu.attention(q, k, v).double(), exact, atol=2e-6, rtol=0)
     torch.testing.assert_close(full_attention(q, k, v).double(), exact, atol=2e-6, rtol=0)
 
 
@@ -103,7 +112,7 @@ def test_causal_grouped_attention_matches_sdpa_in_float64(
     exact = F.scaled_dot_product_attention(
         *(t.double().transpose(0, 1) for t in (q, k, v)), attn_mask=seen, enable_gqa=True
     ).transpose(0, 1)
-    for attended in (cpu_kernel.attention(q, k, v, causal=True), full_attention(q, k, v, True)):
+    for attended in (cpu.attention(q, k, v, causal=True), full_attention(q, k, v, True)):
         torch.testing.assert_close(attended.double(), exact, atol=2e-6, rtol=0)
 
 
@@ -113,9 +122,9 @@ def test_full_attention_without_the_kernel_is_the_same_causal_attention(monkeypa
     q, k, v = _attention_inputs(20, 20, 4, 32, 5)
     cases = [(q[12:], k, v), (q, k[:, :2], v[:, :2])]
     with_kernel = [full_attention(*case, causal=True) for case in cases]
-    monkeypatch.setattr(cpu_kernel, "load", lambda: (None, "off"))
+    without = RangeAttention()  # no kernel installed: SDPA
     for case, expected in zip(cases, with_kernel):
-        torch.testing.assert_close(full_attention(*case, causal=True), expected)
+        torch.testing.assert_close(without(*case, causal=True), expected)
 
 
 def test_one_image_in_one_block_attends_in_one_call_as_the_reference_does():
@@ -138,20 +147,18 @@ def test_the_rms_norm_kernel_matches_float64(build, rows, width, strided):
     exact = weight.double() * (
         x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
     )
-    torch.testing.assert_close(
-        cpu_kernel.rms_norm(x, weight, 1e-6).double(), exact, atol=1e-6, rtol=1e-6
-    )
+    torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-6).double(), exact, atol=1e-6, rtol=1e-6)
 
 
 def test_the_decoder_norm_takes_the_kernel_and_keeps_the_reference_result(monkeypatch):
     """RMSNorm on q's heads ([tokens, heads, d]) through rms_norm.c, against torch's own."""
-    from mmcli.model.text import RMSNorm
+    from mmcli.models.layers.norms import RMSNorm
 
-    norm = RMSNorm(64, 1e-6).requires_grad_(False)
+    norm = with_cpu_kernels(RMSNorm(64, 1e-6).requires_grad_(False))
     norm.weight.data = torch.randn(64)
     x = torch.randn(7, 4, 64)
-    called, original = [], cpu_kernel.rms_norm
-    monkeypatch.setattr(cpu_kernel, "rms_norm", lambda *a: called.append(1) or original(*a))
+    called, original = [], cpu.rms_norm
+    monkeypatch.setattr(cpu, "rms_norm", lambda *a: called.append(1) or original(*a))
     expected = F.rms_norm(x, (64,), norm.weight, 1e-6)
     torch.testing.assert_close(norm(x), expected, atol=1e-6, rtol=1e-6)
     assert called
@@ -173,24 +180,26 @@ ROTARY_CASES = [((50, 16, 64), 64, True), ((2, 9, 3, 40), 40, False), ((7, 2, 48
 
 @pytest.mark.parametrize("shape,rot,fused", ROTARY_CASES)
 def test_the_rotary_kernel_matches_rotate_half_in_float64(build, monkeypatch, shape, rot, fused):
-    from mmcli.model.rope import apply_rotary
+    from mmcli.models.layers.rotary import Rotary
 
+    apply_rotary = with_cpu_kernels(Rotary())
     generator = torch.Generator().manual_seed(rot)
     *lead, heads, d = shape
     x = torch.randn(*lead, 3 if fused else 1, heads, d, generator=generator).select(-3, 0)
     cos, sin = torch.randn(2, *lead, rot, generator=generator)
-    called, original = [], cpu_kernel.rotary
-    monkeypatch.setattr(cpu_kernel, "rotary", lambda *a: called.append(1) or original(*a))
+    called, original = [], cpu.rotary
+    monkeypatch.setattr(cpu, "rotary", lambda *a: called.append(1) or original(*a))
     out = apply_rotary(x, cos, sin)
     assert called and out.shape == x.shape
     torch.testing.assert_close(out.double(), _torch_rotary(x, cos, sin), atol=1e-6, rtol=1e-6)
 
 
 def test_the_swiglu_kernel_matches_silu_times_up(build, monkeypatch):
-    from mmcli.model.moe import silu_times
+    from mmcli.models.layers.mlp import SiluAndMul
 
-    called, original = [], cpu_kernel.silu_times
-    monkeypatch.setattr(cpu_kernel, "silu_times", lambda *a: called.append(1) or original(*a))
+    silu_times = with_cpu_kernels(SiluAndMul())
+    called, original = [], cpu.silu_times
+    monkeypatch.setattr(cpu, "silu_times", lambda *a: called.append(1) or original(*a))
     generator = torch.Generator().manual_seed(0)
     # past the threads' threshold, and a length off the vectors
     for shape in [(219, 600), (3, 21)]:
@@ -214,10 +223,10 @@ def test_the_kernels_give_the_same_bits_on_any_number_of_threads(build):
 
     def outputs():
         return [
-            cpu_kernel.bf16_gemm(x, weight, None, "gelu_tanh"),
-            cpu_kernel.bf16_linear(x[:3].contiguous(), weight),
-            cpu_kernel.attention(q, k, v, causal=True),
-            cpu_kernel.int8_linear(x, int8),
+            cpu.bf16_gemm(x, weight, None, "gelu_tanh"),
+            cpu.bf16_linear(x[:3].contiguous(), weight),
+            cpu.attention(q, k, v, causal=True),
+            cpu.int8_linear(x, int8),
         ]
 
     threads = torch.get_num_threads()
@@ -242,11 +251,11 @@ def test_a_compiler_that_fails_leaves_the_portable_path_and_says_why(tmp_path, m
     compiler.chmod(0o755)
     monkeypatch.setenv("CC", str(compiler))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    cpu_kernel.load.cache_clear()
+    cpu.load.cache_clear()
     try:
-        library, reason = cpu_kernel.load()
+        library, reason = cpu.load()
     finally:
         monkeypatch.undo()
-        cpu_kernel.load.cache_clear()
+        cpu.load.cache_clear()
     assert library is None and "failed" in reason and "attention.c: no room" in reason
     assert not list((tmp_path / "cache").rglob("*.so"))

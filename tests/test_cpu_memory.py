@@ -4,24 +4,22 @@ fast start."""
 import json
 import math
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SAMPLES
+from conftest import SAMPLES, prefill_logits, with_cpu_kernels
 from typer.testing import CliRunner
 
 from mmcli.api.labeler import Labeler
 from mmcli.cli.app import app
 from mmcli.config import load_config
-from mmcli.engine.runner import PrefillItem
-from mmcli.model import cpu_kernel
-from mmcli.model.checkpoint import expected_shapes
-from mmcli.model.linear import X_MAX, Linear, quantize_int8, quantize_linears
+from mmcli.kernels import cpu
+from mmcli.models.layers.linear import Linear
+from mmcli.models.layers.quantized import X_MAX, Int8Linear
 from mmcli.testing import make_outlier_checkpoint, make_tiny_checkpoint
+from mmcli.weights.checkpoint import expected_shapes
+from mmcli.weights.int8 import int8_linear, quantize_int8, quantize_linears
 
 IMAGE = [SAMPLES / "chelsea.jpg"]
 
@@ -44,11 +42,7 @@ def _labeler(path, **settings):
 
 def _logits(cap):
     req, _ = cap.request("k", IMAGE, "Describe this image.", cap.sampling())
-    item = PrefillItem(
-        0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids
-    )
-    with torch.inference_mode():
-        return cap.model.lm_head(cap.runner.forward_prompts([item])).float()
+    return prefill_logits(cap, req)
 
 
 def _parameters(cap) -> int:
@@ -64,9 +58,7 @@ def test_default_cpu_path_holds_the_stored_bfloat16_and_computes_in_float32(bf16
     default, full = _labeler(bf16_dir), _labeler(bf16_dir, dtype="float32")
     assert default.precision == {"weights": "bfloat16", "compute": "float32", "quantize": "none"}
     assert full.precision == {"weights": "float32", "compute": "float32", "quantize": "none"}
-    assert ("compiled bf16 kernel" in default.runner.kernels) == (
-        cpu_kernel.why_unavailable() is None
-    )
+    assert ("bf16_linear.c" in default.kernels) == (cpu.why_unavailable() is None)
     assert (
         default.weight_bytes / _parameters(default) <= 2.1 < full.weight_bytes / _parameters(full)
     )
@@ -78,14 +70,12 @@ def test_default_cpu_path_holds_the_stored_bfloat16_and_computes_in_float32(bf16
     )
 
 
-@pytest.mark.skipif(
-    cpu_kernel.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
-)
+@pytest.mark.skipif(cpu.why_unavailable() is not None, reason="no AVX2 or no C compiler here")
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
 def test_the_few_rows_kernel_computes_bfloat16_weights_in_float32(rows):
     """Shapes off the kernel's tiles (7 output channels, 21 columns: 4+3 and 8+8+5) and a strided
     input, against float64; this machine's build must load (the runner's report names it)."""
-    assert cpu_kernel.load()[0] is not None, cpu_kernel.load()[1]
+    assert cpu.load()[0] is not None, cpu.load()[1]
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(7, 21, generator=generator).bfloat16()
     x = torch.randn(21, rows, generator=generator).t()
@@ -94,7 +84,7 @@ def test_the_few_rows_kernel_computes_bfloat16_weights_in_float32(rows):
     expected = x.double() @ weight.double().t() + layer.bias.double()
     torch.testing.assert_close(layer(x).double(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(
-        cpu_kernel.bf16_linear(x.contiguous(), weight).double(),
+        cpu.bf16_linear(x.contiguous(), weight).double(),
         expected - layer.bias.double(),
         atol=1e-5,
         rtol=1e-5,
@@ -121,7 +111,7 @@ def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
         ours.model.lm_head,
     )
     assert (
-        head.kernel != "int8"
+        not isinstance(head, Int8Linear)
         and head.weight.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
     )
     assert _relative_error(_logits(ours), reference) < 0.12
@@ -129,7 +119,7 @@ def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
     naive = _labeler(outlier_dir, weights_dtype="bfloat16")
     quantize_linears(naive.model, keep=(naive.model.lm_head,))
     for layer in naive.model.modules():
-        if isinstance(layer, Linear):
+        if isinstance(layer, Int8Linear):
             layer.per_token = False
     assert _relative_error(_logits(naive), reference) > 0.12
 
@@ -188,32 +178,19 @@ def test_the_kv_cache_holds_what_the_job_uses(tiny_dir, tmp_path):
     assert batched == alone and cap.runner.cache.rows == 3 and cap.runner.cache.columns == 512
 
 
-@pytest.mark.parametrize(
-    "args", [["--help"], ["config", "show"], ["plan", "--tokens", "512,256,128"]]
-)
-def test_the_commands_that_load_no_model_start_fast(args):
-    started = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "mmcli", *args], capture_output=True, text=True, timeout=60
-    )
-    seconds = time.perf_counter() - started
-    assert done.returncode == 0 and seconds < 2.0, (seconds, done.stderr)
-
-
 def _int8_layer(out_features, in_features, seed):
     generator = torch.Generator().manual_seed(seed)
     layer = Linear(in_features, out_features, bias=True).requires_grad_(False)
     layer.weight.data = torch.randn(out_features, in_features, generator=generator)
     layer.bias.data = torch.randn(out_features, generator=generator)
     reference = {"weight": layer.weight.clone(), "bias": layer.bias.clone()}
-    layer.quantize()
-    return layer, reference
+    return with_cpu_kernels(int8_linear(layer), quantize="int8"), reference
 
 
 def _int8_expected(layer, x):
     """What the int8 layer computes, in exact integers: 7-bit levels of each row times the 8-bit
     weights (unpacked from the kernel's layout), then both scales and the bias."""
-    weight = layer.packed_weight
+    weight = layer.weight
     n, k = layer.out_features, layer.in_features
     scale = torch.maximum(x.amax(1, keepdim=True), -x.amin(1, keepdim=True)) / X_MAX
     levels = (x / scale).round().long()
@@ -221,9 +198,7 @@ def _int8_expected(layer, x):
     return sums.double() * scale.double() * weight.scale[:n].double() + weight.bias[:n].double()
 
 
-@pytest.mark.skipif(
-    cpu_kernel.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
-)
+@pytest.mark.skipif(cpu.why_unavailable() is not None, reason="no AVX2 or no C compiler here")
 @pytest.mark.parametrize("build", ["this CPU's", "AVX2"])
 @pytest.mark.parametrize("rows", [1, 5, 7, 130])
 def test_the_int8_kernel_sums_exactly_in_both_builds(rows, build, monkeypatch):
@@ -232,27 +207,25 @@ def test_the_int8_kernel_sums_exactly_in_both_builds(rows, build, monkeypatch):
     where the CPU has VNNI; the float32 fallback (no kernel) agrees."""
     if build == "AVX2":
         monkeypatch.setenv("MMCLI_CPU_KERNEL", "avx2")
-    cpu_kernel.load.cache_clear()
+    cpu.load.cache_clear()
     try:
-        assert cpu_kernel.load()[0] is not None, cpu_kernel.load()[1]
+        assert cpu.load()[0] is not None, cpu.load()[1]
         layer, reference = _int8_layer(70, 262, rows)
         x = torch.randn(rows, 262, generator=torch.Generator().manual_seed(100 + rows))
         expected = _int8_expected(layer, x)
         torch.testing.assert_close(layer(x).double(), expected, rtol=1e-6, atol=1e-5)
         monkeypatch.setenv("MMCLI_CPU_KERNEL", "0")
-        cpu_kernel.load.cache_clear()
+        cpu.load.cache_clear()
         torch.testing.assert_close(layer(x).double(), expected, rtol=1e-6, atol=1e-5)
         # and the quantization itself: within half a step of each weight's own channel scale
         exact = x.double() @ reference["weight"].double().t() + reference["bias"].double()
         assert (layer(x).double() - exact).abs().max() < 0.05 * exact.abs().max()
     finally:
         monkeypatch.undo()
-        cpu_kernel.load.cache_clear()
+        cpu.load.cache_clear()
 
 
-@pytest.mark.skipif(
-    cpu_kernel.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
-)
+@pytest.mark.skipif(cpu.why_unavailable() is not None, reason="no AVX2 or no C compiler here")
 @pytest.mark.parametrize("build", ["this CPU's", "AVX2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("folded", [False, True])
@@ -270,15 +243,15 @@ def test_the_weights_quantize_in_c_to_the_bits_torch_gives(build, dtype, folded,
     weight = weight.to(dtype)
     columns = torch.rand(45, generator=generator) + 0.5 if folded else None
     try:
-        cpu_kernel.load.cache_clear()
-        assert cpu_kernel.load()[0] is not None, cpu_kernel.load()[1]
+        cpu.load.cache_clear()
+        assert cpu.load()[0] is not None, cpu.load()[1]
         ours = quantize_int8(weight, None, columns)
         monkeypatch.setenv("MMCLI_CPU_KERNEL", "0")
-        cpu_kernel.load.cache_clear()
+        cpu.load.cache_clear()
         theirs = quantize_int8(weight, None, columns)
     finally:
         monkeypatch.undo()
-        cpu_kernel.load.cache_clear()
+        cpu.load.cache_clear()
     for part, value in theirs.tensors().items():
         assert torch.equal(ours.tensors()[part], value), part
 
@@ -304,7 +277,7 @@ def test_the_weights_pages_are_mapped_in_at_once(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from mmcli.model.host_memory import keep_freed_memory, populate
+    from mmcli.kernels.host_memory import keep_freed_memory, populate
 
     save_file({"w": torch.ones(8 << 20)}, tmp_path / "w.safetensors")
     with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
@@ -326,7 +299,7 @@ def _anonymous_bytes() -> int:
 def test_memory_freed_between_kept_blocks_goes_back_to_the_kernel():
     """Under the run's allocator settings, blocks freed between blocks kept (a quantizing load's
     float32 copies between its int8 weights) stay in the process until release_freed_memory."""
-    from mmcli.model.host_memory import keep_freed_memory, release_freed_memory
+    from mmcli.kernels.host_memory import keep_freed_memory, release_freed_memory
 
     if not keep_freed_memory():
         pytest.skip("malloc is not glibc's")

@@ -12,7 +12,7 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import photo
+from conftest import photo, read_records
 from typer.testing import CliRunner
 
 from mmcli.cli.app import app
@@ -52,10 +52,6 @@ def _caption(*args, model):
     return CliRunner().invoke(app, argv)
 
 
-def _records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_a_folder_shards_and_parquet_give_the_same_texts(tiny_dir, tmp_path):
     from datasets import Dataset, Image
 
@@ -84,16 +80,16 @@ def test_a_folder_shards_and_parquet_give_the_same_texts(tiny_dir, tmp_path):
         out = tmp_path / f"{name}.jsonl"
         result = _caption(source, "-o", out, model=tiny_dir)
         assert result.exit_code == 0, result.output
-        runs[name] = [r["text"] for r in sorted(_records(out), key=lambda r: r["key"])]
+        runs[name] = [r["text"] for r in sorted(read_records(out), key=lambda r: r["key"])]
     assert runs["folder"] == runs["shards"] == runs["plain"] == runs["hf"]
-    shard_keys = sorted(r["key"] for r in _records(tmp_path / "shards.jsonl"))
+    shard_keys = sorted(r["key"] for r in read_records(tmp_path / "shards.jsonl"))
     assert shard_keys[:2] == ["00000/000000000", "00000/000000001"]
-    assert [r["key"] for r in _records(tmp_path / "plain.jsonl")][:2] == ["plain/0", "plain/1"]
+    assert [r["key"] for r in read_records(tmp_path / "plain.jsonl")][:2] == ["plain/0", "plain/1"]
     named = tmp_path / "named.jsonl"
     prompt = ["--prompt", "Describe {filename} of {folder}."]
     assert _caption(tmp_path / "hf.parquet", "-o", named, *prompt, model=tiny_dir).exit_code == 0
     # {filename} from the image struct's path, {folder} the Parquet file's name
-    assert "Describe 000000000.jpg of hf." in {r["prompt"] for r in _records(named)}
+    assert "Describe 000000000.jpg of hf." in {r["prompt"] for r in read_records(named)}
 
 
 def test_sidecar_reads_the_samples_txt_member(tiny_dir, tmp_path):
@@ -103,7 +99,7 @@ def test_sidecar_reads_the_samples_txt_member(tiny_dir, tmp_path):
         tmp_path / "s/00000.tar", "-o", out, "--prompt", "Improve: {sidecar}", model=tiny_dir
     )
     assert result.exit_code == 0, result.output
-    assert sorted(r["prompt"] for r in _records(out)) == [
+    assert sorted(r["prompt"] for r in read_records(out)) == [
         "Improve: old caption 0",
         "Improve: old caption 1",
     ]
@@ -114,13 +110,13 @@ def test_resume_over_shards_redoes_only_an_edited_shard(tiny_dir, tmp_path):
     out = tmp_path / "out.jsonl"
     pattern = tmp_path / "s/*.tar"
     assert _caption(pattern, "-o", out, model=tiny_dir).exit_code == 0
-    assert len(_records(out)) == 6
+    assert len(read_records(out)) == 6
     assert _caption(pattern, "-o", out, model=tiny_dir).exit_code == 0
-    assert len(_records(out)) == 6  # nothing to do, nothing decoded
+    assert len(read_records(out)) == 6  # nothing to do, nothing decoded
     _shards(tmp_path / "s", _jpegs(6)[3:] + _jpegs(1), per_shard=4)  # 00000.tar rewritten
     assert shards[0].stat().st_size > 0
     assert _caption(pattern, "-o", out, model=tiny_dir).exit_code == 0
-    redone = {r["key"] for r in _records(out)[6:]}
+    redone = {r["key"] for r in read_records(out)[6:]}
     assert redone == {f"00000/{k:09d}" for k in range(4)}  # the edited shard, its new sample too
 
 
@@ -149,7 +145,7 @@ def test_an_interrupted_shard_run_finishes_with_every_sample_once(tiny_dir, tmp_
     proc.wait(60)
     assert 3 <= len(out.read_text().splitlines()) < 24
     assert subprocess.run(cmd, timeout=300).returncode == 0
-    keys = [r["key"] for r in _records(out)]
+    keys = [r["key"] for r in read_records(out)]
     assert sorted(keys) == sorted(set(keys)) and len(keys) == 24
 
 
@@ -171,7 +167,7 @@ def test_broken_shards_and_parquet_are_clear_errors_and_the_run_goes_on(tiny_dir
     out = tmp_path / "out.jsonl"
     result = _caption(tmp_path / "s/*", "-o", out, model=tiny_dir)
     assert result.exit_code == 1, result.output
-    records = {r["key"]: r for r in _records(out)}
+    records = {r["key"]: r for r in read_records(out)}
     cut = [k for k in records if k.startswith("cut/")]
     assert "cut/#damaged" in cut and len(cut) >= 2  # samples before the damage, then one error
     assert "damaged tar" in records["cut/#damaged"]["error"]["message"]
@@ -216,7 +212,7 @@ def test_label_shards_pair_with_the_originals(tiny_dir, tmp_path):
         .exit_code
         == 0
     )
-    texts = {r["key"].split("/")[1]: r["text"] for r in _records(out) if r["task"] == "caption"}
+    texts = {r["key"].split("/")[1]: r["text"] for r in read_records(out) if r["task"] == "caption"}
     labels = list(wds.WebDataset(str(tmp_path / "l/{00000..00001}.tar"), shardshuffle=False))
     assert {s["__key__"]: s["caption.txt"].decode() for s in labels} == texts
     media = list(wds.WebDataset(str(tmp_path / "m/{00000..00001}.tar"), shardshuffle=False))
@@ -303,5 +299,5 @@ def test_ray_replicas_read_their_own_shards(tiny_dir, tmp_path):
         '{"num_cpus": 1}',
     ]
     assert subprocess.run(ray, timeout=600, env=_env()).returncode == 0
-    ours = {r["key"]: r["text"] for r in _records(remote)}
-    assert len(ours) == 6 and ours == {r["key"]: r["text"] for r in _records(local)}
+    ours = {r["key"]: r["text"] for r in read_records(remote)}
+    assert len(ours) == 6 and ours == {r["key"]: r["text"] for r in read_records(local)}

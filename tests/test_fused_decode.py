@@ -5,23 +5,24 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import greedy, photo
+from conftest import greedy, photo, with_cpu_kernels
 
 from mmcli.api.labeler import Labeler
-from mmcli.model import cpu_kernel
-from mmcli.model.cache import AttentionBatch, DecoderCache
-from mmcli.model.config import TextConfig
-from mmcli.model.fused_decode import FusedDecode
-from mmcli.model.text import TextDecoder
+from mmcli.kernels import cpu
+from mmcli.kernels.fused_decode import FusedDecode
+from mmcli.models.cache import AttentionBatch, DecoderCache
+from mmcli.models.config import TextConfig
+from mmcli.models.qwen3_vl.text import TextDecoder
 from mmcli.testing import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernel.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
+    cpu.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
 )
 
 
 def _decoder(cfg: TextConfig, seed: int) -> TextDecoder:
-    """Random weights as a checkpoint holds them: bfloat16 matrices, float32 norms."""
+    """Random weights as a checkpoint holds them: bfloat16 matrices, float32 norms; the layers'
+    kernels as the plan installs them, the decode step layer by layer."""
     generator = torch.Generator().manual_seed(seed)
     decoder = TextDecoder(cfg).eval().requires_grad_(False)
     for name, tensor in decoder.named_parameters():
@@ -30,6 +31,7 @@ def _decoder(cfg: TextConfig, seed: int) -> TextDecoder:
             tensor.data = 1 + 0.1 * values
         else:
             tensor.data = (values * tensor.shape[-1] ** -0.5).bfloat16()
+    with_cpu_kernels(decoder).kernel = None
     return decoder
 
 
@@ -80,8 +82,8 @@ def test_the_fused_step_matches_the_layers_it_replaces(build, shape, prompts):
     )
     decoder = _decoder(cfg, seed=shape["head_dim"])
     reference, ref_cache = _steps(decoder, cfg, steps=20, prompts=prompts, seed=1)
-    decoder.fused_decode = FusedDecode.for_decoder(decoder, cfg)
-    assert decoder.fused_decode is not None
+    decoder.kernel = FusedDecode.for_decoder(decoder, cfg)
+    assert decoder.kernel is not None
     fused, cache = _steps(decoder, cfg, steps=20, prompts=prompts, seed=1)
     torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
     for i in range(cfg.num_hidden_layers):
@@ -128,12 +130,12 @@ def bf16_dir(tmp_path_factory):
 def test_an_ask_decodes_the_same_tokens_and_logprobs_either_way(bf16_dir):
     labeler = Labeler.from_pretrained(str(bf16_dir), device="cpu")
     decoder = labeler.model.language_model
-    assert decoder.fused_decode is not None
-    assert "a decode step one call a layer" in labeler.runner.kernels
+    assert decoder.kernel is not None
+    assert "decode_step decode_layer.c" in labeler.kernels
     req, _ = labeler.request("k", [photo("chelsea.jpg")], "Describe this image.",
                              labeler.sampling(max_new_tokens=24))  # fmt: skip
     fused = greedy(labeler, req)
-    decoder.fused_decode = None
+    decoder.kernel = None
     reference = greedy(labeler, req)
     assert fused.token_ids == reference.token_ids and len(fused.token_ids) == 24
     assert max(abs(a - b) for a, b in zip(fused.logprobs, reference.logprobs)) < 1e-4
@@ -150,6 +152,6 @@ def test_sequences_decoded_together_get_the_tokens_they_get_alone(bf16_dir):
     ]
     requests = [dataclasses.replace(r, stop_ids=frozenset()) for r in requests]
     fused = {d.key: d.token_ids for d in labeler.engine.generate(requests)}
-    labeler.model.language_model.fused_decode = None
+    labeler.model.language_model.kernel = None
     reference = {d.key: d.token_ids for d in labeler.engine.generate(requests)}
     assert fused == reference and all(len(t) == 12 for t in fused.values())

@@ -16,8 +16,19 @@ LAYERS = [
     ["mmcli.engine"],
     ["mmcli.compiled"],
     ["mmcli.config", "mmcli.tasks"],
-    ["mmcli.model"],
-    ["mmcli.errors"],
+    ["mmcli.weights"],
+    # the families above the blocks they compose; the registry finds the families
+    ["mmcli.models.registry"],
+    [
+        "mmcli.models.qwen3_vl",
+        "mmcli.models.qwen3_vl_moe",
+        "mmcli.models.qwen3_5",
+        "mmcli.models.qwen3_5_moe",
+    ],
+    ["mmcli.models.layers", "mmcli.models.cache"],
+    ["mmcli.models.config", "mmcli.models.family"],
+    ["mmcli.kernels"],
+    ["mmcli.errors", "mmcli.paths"],
 ]
 
 

@@ -13,6 +13,8 @@ from conftest import (
     greedy,
     hf_model,
     photo,
+    prefill_hidden,
+    prefill_item,
     prefill_logits,
     reference_greedy,
     reference_prompt_ids,
@@ -21,18 +23,19 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from mmcli.api.labeler import Labeler
-from mmcli.api.loader import check_moe_backend
+from mmcli.api.loader import check_family_backend
 from mmcli.cli.app import app
 from mmcli.config import load_config
-from mmcli.engine.runner import DecodeItem, PrefillItem
+from mmcli.engine.batch import DecodeItem
 from mmcli.errors import ConfigError
-from mmcli.model import int4 as int4_module
-from mmcli.model import moe
-from mmcli.model.checkpoint import load_weights, matrix_weight_names, read_model_config
-from mmcli.model.int4 import GROUP, can_int4, int4_values
-from mmcli.model.int4_load import eligible
-from mmcli.model.linear import Linear
+from mmcli.kernels import experts as experts_kernels
+from mmcli.models.layers import moe
+from mmcli.models.layers.linear import Linear
+from mmcli.models.layers.quantized import GROUP, Int4Linear, can_int4
 from mmcli.testing import MOE_VARIANTS, make_test_video
+from mmcli.weights import int4 as int4_module
+from mmcli.weights.checkpoint import load_weights, matrix_weight_names, read_model_config
+from mmcli.weights.int4 import eligible, int4_values
 
 QUESTION = "Describe this image."
 needs_int4 = pytest.mark.skipif(not can_int4(), reason="no int4 CPU kernels in this torch")
@@ -108,26 +111,17 @@ def test_results_do_not_depend_on_the_batch(pair):
 def test_each_expert_reads_its_weights_once_for_the_tokens_routed_to_it(pair, monkeypatch):
     labeler, _, _ = pair
     calls = []
-    original = moe.expert_ffn
+    original = experts_kernels.expert_ffn
     monkeypatch.setattr(
-        moe, "expert_ffn", lambda g_u, d, x: calls.append((g_u, x.shape[0])) or original(g_u, d, x)
+        experts_kernels,
+        "expert_ffn",
+        lambda g_u, d, x: calls.append((g_u, x.shape[0])) or original(g_u, d, x),
     )
     cfg = labeler.model.cfg.text
     req, _ = labeler.request("k", [photo("chelsea.jpg")], QUESTION, labeler.sampling())
     n = len(req.input_ids)
     with torch.inference_mode():
-        labeler.runner.prefill(
-            [
-                PrefillItem(
-                    0,
-                    req.input_ids,
-                    req.rotary_position_ids,
-                    req.pixel_values,
-                    req.vision_grids,
-                    max_tokens=n + 2,
-                )
-            ]
-        )
+        labeler.runner.prefill([prefill_item(req, max_tokens=n + 2)])
         sparse = sum(cfg.is_sparse(i) for i in range(cfg.num_hidden_layers))
         assert len(calls) <= sparse * cfg.num_experts  # each expert at most once per layer
         assert sum(rows for _, rows in calls) == sparse * n * cfg.num_experts_per_tok
@@ -159,11 +153,7 @@ def test_the_released_transposed_experts_load_as_transformers_layout(moe_dirs, t
     for path in (source, released):
         labeler = Labeler.from_pretrained(str(path), dtype="float32", device="cpu")
         req, _ = labeler.request("k", [photo("chelsea.jpg")], QUESTION, labeler.sampling())
-        with torch.inference_mode():
-            item = PrefillItem(
-                0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids
-            )
-            logits.append(labeler.runner.forward_prompts([item]))
+        logits.append(prefill_hidden(labeler, req))
     torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)
 
 
@@ -207,9 +197,9 @@ def test_int4_and_moe_on_a_backend_that_cannot_run_them_are_refused_before_loadi
         and "quantize int4 runs on the CPU with the eager backend" in result.output
     )
     # neuron needs its SDK before anything else; the MoE check that follows it, on its own
-    with pytest.raises(ConfigError, match="MoE models run on eager or inductor"):
-        check_moe_backend(read_model_config(moe_dirs["qwen3_vl_moe"]), "neuron")
-    check_moe_backend(read_model_config(moe_dirs["qwen3_vl_moe"]), "inductor")
+    with pytest.raises(ConfigError, match="Qwen3-VL MoE runs on eager or inductor"):
+        check_family_backend(read_model_config(moe_dirs["qwen3_vl_moe"]), "neuron")
+    check_family_backend(read_model_config(moe_dirs["qwen3_vl_moe"]), "inductor")
 
 
 def _fake_int4(weight: torch.Tensor) -> torch.Tensor:
@@ -293,8 +283,10 @@ def test_int4_holds_half_a_byte_a_parameter_and_keeps_the_router(moe_dirs):
     )
     layer = labeler.model.language_model.layers[0]
     assert layer.mlp.experts.int4 is not None and not hasattr(layer.mlp.experts, "gate_up_proj")
-    assert layer.mlp.gate.kernel != "int4" and layer.linear_attn.in_proj_qkv.kernel == "int4"
-    assert labeler.model.visual.blocks[0].attn.qkv.kernel != "int4"  # the vision tower as stored
+    assert not isinstance(layer.mlp.gate, Int4Linear)
+    assert isinstance(layer.linear_attn.in_proj_qkv, Int4Linear)
+    # the vision tower as stored
+    assert not isinstance(labeler.model.visual.blocks[0].attn.qkv, Int4Linear)
     assert labeler.precision["weights"] == "int4"
     experts = layer.mlp.experts
     cfg = labeler.model.cfg.text
@@ -367,9 +359,12 @@ def test_the_grouped_gemm_gives_the_grouped_loops_sum():
     x = torch.randn(13, 64, generator=generator)
     gate_up = torch.randn(8, 64, 64, generator=generator) / 8
     down = torch.randn(8, 64, 32, generator=generator) / 6
-    expected = moe.grouped_experts(x, chosen, weights, gate_up, down)
+    expected = experts_kernels.grouped_experts(x, chosen, weights, gate_up, down)
     torch.testing.assert_close(
-        moe.grouped_gemm(x, chosen, weights, gate_up, down), expected, atol=1e-5, rtol=1e-5
+        experts_kernels.grouped_gemm(x, chosen, weights, gate_up, down),
+        expected,
+        atol=1e-5,
+        rtol=1e-5,
     )
 
 
@@ -379,8 +374,8 @@ def test_the_grouped_experts_trace_into_one_fixed_shape_graph():
     x = torch.randn(5, 64, generator=generator)
     gate_up = torch.randn(8, 64, 64, generator=generator)
     down = torch.randn(8, 64, 32, generator=generator)
-    traced = torch.compile(moe.grouped_experts, fullgraph=True, backend="aot_eager")
+    traced = torch.compile(experts_kernels.grouped_experts, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(
         traced(x, chosen, weights, gate_up, down),
-        moe.grouped_experts(x, chosen, weights, gate_up, down),
+        experts_kernels.grouped_experts(x, chosen, weights, gate_up, down),
     )

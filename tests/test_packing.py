@@ -192,7 +192,7 @@ def test_plan_on_a_folder(tmp_path):
 
 
 def test_segment_attention_equals_the_bounded_reference():
-    from mmcli.model.attention import bounded_attention, segment_attention
+    from mmcli.kernels.attention import bounded_attention, segment_attention
 
     tokens = [40, 24, 8, 16, 12]
     layout = pack(tokens, 64, [2, 4])

@@ -4,10 +4,9 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import VARIANTS, hf_model, hf_processor, photo
+from conftest import VARIANTS, hf_model, hf_processor, photo, prefill_logits
 
 from mmcli.api.labeler import Labeler
-from mmcli.engine.runner import PrefillItem
 
 CASES = {
     "text_only": [],
@@ -36,14 +35,7 @@ def _reference_inputs(processor, images):
 
 
 def _prefill_logits(captioner, req, rotary=None):
-    item = PrefillItem(
-        0,
-        req.input_ids,
-        req.rotary_position_ids if rotary is None else rotary,
-        req.pixel_values,
-        req.vision_grids,
-    )
-    return captioner.model.lm_head(captioner.runner.forward_prompts([item])).float()
+    return prefill_logits(captioner, req, rotary)
 
 
 @pytest.mark.parametrize("case", CASES)

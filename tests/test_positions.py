@@ -7,9 +7,9 @@ from mmcli.engine.positions import (
     mrope_angles,
     mrope_cos_sin,
     mrope_slot_axes,
-    rope_index,
     text_inv_freq,
 )
+from mmcli.models.qwen3_vl.rope_index import rope_index
 
 IMG = 99
 

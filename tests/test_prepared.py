@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from conftest import photo
+from conftest import photo, prefill_logits
 from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner
@@ -16,8 +16,7 @@ from typer.testing import CliRunner
 from mmcli.api.labeler import Labeler
 from mmcli.cli.app import app
 from mmcli.config import load_config
-from mmcli.engine.runner import PrefillItem
-from mmcli.model import prepared as prepared_module
+from mmcli.weights import prepared as prepared_module
 
 
 def _int8(path, cache, **settings):
@@ -31,11 +30,7 @@ def _logits(labeler):
     req, _ = labeler.request(
         "k", [photo("chelsea.jpg")], "Describe this image.", labeler.sampling()
     )
-    item = PrefillItem(
-        0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids
-    )
-    with torch.inference_mode():
-        return labeler.model.lm_head(labeler.runner.forward_prompts([item]))
+    return prefill_logits(labeler, req)
 
 
 def _files(cache):
@@ -44,14 +39,14 @@ def _files(cache):
 
 def test_the_second_run_reads_what_the_first_prepared(tiny_dir, tmp_path):
     first = _int8(tiny_dir, tmp_path)
-    assert "prepared weights being written to" in first.runner.kernels
+    assert "prepared weights being written to" in first.kernels
     (written,) = _files(tmp_path)
     assert first.prepared_weights_report() == f"prepared weights written to {written}"
     second = _int8(tiny_dir, tmp_path)
-    assert f"prepared weights read from {written}" in second.runner.kernels
+    assert f"prepared weights read from {written}" in second.kernels
     assert torch.equal(_logits(first), _logits(second))  # the same int8 weights, bit for bit
     uncached = _int8(tiny_dir, tmp_path / "none", weights_cache=False)
-    assert "prepared" not in uncached.runner.kernels and not _files(tmp_path / "none")
+    assert "prepared" not in uncached.kernels and not _files(tmp_path / "none")
     assert torch.equal(_logits(first), _logits(uncached))
 
 
@@ -92,7 +87,7 @@ def test_a_damaged_truncated_or_stale_file_is_said_and_prepared_again(
     assert said in lines[0] and "preparing again" in lines[0]
     assert "prepared weights written to" in again.prepared_weights_report()
     assert torch.equal(_logits(again), reference)
-    assert "read from" in _int8(tiny_dir, tmp_path).runner.kernels  # whole again
+    assert "read from" in _int8(tiny_dir, tmp_path).kernels  # whole again
 
 
 def test_a_file_of_another_models_linears_is_not_used(tiny_dir, variant_dirs, tmp_path):
@@ -146,21 +141,21 @@ def test_the_run_answers_while_the_file_is_written(tiny_dir, tmp_path, monkeypat
     monkeypatch.setattr(prepared_module, "save_file", held_back)
     settings = {"device": "cpu", "quantize": "int8", "cache_dir": str(tmp_path)}
     labeler = Labeler.from_pretrained(str(tiny_dir), config=load_config(None, settings))
-    assert "prepared weights being written to" in labeler.runner.kernels
+    assert "prepared weights being written to" in labeler.kernels
     assert labeler.ask([photo("coffee.jpg")], "What?", max_new_tokens=3).token_ids
     assert not _files(tmp_path)
     release.set()
     report = labeler.prepared_weights_report()
     (file,) = _files(tmp_path)
     assert report == f"prepared weights written to {file}"
-    assert "read from" in _int8(tiny_dir, tmp_path).runner.kernels
+    assert "read from" in _int8(tiny_dir, tmp_path).kernels
 
 
 def test_two_runs_at_once_each_write_a_whole_file(tiny_dir, tmp_path):
     code = (
         "import sys; from mmcli.api.labeler import Labeler; from mmcli.config import load_config; "
         "s = {'device': 'cpu', 'quantize': 'int8', 'cache_dir': sys.argv[2]}; "
-        "print(Labeler.from_pretrained(sys.argv[1], config=load_config(None, s)).runner.kernels)"
+        "print(Labeler.from_pretrained(sys.argv[1], config=load_config(None, s)).kernels)"
     )
     command = [sys.executable, "-c", code, str(tiny_dir), str(tmp_path)]
     runs = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(2)]
@@ -172,7 +167,7 @@ def test_two_runs_at_once_each_write_a_whole_file(tiny_dir, tmp_path):
         and "written to" in said[0] + said[1]
     )
     (file,) = _files(tmp_path)  # no partial file left
-    assert "read from" in _int8(tiny_dir, tmp_path).runner.kernels
+    assert "read from" in _int8(tiny_dir, tmp_path).kernels
 
 
 def test_no_cache_on_the_command_line(tiny_dir, tmp_path):

@@ -17,9 +17,9 @@ from conftest import (
 
 from mmcli.api.labeler import Labeler
 from mmcli.compiled.steps import prefill_step
+from mmcli.engine.batch import PrefillItem
 from mmcli.engine.positions import mrope_cos_sin
-from mmcli.engine.runner import PrefillItem
-from mmcli.model.qwen3_5 import delta_rule
+from mmcli.kernels import delta_rule
 from mmcli.testing import QWEN3_5_VARIANTS, make_test_video
 
 QUESTION = "Describe this image."

@@ -1,6 +1,5 @@
 """`mmcli caption --ray` on a local Ray instance (2 CPUs) and a tiny checkpoint."""
 
-import json
 import os
 import signal
 import subprocess
@@ -9,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import photo
+from conftest import photo, read_records
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 pytestmark = pytest.mark.slow
@@ -42,10 +41,6 @@ def _cmd(root, out, model, *extra):
     ]
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def _env():
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)  # a local instance, started by the run
@@ -63,11 +58,13 @@ def test_ray_replicas_match_a_local_run_and_resume_does_nothing(request, family,
         root, remote, tiny_dir, "--ray", "--replicas", "2", "--replica-resources", '{"num_cpus": 1}'
     )
     assert subprocess.run(ray_cmd, timeout=600, env=_env()).returncode == 0
-    ours = {r["key"]: r for r in _records(remote)}
-    assert len(ours) == len(_records(remote)) == 20 and all(
+    ours = {r["key"]: r for r in read_records(remote)}
+    assert len(ours) == len(read_records(remote)) == 20 and all(
         r["status"] == "ok" for r in ours.values()
     )
-    assert {k: r["text"] for k, r in ours.items()} == {r["key"]: r["text"] for r in _records(local)}
+    assert {k: r["text"] for k, r in ours.items()} == {
+        r["key"]: r["text"] for r in read_records(local)
+    }
     before = remote.read_text()
     rerun = subprocess.run(ray_cmd, timeout=600, env=_env(), capture_output=True, text=True)
     assert rerun.returncode == 0 and remote.read_text() == before  # resume: nothing to do
@@ -98,7 +95,7 @@ def test_killing_a_replica_still_records_every_key_once(tiny_dir, tmp_path):
         time.sleep(0.1)
     assert killed, "no replica process was found while the run was going"
     assert proc.wait(600) == 0
-    keys = [r["key"] for r in _records(out)]
+    keys = [r["key"] for r in read_records(out)]
     assert (
         sorted(keys) == sorted(p.name for p in root.iterdir()) and len(keys) == len(set(keys)) == 20
     )
@@ -121,6 +118,6 @@ def test_ray_replicas_run_every_task_like_a_local_run(tiny_dir, tmp_path):
         '{"num_cpus": 1}',
     )
     assert subprocess.run(ray_cmd, timeout=600, env=_env()).returncode == 0
-    ours = {(r["key"], r["task"]): r["text"] for r in _records(remote)}
-    assert len(ours) == len(_records(remote)) == 12
-    assert ours == {(r["key"], r["task"]): r["text"] for r in _records(local)}
+    ours = {(r["key"], r["task"]): r["text"] for r in read_records(remote)}
+    assert len(ours) == len(read_records(remote)) == 12
+    assert ours == {(r["key"], r["task"]): r["text"] for r in read_records(local)}

@@ -7,14 +7,14 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from conftest import SAMPLES, photo
+from conftest import SAMPLES, photo, read_records
 from PIL import Image
 from typer.testing import CliRunner
 
 from mmcli.api.labeler import Labeler
 from mmcli.cli.app import app
 from mmcli.config import load_config
-from mmcli.engine.runner import Choice
+from mmcli.engine.sampling import Choice
 from mmcli.errors import ConfigError
 from mmcli.inputs.images import decode_image
 from mmcli.tasks import boxes_in_pixels, resolve_tasks
@@ -69,10 +69,6 @@ def _caption(root, out, model, settings, *tasks, extra=()):
     return CliRunner().invoke(app, args)
 
 
-def _records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_three_tasks_in_one_pass_equal_three_runs_and_share_the_work(tiny_dir, setup, tmp_path):
     root, settings = setup
     together = tmp_path / "together.jsonl"
@@ -80,13 +76,13 @@ def test_three_tasks_in_one_pass_equal_three_runs_and_share_the_work(tiny_dir, s
         0,
         1,
     )
-    texts = {(r["key"], r["task"]): (r["status"], r["text"]) for r in _records(together)}
-    assert len(texts) == 24 and {r["schema"] for r in _records(together)} == {2}
+    texts = {(r["key"], r["task"]): (r["status"], r["text"]) for r in read_records(together)}
+    assert len(texts) == 24 and {r["schema"] for r in read_records(together)} == {2}
     alone = {}
     for task in ("short", "fields", "wrapped"):
         out = tmp_path / f"{task}.jsonl"
         _caption(root, out, tiny_dir, settings, task)
-        alone.update({(r["key"], r["task"]): (r["status"], r["text"]) for r in _records(out)})
+        alone.update({(r["key"], r["task"]): (r["status"], r["text"]) for r in read_records(out)})
     assert texts == alone
     cap = Labeler.from_pretrained(
         str(tiny_dir), config=load_config(settings, {"dtype": "float32", "device": "cpu"})
@@ -104,7 +100,7 @@ def test_json_answers_validate_and_a_cut_answer_is_an_error(tiny_dir, setup, tmp
     root, settings = setup
     out = tmp_path / "fields.jsonl"
     _caption(root, out, tiny_dir, settings, "fields")
-    records = _records(out)
+    records = read_records(out)
     # the random model is held to the schema
     assert len(records) == 8 and all(r["status"] == "ok" for r in records)
     for record in records:
@@ -116,7 +112,7 @@ def test_json_answers_validate_and_a_cut_answer_is_an_error(tiny_dir, setup, tmp
     assert _caption(root, out2, tiny_dir, cut, "fields").exit_code == 1
     assert all(
         r["status"] == "error" and "did not close within max_new_tokens 3" in r["error"]["message"]
-        for r in _records(out2)
+        for r in read_records(out2)
     )
 
 
@@ -137,12 +133,26 @@ def test_unusable_schema_and_unknown_placeholder_are_configuration_errors(
         load_config(typo)
 
 
+def test_doubled_braces_are_the_literal_name_for_every_name():
+    """One rule: {{name}} is the text {name}, a placeholder's name or not; {name} fills."""
+    from mmcli.config import check_prompt
+    from mmcli.inputs.placeholders import render_prompt
+    from mmcli.tasks import Task
+
+    prompt = "{{x}} and {{filename}} for {filename}"
+    check_prompt(prompt, "prompt")  # neither doubled name is a placeholder to refuse
+    task = Task("t", prompt, "text", None, None, None, "", "")
+    assert render_prompt(task, "a/b.png") == "{x} and {filename} for b.png"
+    with pytest.raises(ConfigError, match=r"unknown placeholder \{x\}"):
+        check_prompt("{x}", "prompt")
+
+
 def test_templates_and_placeholders(tiny_dir, setup, tmp_path):
     root, settings = setup
     (root / "im1.txt").write_text("a cat on a sofa\n")
     out = tmp_path / "t.jsonl"
     _caption(root, out, tiny_dir, settings, "short", "wrapped", "refine")
-    records = {(r["key"], r["task"]): r for r in _records(out)}
+    records = {(r["key"], r["task"]): r for r in read_records(out)}
     assert records[("im3.png", "short")]["prompt"] == "One short caption for im3.png."
     wrapped = records[("im0.png", "wrapped")]
     assert wrapped["text"] == f"ohwx, {wrapped['raw_text']}."
@@ -154,16 +164,16 @@ def test_adding_a_task_computes_only_that_task(tiny_dir, setup, tmp_path):
     root, settings = setup
     out = tmp_path / "o.jsonl"
     _caption(root, out, tiny_dir, settings, "short", "fields", "wrapped")
-    assert len(_records(out)) == 24
+    assert len(read_records(out)) == 24
     _caption(root, out, tiny_dir, settings, "short", "fields", "wrapped", "refine")
-    records = _records(out)
+    records = read_records(out)
     assert len(records) == 32 and {r["task"] for r in records[24:]} == {"refine"}
     changed = tmp_path / "changed.yaml"
     changed.write_text(
         yaml.safe_dump({"tasks": {**TASKS, "short": {**TASKS["short"], "prompt": "Caption it."}}})
     )
     _caption(root, out, tiny_dir, changed, "short", "fields", "wrapped", "refine")
-    assert {r["task"] for r in _records(out)[32:]} == {"short"} and len(_records(out)) == 40
+    assert {r["task"] for r in read_records(out)[32:]} == {"short"} and len(read_records(out)) == 40
 
 
 def _oriented_jpeg(path: Path) -> Path:
@@ -192,7 +202,7 @@ def test_ask_detect_gives_boxes_in_the_record(tiny_dir, tmp_path, monkeypatch):
         cap.prompts.tokenizer.encode('[{"bbox_2d": [100, 250, 500, 1000], "label": "x"}]').ids
     )
     monkeypatch.setattr(
-        cap.runner,
+        cap.engine,
         "choose",
         lambda logits, params, *rest: [
             Choice(next(answer, min(cap.stop_ids)), 0.0) for _ in params

@@ -96,7 +96,7 @@ def _image_token_id(path: Path) -> int:
 
 def test_ask_streams_what_the_record_holds_even_across_split_characters(tiny_dir, monkeypatch):
     from mmcli import Labeler
-    from mmcli.engine.runner import Choice
+    from mmcli.engine.sampling import Choice
 
     cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
     # the model is made to say this
@@ -105,7 +105,7 @@ def test_ask_streams_what_the_record_holds_even_across_split_characters(tiny_dir
     def choose(logits, params, histories, seeds, constraints=None):
         return [Choice(next(forced, min(cap.stop_ids)), 0.0) for _ in params]
 
-    monkeypatch.setattr(cap.runner, "choose", choose)
+    monkeypatch.setattr(cap.engine, "choose", choose)
     pieces = []
     result = cap.ask([SAMPLES / "coffee.jpg"], "Say it.", on_text=pieces.append, max_new_tokens=40)
     assert result.text == "Voilà: 日本 🙂" == "".join(pieces) and result.finish_reason == "stop"

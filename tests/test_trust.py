@@ -1,11 +1,9 @@
 """Prompts, sidecars, tasks and settings that must never crash a run or write an untrue record:
 each case is one clear error (exit 2 before any work, or that item's and task's error record)."""
 
-import json
-
 import pytest
 import yaml
-from conftest import photo
+from conftest import photo, read_records
 from typer.testing import CliRunner
 
 from mmcli.api.labeler import Labeler
@@ -36,10 +34,6 @@ def _caption(root, out, model, *args):
     return CliRunner().invoke(app, [*argv, "--dtype", "float32", *map(str, args)])
 
 
-def _records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def _no_load(monkeypatch):
     """Loading the model fails the test: what these cases refuse, they refuse before it."""
 
@@ -54,7 +48,7 @@ def test_prompts_keep_their_braces_and_only_known_placeholders_are_filled(tiny_d
     prompt = 'Answer as JSON: {"label": "x"} about {filename}, not {{filename}}'
     result = _caption(root, out, tiny_dir, "--prompt", prompt, "--max-new-tokens", "2")
     assert result.exit_code == 0, result.output
-    prompts = {r["key"]: r["prompt"] for r in _records(out)}
+    prompts = {r["key"]: r["prompt"] for r in read_records(out)}
     assert prompts["im0.png"] == 'Answer as JSON: {"label": "x"} about im0.png, not {filename}'
     # through the API alike: braces as written, an unknown placeholder refused
     cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
@@ -89,7 +83,7 @@ def test_a_sidecar_that_cannot_be_read_is_that_items_error(tiny_dir, root, tmp_p
     out = tmp_path / "out.jsonl"
     result = _caption(root, out, tiny_dir, "-c", settings, "--max-new-tokens", "2")
     assert result.exit_code == 1, result.output
-    records = {(r["key"], r["task"]): r for r in _records(out)}
+    records = {(r["key"], r["task"]): r for r in read_records(out)}
     assert len(records) == 6 and records[("im2.png", "refine")]["status"] == "ok"
     assert all(records[(f"im{i}.png", "caption")]["status"] == "ok" for i in range(3))
     assert (
@@ -124,7 +118,7 @@ def test_the_record_holds_the_prompt_the_model_saw(tiny_dir, root, tmp_path):
         root, out, tiny_dir, "-c", settings, "--sidecar", ".txt", "--max-new-tokens", "1"
     )
     assert result.exit_code == 0, result.output
-    refine = [r for r in _records(out) if r["task"] == "refine"]
+    refine = [r for r in read_records(out) if r["task"] == "refine"]
     assert [r["prompt"] for r in refine] == ["Improve: old text"] * 3
     assert (root / "im0.txt").read_text() != "old text\n"  # the caption did rewrite it
 
@@ -142,7 +136,7 @@ def test_a_task_that_cannot_run_fails_alone_and_is_named(tiny_dir, root, tmp_pat
     out = tmp_path / "out.jsonl"
     result = _caption(root, out, tiny_dir, "-c", settings, "--max-new-tokens", "2")
     assert result.exit_code == 1, result.output
-    records = _records(out)
+    records = read_records(out)
     assert len(records) == 9
     by_task = {t: [r for r in records if r["task"] == t] for t in ("caption", "pad", "long")}
     assert all(r["status"] == "ok" for r in by_task["caption"])
@@ -173,28 +167,28 @@ def test_ask_prints_the_records_text_or_only_the_error(tiny_dir, root, tmp_path,
     ok = CliRunner().invoke(
         app, ["ask", *image, "--task", "wrapped", "--max-new-tokens", "3", stream, "-o", str(out)]
     )
-    assert ok.exit_code == 0 and ok.stdout == _records(out)[-1]["text"] + "\n"
+    assert ok.exit_code == 0 and ok.stdout == read_records(out)[-1]["text"] + "\n"
     # the tiny model's answer holds no boxes: exit 1, one line on stderr, nothing on stdout
     failed = CliRunner().invoke(
         app, ["ask", *image, "--task", "detect", "--max-new-tokens", "3", stream, "-o", str(out)]
     )
     assert failed.exit_code == 1 and failed.stdout == ""
     assert failed.stderr.strip().count("\n") == 0 and "task detect:" in failed.stderr
-    assert _records(out)[-1]["status"] == "error"
+    assert read_records(out)[-1]["status"] == "error"
 
 
 def test_resume_redoes_only_the_task_or_the_kind_of_file_that_changed(tiny_dir, root, tmp_path):
     out = tmp_path / "out.jsonl"
     tasks = ["--task", "caption", "--task", "tags", "--max-new-tokens", "2"]
     assert _caption(root, out, tiny_dir, *tasks).exit_code == 0
-    assert len(_records(out)) == 6
+    assert len(read_records(out)) == 6
     assert _caption(root, out, tiny_dir, *tasks, "--prompt", "Another prompt.").exit_code == 0
-    redone = _records(out)[6:]
+    redone = read_records(out)[6:]
     assert len(redone) == 3 and {r["task"] for r in redone} == {"caption"}
     video = _settings(tmp_path, video={"fps": 1.0})
     rerun = _caption(root, out, tiny_dir, *tasks, "--prompt", "Another prompt.", "-c", video)
     assert rerun.exit_code == 0, rerun.output
-    assert len(_records(out)) == 9  # image-only folder: a video setting redoes nothing
+    assert len(read_records(out)) == 9  # image-only folder: a video setting redoes nothing
 
 
 def test_duplicate_tasks_and_shared_sidecars_exit_2_before_loading(

@@ -13,12 +13,11 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import hf_model, photo, reference_prompt_ids
+from conftest import hf_model, photo, prefill_logits, reference_prompt_ids
 from typer.testing import CliRunner
 
 from mmcli.api.labeler import Labeler
 from mmcli.cli.app import app
-from mmcli.engine.runner import PrefillItem
 from mmcli.inputs.video import (
     VideoSampling,
     decode_video,
@@ -359,10 +358,7 @@ def test_video_positions_logits_and_greedy_tokens_match_transformers(
     assert torch.equal(req.rotary_position_ids, positions[:, 0]) and req.rope_delta == int(deltas)
     with torch.no_grad():
         reference = model(**inputs).logits[0]
-    item = PrefillItem(
-        0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids
-    )
-    ours = captioner.model.lm_head(captioner.runner.forward_prompts([item])).float()
+    ours = prefill_logits(captioner, req)
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
 
     from transformers import GenerationConfig

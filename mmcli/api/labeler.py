@@ -9,7 +9,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from mmcli.api.loader import Loaded, load
+from mmcli.api.loader import Loaded, Run, load, resolve_run
 from mmcli.api.result import Result
 from mmcli.config import Config, SamplingParams, load_config
 from mmcli.engine.grammar import compile_grammars
@@ -19,9 +19,9 @@ from mmcli.inputs.placeholders import render_prompt
 from mmcli.inputs.prefetch import NOT_READY, default_workers, prefetch
 from mmcli.inputs.prompt import TextStream
 from mmcli.inputs.requests import RequestBuilder
-from mmcli.model.hub import snapshot_revision
-from mmcli.model.linear import held_bytes
+from mmcli.models.registry import family_of
 from mmcli.tasks import Task, decide_sampling, finish, question_task, resolve_tasks
+from mmcli.weights.hub import snapshot_revision
 
 
 class Labeler:
@@ -29,11 +29,13 @@ class Labeler:
     tasks (text, JSON under a schema, boxes)."""
 
     def __init__(self, loaded: Loaded):
+        self.run = loaded.run  # the settings as resolved once, the checkpoint's configs read
         self.path, self.config, self.model = loaded.path, loaded.config, loaded.model
         self.runner, self.prompts, self.graphs = loaded.runner, loaded.prompts, loaded.graphs
         self.image_cfg, self.stop_ids = loaded.image_cfg, loaded.stop_ids
         self.model_name = self.config.model
         self.revision = snapshot_revision(self.path)
+        self.kernel_plan, self.prepared = loaded.kernel_plan, loaded.prepared
         self.precision = {k: v for k, v in loaded.precision.items() if k != "loaded"}
         self.engine = Engine(self.runner, self.config)
         visual_ids = (self.model.cfg.image_token_id, self.model.cfg.video_token_id)
@@ -44,6 +46,7 @@ class Labeler:
             visual_ids,
             self.stop_ids,
             compiled=self.graphs is not None,
+            rope_index=family_of(self.model.cfg).rope_index,
             video_sampling=loaded.video_sampling,
         )
 
@@ -60,7 +63,12 @@ class Labeler:
         cfg = replace(
             cfg, model=model or cfg.model, dtype=dtype or cfg.dtype, device=device or cfg.device
         )
-        return cls(load(cfg))
+        return cls.from_run(resolve_run(cfg))
+
+    @classmethod
+    def from_run(cls, run: Run) -> Labeler:
+        """Load a run resolved before (api.loader.resolve_run): its configs are not read again."""
+        return cls(load(run))
 
     def sampling(self, **given) -> SamplingParams:
         """The configured sampling with these values replaced (None keeps the configured one)."""
@@ -91,28 +99,24 @@ class Labeler:
             prompt=done.prompt,
         )
         if not answered:
-            result.error = {
-                "type": "ItemError",
-                "message": f"the reasoning did not end within {len(done.token_ids)} tokens "
+            return result.fail(
+                f"the reasoning did not end within {len(done.token_ids)} tokens "
                 "(no answer after it; raise max_new_tokens)"
                 if done.finish_reason == "length"
-                else "the model stopped inside its reasoning (no answer after it)",
-            }
-            return result
+                else "the model stopped inside its reasoning (no answer after it)"
+            )
         if task is None:
             return result
         if done.constraint is not None and not done.constraint.accepting:
-            result.error = {
-                "type": "ItemError",
-                "message": f"the JSON answer did not close within max_new_tokens "
-                f"{task.sampling.max_new_tokens} (task {task.name})",
-            }
-            return result
+            return result.fail(
+                f"the JSON answer did not close within max_new_tokens "
+                f"{task.sampling.max_new_tokens} (task {task.name})"
+            )
         first = infos[0] if infos else {}
         try:
             result.fields = finish(task, text, first.get("width"), first.get("height"))
         except ValueError as e:
-            result.error = {"type": "ItemError", "message": f"task {task.name}: {e}"}
+            result.fail(f"task {task.name}: {e}")
         return result
 
     def tasks(
@@ -235,7 +239,14 @@ class Labeler:
     def prepared_weights_report(self) -> str | None:
         """With `quantize: int8` and the cache: where the prepared weights are, once the file this
         run writes (in a thread, while it runs) is whole or has failed."""
-        return self.runner.prepared.written() if self.runner.prepared is not None else None
+        return self.prepared.written() if self.prepared is not None else None
+
+    @property
+    def kernels(self) -> str:
+        """The kernels this run chose, as its load line says them (with the prepared int8
+        weights' status where it uses them)."""
+        line = self.kernel_plan.summary()
+        return f"{line}; {self.prepared.status}" if self.prepared is not None else line
 
     def compile_use_report(self) -> str | None:
         """With a compiled backend: how many buckets were loaded and compiled in this run."""
@@ -245,6 +256,8 @@ class Labeler:
     def weight_bytes(self) -> int:
         """Bytes the model's weights take in memory as the runner holds them (packed or quantized
         copies included; a tied lm_head's weight is the embedding's, counted once)."""
+        from mmcli.weights.loader import held_bytes
+
         return held_bytes(self.model)
 
 
@@ -262,7 +275,6 @@ def _unique_keys(items: Iterable[tuple]) -> list[tuple]:
 
 def _failure(key: str, task: Task, error: Exception, infos: list[dict], named: bool) -> Result:
     """The result of a task that failed before it ran: its prompt as written, the error."""
-    error = {"type": type(error).__name__, "message": str(error)}
-    return Result(
-        key, error=error, images=infos, task=task.name if named else "", prompt=task.prompt
+    return Result.failed(
+        key, error, images=infos, task=task.name if named else "", prompt=task.prompt
     )

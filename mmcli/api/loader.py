@@ -1,5 +1,6 @@
-"""Loading a run: the device, the precision and the backend decided once, then the checkpoint read
-into the model, the runner, the prompt builder and the input settings."""
+"""A run of the settings resolved once (`Run`: the checkpoint's config.json and preprocessor config
+read, the backend, the device and the precision decided), then loaded: the checkpoint read into
+the model with its kernel plan, the runner, the prompt builder and the input settings."""
 
 from __future__ import annotations
 
@@ -13,33 +14,41 @@ from mmcli.config import Config, cache_root, check_vision_budget
 from mmcli.errors import ConfigError
 from mmcli.inputs.images import ImageProcessorConfig, image_processor_config
 from mmcli.inputs.video import VideoSampling
-from mmcli.model.hub import local_checkpoint, resolve_model
+from mmcli.models.config import ModelConfig
+from mmcli.weights.hub import local_checkpoint, read_config, resolve_model
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
     from mmcli.compiled.graphs import CompiledGraphs
     from mmcli.engine.runner import ModelRunner
     from mmcli.inputs.prompt import PromptBuilder
-    from mmcli.model.vlm import VisionLanguageModel
+    from mmcli.kernels.plan import KernelPlan
+    from mmcli.weights.prepared import PreparedWeights
 
 
 @dataclass(frozen=True)
-class RunPlan:
-    """What a run of the settings will use, known before loading (and without fetching) the
-    model."""
+class Run:
+    """What a run of the settings uses, known before loading (and without fetching) the model;
+    made once and handed down (torch-free)."""
 
+    config: Config
     path: Path | None  # the checkpoint directory, None while a hub id is not downloaded
+    config_bytes: bytes | None  # config.json as read (the model's identity digests these)
+    model_config: ModelConfig | None
+    image_cfg: ImageProcessorConfig  # the checkpoint's preprocessor under the pixel budget
     backend: str
     device: str
-    precision: dict  # weights, loaded, compute, quantize (see checkpoint.run_precision)
+    precision: dict  # weights, loaded, compute, quantize (see weights/precision.py)
 
 
 @dataclass
 class Loaded:
+    run: Run
     path: Path
     config: Config
-    model: VisionLanguageModel
+    model: nn.Module
     runner: ModelRunner
     prompts: PromptBuilder
     image_cfg: ImageProcessorConfig
@@ -47,6 +56,8 @@ class Loaded:
     precision: dict
     stop_ids: frozenset[int]
     graphs: CompiledGraphs | None
+    kernel_plan: KernelPlan
+    prepared: PreparedWeights | None  # the int8 cache file: `written()` says where it is
 
 
 def pick_device(name: str, backend: str = "eager") -> torch.device:
@@ -62,28 +73,33 @@ def pick_device(name: str, backend: str = "eager") -> torch.device:
     return torch.device(name)  # the settings allow only auto, cpu and cuda
 
 
-def plan_run(cfg: Config, path: Path | None = None) -> RunPlan:
-    """The backend, device and precision of a run (a backend that cannot run is refused first)."""
-    from mmcli.model.checkpoint import read_model_config, run_precision
+def resolve_run(cfg: Config, path: Path | None = None) -> Run:
+    """The run of `cfg` (a backend that cannot run is refused first); `path`: the checkpoint
+    directory where it is known, else the local one the model setting names, if any."""
+    from mmcli.weights.precision import run_precision
 
     backend = resolve_backend(cfg.compile.backend)
     path = path or local_checkpoint(cfg.model)
-    checkpoint_dtype = read_model_config(path).torch_dtype if path is not None else "bfloat16"
+    config_bytes = model_cfg = None
+    if path is not None:
+        config_bytes, model_cfg = read_config(path)
+    checkpoint_dtype = model_cfg.torch_dtype if model_cfg is not None else "bfloat16"
     device = pick_device(cfg.device, backend).type
     precision = run_precision(cfg.dtype, cfg.weights_dtype, cfg.quantize, checkpoint_dtype, device)
-    return RunPlan(path, backend, device, precision)
+    image_cfg = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
+    return Run(cfg, path, config_bytes, model_cfg, image_cfg, backend, device, precision)
 
 
-def load_description(cfg: Config) -> str:
+def load_description(run: Run) -> str:
     """What is about to load, for the status line: the model, its size, the device, the
     precision."""
-    plan = plan_run(cfg)
-    dtype = f"{plan.precision['weights']} weights, {plan.precision['compute']} compute"
-    if plan.path is None:
-        return f"{cfg.model} (not downloaded yet) on {plan.device}, {dtype}"
-    size = sum(f.stat().st_size for f in plan.path.glob("*.safetensors"))
+    cfg, precision = run.config, run.precision
+    dtype = f"{precision['weights']} weights, {precision['compute']} compute"
+    if run.path is None:
+        return f"{cfg.model} (not downloaded yet) on {run.device}, {dtype}"
+    size = sum(f.stat().st_size for f in run.path.glob("*.safetensors"))
     shown = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
-    return f"{cfg.model} ({shown}) on {plan.device}, {dtype}"
+    return f"{cfg.model} ({shown}) on {run.device}, {dtype}"
 
 
 def check_schemas(cfg: Config, tasks: list) -> None:
@@ -98,74 +114,119 @@ def check_schemas(cfg: Config, tasks: list) -> None:
         compile_grammars(tasks, tokenizer.read_text(), frozenset())
 
 
-def load(cfg: Config) -> Loaded:
+def load(run: Run) -> Loaded:
     """Read the checkpoint (fetching a hub id once) and build everything a run computes with."""
-    import torch
-
     from mmcli.compiled.graphs import CompiledGraphs
     from mmcli.engine.runner import ModelRunner
     from mmcli.inputs.prompt import PromptBuilder
-    from mmcli.model.checkpoint import load_weights, read_model_config, torch_dtype
-    from mmcli.model.prepared import PreparedWeights
-    from mmcli.model.vlm import VisionLanguageModel
 
-    path = resolve_model(cfg.model)
-    plan = plan_run(cfg, path)
-    model_cfg = read_model_config(path)
-    if cfg.quantize == "int4":
-        check_int4(plan)
-    check_moe_backend(model_cfg, plan.backend)
-    device = torch.device(plan.device)
-    compute = torch_dtype(plan.precision["compute"])
+    if run.path is None:  # a hub id: fetched now, and its files read once
+        run = resolve_run(run.config, resolve_model(run.config.model))
+    cfg, path, model_cfg = run.config, run.path, run.model_config
+    check_backend(run, cfg.quantize, model_cfg)
+    model, kernel_plan, prepared, device = _load_model(run)
     graphs = None
-    if plan.backend != "eager":
-        graphs = CompiledGraphs.for_run(plan.backend, cfg, model_cfg, compute, device)
-    weights = load_weights(
-        path,
-        model_cfg,
-        compute,
-        torch_dtype(plan.precision["loaded"]),
-        int4=cfg.quantize == "int4",
-    )
-    model = VisionLanguageModel.from_weights(
-        model_cfg, weights.tensors, weights.int4, weights.experts_int4
-    )
-    prepared = None
-    if cfg.quantize == "int8" and cfg.weights_cache:
-        prepared = PreparedWeights(cache_root(cfg.cache_dir), path)
-    runner = ModelRunner(model, device, cfg, graphs, prepared)
+    if run.backend != "eager":
+        compute = model.language_model.norm.weight.dtype
+        graphs = CompiledGraphs.for_run(run.backend, cfg, model_cfg, compute, device)
+    runner = ModelRunner(model, device, cfg, graphs)
     prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id, cfg.thinking)
-    image_cfg = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
+    image_cfg = run.image_cfg
     check_vision_budget(
         cfg.vision.block_size, image_cfg.max_pixels, image_cfg.patch_size, image_cfg.merge_size
     )
-    videos = VideoSampling.from_checkpoint(path, cfg.video, image_cfg.max_pixels)
     return Loaded(
+        run=run,
         path=path,
         config=cfg,
         model=model,
         runner=runner,
         prompts=prompts,
         image_cfg=image_cfg,
-        video_sampling=videos,
-        precision=plan.precision,
+        video_sampling=VideoSampling.from_checkpoint(path, cfg.video, image_cfg.max_pixels),
+        precision=run.precision,
         stop_ids=stop_ids(path, prompts),
         graphs=graphs,
+        kernel_plan=kernel_plan,
+        prepared=prepared,
     )
 
 
-def check_moe_backend(model_cfg, backend: str) -> None:
-    if model_cfg.text.num_experts and backend == "neuron":
+def _load_model(run: Run):
+    """The model with its weights in the kernel plan's form on the run's device: (model, plan,
+    the prepared int8 file or None, device)."""
+    import torch
+
+    from mmcli.weights.checkpoint import load_weights
+    from mmcli.weights.loader import build_model, prepare
+    from mmcli.weights.precision import torch_dtype
+    from mmcli.weights.prepared import PreparedWeights
+
+    cfg = run.config
+    weights = load_weights(
+        run.path,
+        run.model_config,
+        torch_dtype(run.precision["compute"]),
+        torch_dtype(run.precision["loaded"]),
+        int4=cfg.quantize == "int4",
+    )
+    kernel_plan = choose_kernels(run, run.model_config)
+    prepared = None
+    if cfg.quantize == "int8" and cfg.weights_cache:
+        prepared = PreparedWeights(cache_root(cfg.cache_dir), run.path, run.config_bytes)
+    device = torch.device(run.device)
+    model = prepare(build_model(run.model_config, weights), kernel_plan, device, prepared)
+    return model, kernel_plan, prepared, device
+
+
+def choose_kernels(plan: Run, model_cfg) -> KernelPlan:
+    """The kernel plan of this run (kernels/plan.py)."""
+    from mmcli.kernels import fused_decode
+    from mmcli.kernels.plan import RunShape, choose
+
+    text = model_cfg.text
+    shape = RunShape(
+        device=plan.device,
+        backend=plan.backend,
+        compute=plan.precision["compute"],
+        loaded=plan.precision["loaded"],
+        quantize=plan.precision["quantize"],
+        hybrid=bool(text.layer_types),
+        sparse=text.num_experts > 0,
+        fusable_decode=fused_decode.fusable_config(text),
+    )
+    return choose(shape)
+
+
+def check_backend(plan: Run, quantize: str, model_cfg) -> None:
+    """What this run's device and backend cannot run, refused before the weights are read: the
+    quantized forms off the CPU's eager backend, a family on a backend it has no graphs for."""
+    if quantize == "int4":
+        check_int4(plan)
+    if quantize == "int8" and (plan.device != "cpu" or plan.backend != "eager"):
         raise ConfigError(
-            "compile.backend neuron: the MoE models run on eager or inductor (their experts are "
-            "grouped by the routing read on the host, which a NEFF cannot call out to)"
+            "quantize int8 runs on the CPU with the eager backend; this run has device "
+            f"{plan.device}, backend {plan.backend}"
+        )
+    check_family_backend(model_cfg, plan.backend)
+
+
+def check_family_backend(model_cfg, backend: str) -> None:
+    from mmcli.models.registry import family_of
+
+    family = family_of(model_cfg)
+    if backend not in family.backends:
+        raise ConfigError(
+            f"compile.backend {backend}: {family.name} runs on {' or '.join(family.backends)} "
+            "(its experts are grouped by the routing read on the host, which a NEFF cannot call "
+            "out to)"
         )
 
 
-def check_int4(plan: RunPlan) -> None:
+def check_int4(plan: Run) -> None:
     """`quantize: int4` runs on the CPU with the eager backend (torch's int4 CPU kernels): refused
     otherwise, before anything is read."""
-    from mmcli.model.int4 import can_int4
+    from mmcli.models.layers.quantized import can_int4
 
     if plan.device != "cpu" or plan.backend != "eager" or not can_int4():
         raise ConfigError(

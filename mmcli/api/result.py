@@ -32,3 +32,13 @@ class Result:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @classmethod
+    def failed(cls, key: str, error: Exception, **fields) -> Result:
+        """The result of an item (or one of its tasks) that failed with `error`."""
+        return cls(key, **fields).fail(str(error), type(error).__name__)
+
+    def fail(self, message: str, kind: str = "ItemError") -> Result:
+        """This result as failed: the error's type and its one-line message."""
+        self.error = {"type": kind, "message": message}
+        return self

@@ -156,7 +156,18 @@ def plan(
         print_plan(names, patches, size)
 
 
-@app.command()
+CAPTION_HELP = """Caption every image under PATHS, appending one JSONL record per image; resumable.
+
+\b
+Examples:
+  mmcli caption samples -o captions.jsonl
+  mmcli caption samples --sidecar .txt --max-new-tokens 64 --dry-run
+  mmcli caption samples --shard 0/2 -o shard0.jsonl --quiet
+  mmcli caption samples --task caption --task tags -o labels.jsonl
+"""
+
+
+@app.command(help=CAPTION_HELP)
 def caption(
     paths: Annotated[list[Path], Paths],
     model: o.Model = None,
@@ -193,45 +204,55 @@ def caption(
     replicas: o.Replicas = 1,
     replica_resources: o.ReplicaResources = None,
 ) -> None:
-    """Caption every image under PATHS, appending one JSONL record per image; resumable.
-
-    \b
-    Examples:
-      mmcli caption samples -o captions.jsonl
-      mmcli caption samples --sidecar .txt --max-new-tokens 64 --dry-run
-      mmcli caption samples --shard 0/2 -o shard0.jsonl --quiet
-      mmcli caption samples --task caption --task tags -o labels.jsonl
-    """
     from mmcli.cli.progress import Progress
-    from mmcli.jobs.caption import CaptionJob, run_caption_job
+    from mmcli.jobs.caption import CaptionJob, Redo, Selection, run_caption_job
 
-    options = dict(locals())  # the job's own options, by name
     with exit_codes():
-        ray_options = _ray_options(ray_address, replicas, replica_resources) if ray else None
         given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
-        run = dict(model=model, prompt=prompt, task=tuple(task) or None, generation=given)
-        run["thinking"] = thinking
-        run["weights_cache"] = False if no_cache else None
         precision = dict(dtype=dtype, device=device, quantize=quantize)
-        cfg = _load_config(config, compile={"backend": backend}, **run, **precision)
-        job = CaptionJob(config=cfg, ray=ray_options, sampling=given, **_job_options(options))
+        cfg = _caption_config(
+            config, model, prompt, task, given, thinking, no_cache, backend, precision
+        )
+        job = CaptionJob(
+            paths=paths,
+            config=cfg,
+            output=output,
+            select=Selection(recursive, include, exclude, shard, limit, image_column, key_column),
+            redo=Redo(overwrite, retry_errors, check_changed, redo_reviewed),
+            sidecar=sidecar,
+            dry_run=dry_run,
+            quiet=quiet,
+            logprobs=logprobs,
+            ray=_ray_options(ray_address, replicas, replica_resources) if ray else None,
+            sampling=given,
+        )
         code = run_caption_job(job, Progress(quiet=quiet))
     raise typer.Exit(code)
 
 
-def _job_options(options: dict) -> dict:
-    """The caption command's options that are CaptionJob's fields, by name (config, ray and the
-    sampling are built from theirs)."""
-    from dataclasses import fields
-
-    from mmcli.jobs.caption import CaptionJob
-
-    built = ("config", "ray", "sampling")
-    return {
-        f.name: options[f.name]
-        for f in fields(CaptionJob)
-        if f.name in options and f.name not in built
-    }
+def _caption_config(
+    config: Path | None,
+    model: str | None,
+    prompt: str | None,
+    task: list[str],
+    given: dict,
+    thinking: bool | None,
+    no_cache: bool,
+    backend: str | None,
+    precision: dict,
+):
+    """The settings of a caption run: the file's, updated by the command line's."""
+    return _load_config(
+        config,
+        model=model,
+        prompt=prompt,
+        task=tuple(task) or None,
+        generation=given,
+        thinking=thinking,
+        weights_cache=False if no_cache else None,
+        compile={"backend": backend},
+        **precision,
+    )
 
 
 def _ray_options(address: str | None, replicas: int, resources: str | None):

@@ -24,13 +24,13 @@ def run_ask(
     record; returns 0, or 1 when the item failed (its error is on stderr and in the record).
     `inputs` is (image files, video files)."""
     images, videos = inputs
-    from mmcli.model.hub import read_ahead
+    from mmcli.weights.hub import read_ahead
 
     read_ahead(config.model)  # before torch is imported
     from rich.console import Console
 
     from mmcli.api.labeler import Labeler
-    from mmcli.api.loader import check_schemas, load_description
+    from mmcli.api.loader import check_schemas, load_description, resolve_run
     from mmcli.cli.progress import status_line
     from mmcli.jobs.records import JsonlOutput
     from mmcli.tasks import resolve_tasks
@@ -43,8 +43,9 @@ def run_ask(
     # locked before the work, like caption
     out = JsonlOutput(output).open() if output is not None else None
     try:
-        with status_line(Console(stderr=True), f"loading {load_description(config)}"):
-            labeler = Labeler.from_pretrained(config=config)
+        run = resolve_run(config)
+        with status_line(Console(stderr=True), f"loading {load_description(run)}"):
+            labeler = Labeler.from_run(run)
         try:
             return _answer(
                 labeler, images, list(videos), question, out, logprobs, stream, task, sampling or {}
@@ -78,7 +79,7 @@ def _answer(
     sampling: dict,
 ) -> int:
     from mmcli.api.result import Result
-    from mmcli.jobs.records import make_record
+    from mmcli.jobs.records import labeled_record
 
     _say(labeler.compile_cache_report())
     inputs = [*images, *videos]
@@ -93,27 +94,23 @@ def _answer(
         )
         _say(labeler.compile_use_report())
     except MmcliError as e:
-        result = Result(str(inputs[0]), error={"type": type(e).__name__, "message": str(e)})
+        result = Result.failed(str(inputs[0]), e)
     if result.ok:  # stdout: the record's text and a newline, streamed or not
         print("" if stream else result.fields.get("text", result.text))
     else:
         _say(result.error["message"])
     if out is not None:
         out.append(
-            make_record(
+            labeled_record(
+                labeler,
+                result,
                 key=str(inputs[0]),
                 task=task or "ask",
                 prompt=question or result.prompt,
-                result=result,
-                model=labeler.model_name,
-                model_revision=labeler.revision,
                 sampling=result.sampling,
                 path=inputs[0],
                 logprobs=logprobs,
-                extra={
-                    "precision": labeler.precision,
-                    **({"images": [str(p) for p in inputs]} if len(inputs) > 1 else {}),
-                },
+                extra={"images": [str(p) for p in inputs]} if len(inputs) > 1 else None,
             )
         )
     return 0 if result.ok else 1

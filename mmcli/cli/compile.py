@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 
 from rich.console import Console
 from rich.table import Table
@@ -15,6 +16,7 @@ def compile_buckets(cfg: Config, bucket_list: str | None) -> None:
     the table."""
     from mmcli.api.labeler import Labeler
     from mmcli.compiled.buckets import parse_buckets
+    from mmcli.engine.warmup import run_bucket
 
     started = time.perf_counter()
     labeler = Labeler.from_pretrained(config=cfg)
@@ -26,7 +28,7 @@ def compile_buckets(cfg: Config, bucket_list: str | None) -> None:
         table.add_column(col, justify="right" if col == "seconds" else "left")
     counts: dict[str, int] = {}
     for bucket in todo:
-        status, seconds = graphs.compile_bucket(bucket, labeler.runner.run_bucket)
+        status, seconds = graphs.compile_bucket(bucket, partial(run_bucket, labeler.runner))
         counts[status.split()[0]] = counts.get(status.split()[0], 0) + 1
         table.add_row(bucket.component, "x".join(map(str, bucket.shape)), f"{seconds:.1f}", status)
     console.print(table)
@@ -36,12 +38,12 @@ def compile_buckets(cfg: Config, bucket_list: str | None) -> None:
 
 def prepare_weights_only(cfg: Config) -> None:
     """The eager backend has no graphs to compile; with `quantize: int8` the warm-up is the
-    prepared int8 weights (model/prepared.py): load once, and say where they are."""
+    prepared int8 weights (weights/prepared.py): load once, and say where they are."""
     from mmcli.api.labeler import Labeler
 
     started = time.perf_counter()
     labeler = Labeler.from_pretrained(config=cfg)
-    line = f"eager backend, nothing to compile; {labeler.runner.kernels}"
+    line = f"eager backend, nothing to compile; {labeler.kernels}"
     line += f" ({time.perf_counter() - started:.1f} s)"
     # the warm-up is done when the file being written is whole
     outcome = labeler.prepared_weights_report()

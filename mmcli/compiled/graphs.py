@@ -31,7 +31,7 @@ from mmcli.compiled.backends import backend_version, require_neuron
 from mmcli.compiled.buckets import Bucket, configured_buckets
 from mmcli.compiled.manifest import Manifest, open_cache_dir, stale_fields
 from mmcli.config import Config
-from mmcli.model.config import ModelConfig
+from mmcli.models.config import ModelConfig
 
 PACKAGE_ROOT = Path(__file__).parent.parent
 # the bodies of the prefill and decode graphs; the vision graph is the model's forward_packed
@@ -52,12 +52,20 @@ def compile_key(
     }
 
 
+# every family's modules and every kernel can run inside a graph: the registry imports the families
+# by name, and the kernel plan installs kernels the graph bodies do not import
+GRAPH_PACKAGES = ("models", "kernels")
+
+
 def compiled_sources(root: Path, entry: str = GRAPH_ENTRY) -> list[str]:
-    """Every module of the package whose code can run inside a compiled graph: the graph bodies and,
-    transitively, every package module they import (read from the source, so a new module is covered
-    without a list to keep). Paths are relative to the package root."""
+    """Every module of the package whose code can run inside a compiled graph: the graph bodies,
+    every module of the families and the kernels and, transitively, every package module they
+    import (read from the source, so a new module is covered without a list to keep). Paths are
+    relative to the package root."""
     found: set[str] = set()
     todo = [entry]
+    for package in GRAPH_PACKAGES:
+        todo += [p.relative_to(root).as_posix() for p in sorted((root / package).rglob("*.py"))]
     while todo:
         rel = todo.pop()
         if rel in found or not (root / rel).is_file():

@@ -2,19 +2,18 @@
 rows.
 
 Everything these functions (and the model modules they call) run is traced into a graph; the
-compile cache's source digest covers this file and every module they reach (see
+compile cache's source digest covers this file, the families and the kernels (see
 compiled.source_digest)."""
 
 from __future__ import annotations
 
 import torch
 
-from mmcli.model.cache import AttentionBatch, DecoderCache
-from mmcli.model.vlm import VisionLanguageModel
+from mmcli.models.cache import AttentionBatch, DecoderCache
 
 
 def prefill_step(
-    model: VisionLanguageModel,
+    model: torch.nn.Module,
     cache: DecoderCache,
     hidden: torch.Tensor,
     cos: torch.Tensor,
@@ -31,7 +30,7 @@ def prefill_step(
 
 
 def decode_step(
-    model: VisionLanguageModel,
+    model: torch.nn.Module,
     cache: DecoderCache,
     ids: torch.Tensor,
     cos: torch.Tensor,

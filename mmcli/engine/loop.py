@@ -7,8 +7,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from mmcli.config import Config
-from mmcli.engine.runner import DecodeItem, ModelRunner, PrefillItem
-from mmcli.engine.sampling import step_seed
+from mmcli.engine.batch import DecodeItem, PrefillItem
+from mmcli.engine.runner import ModelRunner
+from mmcli.engine.sampling import choose, step_seed
 from mmcli.engine.scheduler import Scheduler
 from mmcli.engine.sequence import Finished, Request, Sequence
 
@@ -20,6 +21,7 @@ class Engine:
         self.runner, self.config = runner, config
         self.on_token: Callable[[str, int], None] | None = None  # the current generate() call's
         self.input_wait = 0.0  # seconds with nothing to run while inputs were being prepared
+        self.choose = choose  # the next tokens from the logits (sampling.choose)
 
     def generate(
         self,
@@ -87,9 +89,7 @@ class Engine:
             for s in seqs
         ]
         constraints = [s.request.constraint for s in seqs]
-        for seq, choice in zip(
-            seqs, self.runner.choose(logits, params, histories, seeds, constraints)
-        ):
+        for seq, choice in zip(seqs, self.choose(logits, params, histories, seeds, constraints)):
             if seq.request.constraint is not None:
                 seq.request.constraint.consume(choice.token_id)
             if self.on_token is not None:

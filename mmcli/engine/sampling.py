@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
@@ -68,3 +69,28 @@ def choose_tokens(
     picked = logprobs.gather(1, chosen[:, None]).squeeze(1)
     both = torch.stack([chosen.double(), picked.double()]).cpu()
     return [int(t) for t in both[0].tolist()], both[1].tolist()
+
+
+@dataclass
+class Choice:
+    token_id: int
+    logprob: float
+
+
+def choose(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[list[int]],
+    seeds: list[int],
+    constraints: list | None = None,
+) -> list[Choice]:
+    """Next tokens; a row with a grammar constraint chooses among the tokens it allows (its
+    log-probability is still the model's own)."""
+    scores = logits
+    if constraints and any(c is not None for c in constraints):
+        scores = logits.float().clone()
+        for row, constraint in zip(scores, constraints):
+            if constraint is not None:
+                constraint.mask(row)
+    tokens, logprobs = choose_tokens(scores, params, histories, seeds, model_logits=logits)
+    return [Choice(t, lp) for t, lp in zip(tokens, logprobs)]

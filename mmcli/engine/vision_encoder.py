@@ -13,7 +13,7 @@ import torch
 from mmcli.compiled.buckets import Bucket, choose_bucket
 from mmcli.compiled.graphs import CompiledGraphs
 from mmcli.engine.packing import block_bounds, ffd_pack, gather_index, make_layout, unpack_index
-from mmcli.model.vision import VisionTower
+from mmcli.models.qwen3_vl.vision import VisionTower
 
 # merged [n, out], DeepStack levels [n, out] each
 VisionFeatures = tuple[torch.Tensor, tuple[torch.Tensor, ...]]

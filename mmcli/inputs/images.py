@@ -14,8 +14,8 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from mmcli.errors import ImageError
-from mmcli.inputs.sources import Source, open_source
-from mmcli.model.config import QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, QWEN_TEMPORAL_PATCH_SIZE
+from mmcli.inputs.sources import Source, read_source
+from mmcli.models.config import QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, QWEN_TEMPORAL_PATCH_SIZE
 
 _RESAMPLE = {
     0: Image.NEAREST,
@@ -80,6 +80,7 @@ class ImageProcessorConfig:
 class DecodedImage:
     image: Image.Image  # RGB, EXIF orientation applied
     note: str | None = None  # e.g. "first frame of 12 used"
+    file: dict | None = None  # the facts of the bytes decoded (sources.read_source)
 
 
 def smart_resize(
@@ -127,8 +128,8 @@ def decode_image(source: Source, max_decode_pixels: int = 128 * 1024 * 1024) -> 
     """Open one image (a file, a shard member, a Parquet cell) as RGB, or raise ImageError naming
     what is wrong with it."""
     try:
-        opened = open_source(Path(source) if isinstance(source, str) else source)
-        with Image.open(opened) as im:
+        opened = read_source(Path(source) if isinstance(source, str) else source)
+        with Image.open(opened.data) as im:
             width, height = im.size
             if width * height > max_decode_pixels:
                 raise ImageError(
@@ -148,7 +149,8 @@ def decode_image(source: Source, max_decode_pixels: int = 128 * 1024 * 1024) -> 
         raise ImageError("not an image Pillow can read (unknown or corrupt format)") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise ImageError(f"cannot decode (corrupt or truncated): {e}") from None
-    return DecodedImage(rgb, f"first frame of {frames} used" if frames > 1 else None)
+    note = f"first frame of {frames} used" if frames > 1 else None
+    return DecodedImage(rgb, note, opened.facts)
 
 
 def image_processor_config(

@@ -8,13 +8,13 @@ shared prefix once."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image
 
 from mmcli.config import Config, SamplingParams
-from mmcli.engine.positions import rope_index
 from mmcli.engine.sequence import Request
 from mmcli.errors import ImageError, ItemError
 from mmcli.inputs.images import ImageProcessorConfig
@@ -53,9 +53,12 @@ class RequestBuilder:
         visual_token_ids: tuple[int, int],
         stop_ids: frozenset[int],
         compiled: bool,
+        rope_index: Callable,
         video_sampling: VideoSampling | None = None,
     ):
+        """`rope_index`: the family's rotary index of a prompt (Family.rope_index)."""
         self.prompts, self.image_cfg, self.config = prompts, image_cfg, config
+        self.rope_index = rope_index
         self.visual_token_ids, self.stop_ids, self.compiled = visual_token_ids, stop_ids, compiled
         self.video_sampling = video_sampling or VideoSampling()
 
@@ -68,27 +71,28 @@ class RequestBuilder:
         out = PreparedInputs([], [], [], [])
         videos = [i for i in images if self.is_video(i)] + list(videos)
         for image in [i for i in images if not self.is_video(i)]:
-            rgb, note = self._decode_image(image)
+            rgb, note, file = self._decode_image(image)
             try:
                 pv, grid = preprocess(rgb, self.image_cfg)
             except ImageError as e:
                 raise ImageError(f"{_named(image)}: {e}") from None
             self._check_block(image, pv.shape[0])
             out.add(pv, grid)
-            out.infos.append({"width": rgb.width, "height": rgb.height, "note": note})
+            out.infos.append({"width": rgb.width, "height": rgb.height, "note": note, **file})
             out.layout.append(grid[0] * grid[1] * grid[2] // self.image_cfg.merge_size**2)
         for video in videos:
             self._add_video(out, video)
         return out
 
     def _decode_image(self, image):
+        """(RGB, note, {"file": the facts of the bytes decoded} or {} for a PIL image)."""
         if isinstance(image, Image.Image):
-            return image.convert("RGB"), None
+            return image.convert("RGB"), None, {}
         try:
             decoded = decode_image(image, self.config.image.max_decode_pixels)
         except ImageError as e:
             raise ImageError(f"{_named(image)}: {e}") from None
-        return decoded.image, decoded.note
+        return decoded.image, decoded.note, {"file": decoded.file}
 
     def _check_block(self, source, patches: int) -> None:
         if patches > self.config.vision.block_size:  # only extreme aspect ratios under tiny budgets
@@ -118,6 +122,7 @@ class RequestBuilder:
                 "width": video.size[0],
                 "height": video.size[1],
                 "note": "; ".join(video.notes) or None,
+                "file": video.file,
                 "video": {
                     "duration": round(video.duration, 3),
                     "source_fps": round(video.source_fps, 3),
@@ -144,7 +149,7 @@ class RequestBuilder:
                 f"{key}: prompt of {len(ids)} tokens is over the largest compile.prefill_buckets "
                 f"entry {largest}"
             )
-        rotary, delta = rope_index(
+        rotary, delta = self.rope_index(
             ids, prepared.grids, self.visual_token_ids, self.image_cfg.merge_size
         )
         visual_tokens = sum(t * h * w for t, h, w in prepared.grids) // self.image_cfg.merge_size**2

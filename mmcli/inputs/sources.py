@@ -4,6 +4,8 @@ read when its turn comes, so no shard is ever held whole in memory or unpacked o
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import io
 import json
 import os
@@ -99,6 +101,87 @@ def container_file(source: Source) -> Path:
     if isinstance(source, Broken):
         return source.where
     return Path(source)
+
+
+def file_sha256(path: str | Path) -> str | None:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str | None:
+    return file_sha256(path)
+
+
+def checked_sha256(path: str | Path) -> str | None:
+    """The file's sha256, hashed once while its size and mtime stay (a shard's thousands of
+    records share one hash)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _sha256_of(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+def file_facts(path: str | Path | None) -> dict:
+    """sha256, size and mtime of the input's file (a shard or Parquet file for their samples):
+    what resume checks to see whether an input changed."""
+    try:
+        st = os.stat(path) if path is not None else None
+    except OSError:
+        st = None
+    return {
+        "sha256": checked_sha256(path) if st else None,
+        "file_size": st.st_size if st else None,
+        "file_mtime_ns": st.st_mtime_ns if st else None,
+    }
+
+
+@dataclass
+class Opened:
+    """An input read once, on the worker that decodes it: what its decoder reads, and the facts
+    of the file a record names (sha256, size, mtime), taken from that same read."""
+
+    data: Path | BinaryIO
+    facts: dict
+
+
+def read_source(source: Source) -> Opened:
+    """The input's bytes, read once, and their facts (a shard member's or a Parquet cell's are
+    its file's, hashed once a file); raises ImageError naming what cannot be read."""
+    if isinstance(source, (TarMember, ParquetCell, Broken)):
+        return Opened(io.BytesIO(source.read()), file_facts(container_file(source)))
+    path = Path(source)
+    check_readable(path)
+    try:
+        with open(path, "rb") as f:
+            stat = os.fstat(f.fileno())
+            data = f.read()
+    except OSError as e:
+        raise ImageError(f"unreadable file ({e.strerror or e})") from None
+    return Opened(io.BytesIO(data), _facts(hashlib.sha256(data).hexdigest(), stat))
+
+
+def open_hashed(path: Path) -> tuple[BinaryIO, dict]:
+    """A file opened once for a decoder that seeks (a video: too large to hold), and its facts,
+    hashed through that open file before the decoder reads it from the start."""
+    check_readable(path)
+    f = open(path, "rb")  # noqa: SIM115 - the caller's decoder closes it
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        digest.update(chunk)
+    f.seek(0)
+    return f, _facts(digest.hexdigest(), os.fstat(f.fileno()))
+
+
+def _facts(sha256: str, stat: os.stat_result) -> dict:
+    return {"sha256": sha256, "file_size": stat.st_size, "file_mtime_ns": stat.st_mtime_ns}
 
 
 def open_source(source: Source) -> Path | BinaryIO:

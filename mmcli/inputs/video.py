@@ -25,8 +25,8 @@ import numpy as np
 from PIL import Image
 
 from mmcli.errors import ImageError
-from mmcli.inputs.sources import Source, open_source
-from mmcli.model.config import QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, QWEN_TEMPORAL_PATCH_SIZE
+from mmcli.inputs.sources import Source, open_hashed, open_source, read_source
+from mmcli.models.config import QWEN_MERGE_SIZE, QWEN_PATCH_SIZE, QWEN_TEMPORAL_PATCH_SIZE
 
 # seconds: a target further ahead than this is reached by seeking, nearer ones by decoding on
 SEEK_AHEAD = 2.0
@@ -98,6 +98,7 @@ class DecodedVideo:
     notes: list[str] = field(default_factory=list)
     # frames the decoder produced to reach the sampled ones (seeking keeps this low)
     frames_decoded: int = 0
+    file: dict | None = None  # the facts of the bytes decoded (sources.open_hashed)
 
     def group_times(self, temporal_patch_size: int = QWEN_TEMPORAL_PATCH_SIZE) -> list[float]:
         return group_timestamps(self.times, temporal_patch_size)
@@ -200,9 +201,14 @@ def decode_video(
     long high-resolution video never holds its full-size frames."""
     import av  # PyAV: imported here so that `plan` and image-only runs never load FFmpeg
 
-    opened = open_source(Path(path) if isinstance(path, str) else path)
+    source = Path(path) if isinstance(path, str) else path
+    if isinstance(source, Path):
+        opened, facts = open_hashed(source)
+    else:  # a shard member or a Parquet cell: its bytes, read once
+        read = read_source(source)
+        opened, facts = read.data, read.facts
     try:
-        with av.open(str(opened) if isinstance(opened, Path) else opened) as container:
+        with opened, av.open(opened) as container:
             if not container.streams.video:
                 kinds = sorted({s.type for s in container.streams})
                 raise ImageError(
@@ -210,13 +216,14 @@ def decode_video(
                     if kinds
                     else "no video stream: the file holds no streams (zero frames)"
                 )
-            return _decode(container, container.streams.video[0], sampling, resample)
+            video = _decode(container, container.streams.video[0], sampling, resample)
+            video.file = facts
+            return video
     except ImageError:
         raise
     except av.error.InvalidDataError as e:
-        if _looks_like_mp4(
-            opened
-        ):  # an MP4/MOV whose index (the moov box, written last) is missing
+        # an MP4/MOV whose index (the moov box, written last) is missing
+        if _looks_like_mp4(source):
             raise ImageError(
                 "truncated or corrupt MP4/MOV: FFmpeg finds no readable index (moov box) in it"
             ) from None
@@ -251,13 +258,13 @@ def _video_stream(container):
     return container.streams.video[0]
 
 
-def _looks_like_mp4(opened) -> bool:
+def _looks_like_mp4(source: Source) -> bool:
     try:
-        if isinstance(opened, Path):
-            with open(opened, "rb") as f:
+        if isinstance(source, Path):
+            with open(source, "rb") as f:
                 return f.read(12)[4:8] == b"ftyp"
-        return opened.getvalue()[4:8] == b"ftyp"
-    except OSError:
+        return source.read()[4:8] == b"ftyp"
+    except (OSError, ImageError):
         return False
 
 

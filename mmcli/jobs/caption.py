@@ -12,22 +12,40 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from mmcli.api.loader import Run, load_description, resolve_run
 from mmcli.config import Config, check_sidecar
 from mmcli.errors import ConfigError, MmcliError
 from mmcli.inputs.sources import Source
 from mmcli.jobs.distributed import RayOptions
 from mmcli.jobs.labeling import Item, error_record, kind_of, label_records
 from mmcli.jobs.records import JsonlOutput, append_record, sidecar_path, write_sidecar
-from mmcli.jobs.resume import (
-    file_changed,
-    label_settings,
-    planned_settings,
-    reviewed,
-    task_resume_keys,
-)
+from mmcli.jobs.resume import file_changed, label_settings, reviewed, task_resume_keys
 from mmcli.jobs.scan import parse_shard, scan, shard_of
-from mmcli.model.hub import read_ahead
 from mmcli.tasks import Task, resolve_tasks
+from mmcli.weights.hub import read_ahead
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which inputs a job labels: what the scan takes, and this machine's share of it."""
+
+    recursive: bool = True
+    include: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    shard: str | None = None  # INDEX/COUNT: a stable split over machines
+    limit: int | None = None
+    image_column: str | None = None  # Parquet inputs: the column of images (None: found)
+    key_column: str | None = None  # Parquet inputs: the column of keys (None: `key`, or FILE/ROW)
+
+
+@dataclass(frozen=True)
+class Redo:
+    """Which labels already recorded a job makes again."""
+
+    overwrite: bool = False  # every one
+    retry_errors: bool = False  # the failed ones
+    check_changed: bool = True  # those whose input changed since its record
+    reviewed: bool = False  # those a person edited or approved
 
 
 @dataclass(kw_only=True)
@@ -35,23 +53,16 @@ class CaptionJob:
     paths: list[Path]
     config: Config
     output: str = "captions.jsonl"  # "-" for stdout
-    recursive: bool = True
-    include: list[str] = field(default_factory=list)
-    exclude: list[str] = field(default_factory=list)
-    shard: str | None = None
-    limit: int | None = None
-    overwrite: bool = False
-    retry_errors: bool = False
+    select: Selection = field(default_factory=Selection)
+    redo: Redo = field(default_factory=Redo)
     sidecar: str | None = None
     dry_run: bool = False
     quiet: bool = False
     logprobs: bool = False
     ray: RayOptions | None = None  # run on a Ray cluster
-    check_changed: bool = True  # redo an item whose image changed since its record
-    redo_reviewed: bool = False  # redo labels a person edited or approved
-    image_column: str | None = None  # Parquet inputs: the column of images (None: found)
-    key_column: str | None = None  # Parquet inputs: the column of keys (None: `key`, or FILE/ROW)
-    # task name -> its resume keys (jobs.resume.task_resume_keys); set at start
+    # the settings as resolved once (api.loader.resolve_run); set at start
+    run: Run | None = None
+    # task name -> its resume keys (jobs.resume.task_resume_keys); set with the run
     resume_keys: dict[str, dict[str, str]] = field(default_factory=dict)
     # sampling given on the command line: wins over tasks' own
     sampling: dict = field(default_factory=dict)
@@ -64,8 +75,9 @@ class CaptionJob:
         """A task's own sidecar extension, or --sidecar for the first task."""
         return task.sidecar or (self.sidecar if task.name == self.config.task[0] else None)
 
-    def settle(self, base: dict) -> None:
-        """Each task's resume keys: the run's label settings and the task's definition."""
+    def settle(self, run: Run) -> None:
+        """The run, and each task's resume keys: its label settings and the task's definition."""
+        self.run, base = run, label_settings(run)
         self.resume_keys = {t.name: task_resume_keys(self.config, base, t) for t in self.tasks}
 
     def resume_key(self, task: str, path: Path) -> str:
@@ -100,13 +112,13 @@ def select_items(job: CaptionJob) -> list[tuple[str, Source]]:
     items = scan(
         job.paths,
         job.config.scan.extensions + job.config.scan.video_extensions,
-        recursive=job.recursive,
-        include=job.include,
-        exclude=job.exclude,
-        columns=(job.image_column, job.key_column),
+        recursive=job.select.recursive,
+        include=job.select.include,
+        exclude=job.select.exclude,
+        columns=(job.select.image_column, job.select.key_column),
     )
-    if job.shard:
-        index, count = parse_shard(job.shard)
+    if job.select.shard:
+        index, count = parse_shard(job.select.shard)
         items = [(k, p) for k, p in items if shard_of(k, count) == index]
     return items
 
@@ -126,16 +138,16 @@ def pending(items: list[tuple[str, Path]], out: JsonlOutput | None, job: Caption
 
     def todo(key: str, path: Path, name: str) -> bool:
         if by_person.get((key, name)):  # a person's label stays, unless asked to redo those
-            return job.redo_reviewed
-        if job.overwrite:
+            return job.redo.reviewed
+        if job.redo.overwrite:
             return True
         record = recorded.get((key, name))
         current = (job.resume_key(name, path), job.resume_keys[name]["legacy"])
         if record is None or record["settings"] not in current:
             return True
         if record.get("status") == "error":
-            return job.retry_errors
-        return job.check_changed and file_changed(path, record)
+            return job.redo.retry_errors
+        return job.redo.check_changed and file_changed(path, record)
 
     left = [(k, p, [n for n in names if todo(k, p, n)]) for k, p in items]
     return [entry for entry in left if entry[2]]
@@ -169,7 +181,7 @@ def run_caption_job(job: CaptionJob, progress) -> int:
     with progress.status("finding the images and what is done"):
         # scanned once: the work, and the sidecar clashes among all images
         everything = select_items(job)
-        job.settle(planned_settings(job.config))
+        job.settle(resolve_run(job.config))
         out = JsonlOutput(Path(job.output)).open() if job.output != "-" else None
     try:
         items = pending(everything, out, job)
@@ -179,7 +191,8 @@ def run_caption_job(job: CaptionJob, progress) -> int:
                 f"{out.set_aside}",
                 file=sys.stderr,
             )
-        items = items[: job.limit] if job.limit is not None else items
+        limit = job.select.limit
+        items = items[:limit] if limit is not None else items
         if job.dry_run or not items:
             if not job.quiet:
                 print("".join(f"{key}\n" for key, *_ in items), end="")
@@ -201,14 +214,13 @@ def run_caption_job(job: CaptionJob, progress) -> int:
 def _load(job: CaptionJob, progress):
     """The Labeler of a local run, its load shown with the kernels it chose."""
     from mmcli.api.labeler import Labeler
-    from mmcli.api.loader import load_description
 
-    with progress.loading(load_description(job.config)) as loaded:
-        labeler = Labeler.from_pretrained(config=job.config)
-        loaded["kernels"] = labeler.runner.kernels
+    with progress.loading(load_description(job.run)) as loaded:
+        labeler = Labeler.from_run(job.run)
+        loaded["kernels"] = labeler.kernels
     progress.note(labeler.compile_cache_report())
-    # The same settings, unless the model was fetched just now.
-    job.settle(label_settings(job.config, labeler.path, labeler.precision))
+    if labeler.run is not job.run:  # the model was fetched just now: its files read once
+        job.settle(labeler.run)
     return labeler
 
 

@@ -123,11 +123,8 @@ def caption_on_ray(
     written: set[tuple[str, str]] = set()
     for row in out.iter_rows():
         record = json.loads(row["record"])
-        # a batch redone after a replica died may repeat some
-        if (
-            record["key"],
-            record["task"],
-        ) in written:
+        label = (record["key"], record["task"])
+        if label in written:  # a batch redone after a replica died may repeat some
             continue
-        written.add((record["key"], record["task"]))
+        written.add(label)
         write(record)

@@ -8,7 +8,7 @@ from pathlib import Path
 from mmcli.api.result import Result
 from mmcli.config import Config
 from mmcli.errors import MmcliError
-from mmcli.jobs.records import make_record
+from mmcli.jobs.records import labeled_record, make_record
 from mmcli.tasks import Task
 
 Item = tuple[str, Path, list[str]]  # key, input file, the names of the tasks still to run
@@ -32,20 +32,16 @@ def label_records(
     for result in labeler.label(items, tasks=list(tasks.values())):
         task = tasks[result.task]
         path = paths[result.key]
-        yield make_record(
+        yield labeled_record(
+            labeler,
+            result,
             key=result.key,
             task=task.name,
             prompt=result.prompt,
-            result=result,
-            model=labeler.model_name,
-            model_revision=labeler.revision,
             sampling=task.sampling.as_dict(),
             path=path,
             logprobs=logprobs,
-            extra={
-                "precision": labeler.precision,
-                "settings": keys[task.name][kind_of(labeler.config, path)],
-            },
+            extra={"settings": keys[task.name][kind_of(labeler.config, path)]},
         )
 
 
@@ -53,7 +49,7 @@ def error_record(
     key: str, path: Path, task: Task, config: Config, settings: str, error: MmcliError
 ) -> dict:
     """The record of an item's task refused before it ran."""
-    result = Result(key, error={"type": type(error).__name__, "message": str(error)})
+    result = Result.failed(key, error)
     return make_record(
         key=key,
         task=task.name,

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import json
 import os
 import stat
@@ -13,50 +11,10 @@ from pathlib import Path
 from typing import IO
 
 from mmcli.errors import ConfigError, OutputError, OutputLocked
-from mmcli.inputs.sources import ParquetCell, TarMember, container_file
+from mmcli.inputs.sources import ParquetCell, TarMember, container_file, file_facts
 
 # 2: tasks (the task name in `task`; `json`, `boxes`, `raw_text` where a task gives them)
 SCHEMA = 2
-
-
-def file_sha256(path: str | Path) -> str | None:
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    except OSError:
-        return None
-    return h.hexdigest()
-
-
-@functools.lru_cache(maxsize=64)
-def _sha256_of(path: str, size: int, mtime_ns: int) -> str | None:
-    return file_sha256(path)
-
-
-def checked_sha256(path: str | Path) -> str | None:
-    """The file's sha256, hashed once while its size and mtime stay (a shard's thousands of
-    records share one hash)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return _sha256_of(os.path.abspath(path), st.st_size, st.st_mtime_ns)
-
-
-def file_facts(path: str | Path | None) -> dict:
-    """sha256, size and mtime of the input's file (a shard or Parquet file for their samples):
-    what resume checks to see whether an input changed."""
-    try:
-        st = os.stat(path) if path is not None else None
-    except OSError:
-        st = None
-    return {
-        "sha256": checked_sha256(path) if st else None,
-        "file_size": st.st_size if st else None,
-        "file_mtime_ns": st.st_mtime_ns if st else None,
-    }
 
 
 def make_record(
@@ -72,7 +30,9 @@ def make_record(
     logprobs: bool = False,
     extra: dict | None = None,
 ) -> dict:
-    """One record; `result` is an api.result.Result (ok or failed), `path` the input file."""
+    """One record; `result` is an api.result.Result (ok or failed), `path` the input file. The
+    file's facts are those its worker took from the bytes it decoded; an input never decoded (a
+    failure before) has them read here."""
     first = result.images[0] if result.images else {}
     where = container_file(Path(path) if isinstance(path, str) else path) if path else None
     record = {
@@ -80,7 +40,7 @@ def make_record(
         "key": key,
         "path": os.path.abspath(where) if where is not None else None,
         **_within(path),
-        **file_facts(where),
+        **(first.get("file") or file_facts(where)),
         "width": first.get("width"),
         "height": first.get("height"),
         "task": task,
@@ -115,6 +75,23 @@ def make_record(
         record.update(result.fields)
     record.update(extra or {})
     return record
+
+
+def labeled_record(labeler, result, *, sampling: dict, extra: dict | None = None, **fields) -> dict:
+    """The record of a Labeler's result (caption's, ask's, a Ray actor's): make_record's, with the
+    model, the precision and the kernels of the run that made it."""
+    return make_record(
+        result=result,
+        model=labeler.model_name,
+        model_revision=labeler.revision,
+        sampling=sampling,
+        extra={
+            "precision": labeler.precision,
+            "kernels": labeler.kernel_plan.record(),
+            **(extra or {}),
+        },
+        **fields,
+    )
 
 
 def _within(source) -> dict:

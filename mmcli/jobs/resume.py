@@ -12,30 +12,30 @@ import dataclasses
 import hashlib
 import json
 import struct
-from pathlib import Path
 
-from mmcli.api.loader import plan_run
+from mmcli.api.loader import Run
 from mmcli.config import Config
-from mmcli.inputs.images import image_processor_config
-from mmcli.inputs.sources import Source, container_file
-from mmcli.jobs.records import SCHEMA, checked_sha256
-from mmcli.model.hub import snapshot_revision
+from mmcli.inputs.sources import Source, checked_sha256, container_file
+from mmcli.jobs.records import SCHEMA
 from mmcli.tasks import Task
+from mmcli.weights.hub import snapshot_revision
 
 
-def model_identity(model: str, path: Path | None) -> str:
-    """The hub revision of a snapshot, else a digest of config.json and every weight file's
-    safetensors header, size and mtime (a changed weight file changes it; reading every weight
-    byte would cost seconds per run)."""
+def model_identity(run: Run) -> str:
+    """The hub revision of a snapshot, else a digest of config.json (as the run read it) and
+    every weight file's safetensors header, size and mtime (a changed weight file changes it;
+    reading every weight byte would cost seconds per run)."""
+    path = run.path
     if path is None:
-        return f"{model}@not-downloaded"
+        return f"{run.config.model}@not-downloaded"
     revision = snapshot_revision(path)
     if revision is not None:
         return f"revision {revision}"
     digest = hashlib.sha256()
-    for name in ("config.json", "model.safetensors.index.json"):
-        if (path / name).is_file():
-            digest.update(name.encode() + b"\0" + (path / name).read_bytes())
+    digest.update(b"config.json\0" + run.config_bytes)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        digest.update(index.name.encode() + b"\0" + index.read_bytes())
     for weights in sorted(path.glob("*.safetensors")):
         stat = weights.stat()
         digest.update(f"{weights.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
@@ -46,14 +46,14 @@ def model_identity(model: str, path: Path | None) -> str:
     return f"digest {digest.hexdigest()[:20]}"
 
 
-def label_settings(cfg: Config, path: Path | None, precision: dict) -> dict:
-    """What every label of a run depends on, as a JSON-able dict (`precision` from
-    checkpoint.run_precision). A task's own part (its prompt, sampling, output) and the video
-    settings (for videos alone) are added per record by `resume_keys`."""
-    image = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
+def label_settings(run: Run) -> dict:
+    """What every label of a run depends on, as a JSON-able dict. A task's own part (its prompt,
+    sampling, output) and the video settings (for videos alone) are added per record by
+    `task_resume_keys`."""
+    cfg, precision, image = run.config, run.precision, run.image_cfg
     settings = {
         "schema": SCHEMA,
-        "model": model_identity(cfg.model, path),
+        "model": model_identity(run),
         "weights_dtype": precision["weights"],
         "compute_dtype": precision["compute"],
         "quantize": cfg.quantize,
@@ -91,13 +91,6 @@ def file_changed(source: Source, record: dict) -> bool:
     if stat.st_size == record.get("file_size") and stat.st_mtime_ns == record.get("file_mtime_ns"):
         return False
     return checked_sha256(path) != record.get("sha256")
-
-
-def planned_settings(cfg: Config) -> dict:
-    """The label settings a run of `cfg` will have, known before loading (and without fetching)
-    the model."""
-    plan = plan_run(cfg)
-    return label_settings(cfg, plan.path, plan.precision)
 
 
 def reviewed(record: dict) -> bool:

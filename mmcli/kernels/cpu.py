@@ -1,0 +1,428 @@
+"""Our CPU kernels, built on first use: `bf16_linear.c`, bfloat16 weights with float32 activations
+(a few-rows kernel for decode and a GEMM for prefill and vision), `attention.c`, the vision tower's
+attention and the decoder's prefill attention, both on the float32 tiles of `float_tiles.h`,
+`rms_norm.c` (the decoder's norms in one call each), `pointwise.c` (the rotary and the SwiGLU, one
+pass each), `decode_layer.c` (a dense decoder layer's step for a few tokens in one call),
+`int8_linear.c`, int8 weights in a layout that is stored as it runs, and `int8_weights.c`, which
+quantizes a checkpoint's weights into that layout in one pass.
+
+PyTorch has no bfloat16-weight, float32-activation kernel: its bfloat16 GEMM rounds the
+activations, and converting weights in one call and multiplying in another writes and reads a
+float32 copy of each. Ours widen the weights in registers or in a cache-resident panel (a bfloat16
+is the top half of a float32: exact), so decode reads 2 bytes a parameter and every product is
+float32.
+
+They are compiled with the system C compiler (as Inductor compiles its CPU kernels) into
+~/.cache/mmcli/kernels, linked to the OpenMP runtime torch itself loaded so that both share one
+thread pool; with AVX-512 (and VNNI, int8's vpdpbusd) where the CPU has it. Where the CPU lacks
+AVX2/FMA, no compiler is found or the build fails, `load` returns None with the reason and the
+caller keeps the portable path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mmcli.paths import mmcli_cache
+
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in (
+        *("bf16_linear.c", "attention.c", "rms_norm.c"),
+        *("pointwise.c", "decode_layer.c", "int8_linear.c", "int8_weights.c"),
+    )
+]
+HEADERS = [Path(__file__).parent / "csrc" / "float_tiles.h"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
+VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+
+
+def has_vnni() -> bool:
+    """AVX-512 VNNI (and BW), from the kernel's CPU flags; MMCLI_CPU_KERNEL=avx2 leaves it out."""
+    if os.environ.get("MMCLI_CPU_KERNEL") == "avx2":
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
+    return {"avx512_vnni", "avx512bw", "avx512vl"} <= set(flags)
+
+
+def cache_dir() -> Path:
+    return mmcli_cache() / "kernels"
+
+
+def why_unavailable() -> str | None:
+    """None if the kernel can be built and run here, else the reason (in words)."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"the CPU's capability is {torch.backends.cpu.get_cpu_capability()}, not AVX2"
+    if os.environ.get("MMCLI_CPU_KERNEL", "1") == "0":
+        return "MMCLI_CPU_KERNEL=0"
+    if not shutil.which(os.environ.get("CC", "cc")):
+        return f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH"
+    return None
+
+
+def _build(compiler: str, torch_lib: Path, extra: list[str]) -> Path:
+    compile_flags, libraries = [*FLAGS, *extra], []
+    # torch's own OpenMP runtime, already loaded: one thread pool
+    if (torch_lib / "libgomp.so.1").exists():
+        libraries = [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
+    sources = b"".join(source.read_bytes() for source in [*SOURCES, *HEADERS])
+    flags = " ".join([compiler, *compile_flags, *libraries]).encode()
+    digest = hashlib.sha256(sources + flags).hexdigest()[:16]
+    target = cache_dir() / f"linear-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # built aside, renamed: concurrent runs are safe
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            objects = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
+            _run_together(
+                [compiler, *compile_flags, "-c", str(source), "-o", obj]
+                for source, obj in zip(SOURCES, objects)
+            )
+            built = Path(tmp) / target.name
+            link = [compiler, "-shared", "-fopenmp", *objects, *libraries, "-o", str(built)]
+            _run_together([link])
+            os.replace(built, target)
+    return target
+
+
+def _run_together(commands) -> None:
+    """Run the commands at once (a source file each: the build takes its longest file's time,
+    not the sum), raising CalledProcessError, with its stderr, for the first that fails."""
+    running = [
+        (command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        for command in commands
+    ]
+    failed = None
+    for command, process in running:
+        try:
+            out, err = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+        if process.returncode and failed is None:
+            failed = subprocess.CalledProcessError(process.returncode, command, out, err)
+    if failed is not None:
+        raise failed
+
+
+class DecodeLayer(ctypes.Structure):
+    """decode_layer.c's struct decode_layer: one layer's weights and sizes."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in ("input_norm", "post_norm", "q_norm", "k_norm", "q", "k", "v", "o")
+        + ("gate", "up", "down")
+    ]
+    _fields_ += [
+        (name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "d", "intermediate")
+    ]
+    _fields_ += [("eps", ctypes.c_float)]
+
+
+@functools.cache
+def load() -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "") or (None, why not); built once per machine, cached."""
+    reason = why_unavailable()
+    if reason:
+        return None, reason
+    # the VNNI build where the CPU has it; if the compiler cannot make it, the AVX2 one
+    builds = [("AVX-512 VNNI", VNNI_FLAGS)] if has_vnni() else []
+    for build, extra in [*builds, ("AVX2", [])]:
+        try:
+            torch_lib = Path(torch.__file__).parent / "lib"
+            library = ctypes.CDLL(str(_build(os.environ.get("CC", "cc"), torch_lib, extra)))
+            library.build = build
+            break
+        except (OSError, subprocess.SubprocessError) as error:
+            detail = getattr(error, "stderr", b"") or b""
+            reason = (
+                f"building {' and '.join(s.name for s in SOURCES)} failed: {error} "
+                f"{detail.decode(errors='replace')[:300]}".strip()
+            )
+    else:
+        return None, reason
+    library.bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    library.bf16_linear.restype = None
+    library.bf16_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    library.bf16_gemm.restype = None
+    library.attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 3
+    # out, out_row, queries, keys, heads, group, causal, d, threads
+    library.attention.argtypes += [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int]
+    library.attention.argtypes += [ctypes.c_int64, ctypes.c_int]
+    library.attention.restype = ctypes.c_int
+    library.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    library.rms_norm.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+    library.rms_norm.restype = None
+    library.rotary.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    library.rotary.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+    library.rotary.argtypes += [ctypes.c_int]
+    library.rotary.restype = None
+    library.silu_times.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
+    library.silu_times.restype = None
+    library.decode_layer.argtypes = [ctypes.POINTER(DecodeLayer), ctypes.c_void_p, ctypes.c_int64]
+    library.decode_layer.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+    library.decode_layer.argtypes += [ctypes.c_void_p] * 5 + [ctypes.c_int]
+    library.decode_layer.restype = None
+    library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    library.int8_linear.restype = None
+    library.quantize_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+    library.quantize_rows.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    library.quantize_rows.restype = None
+    library.quantize_weights.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    library.quantize_weights.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+    library.quantize_weights.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_int]
+    library.quantize_weights.restype = None
+    return library, ""
+
+
+def eager() -> bool:
+    """Whether the kernels can run here and now: loaded, and not inside a graph being traced
+    (torch.compile cannot trace a ctypes call; the traced graph keeps torch's operations)."""
+    return not torch.compiler.is_compiling() and load()[0] is not None
+
+
+def name() -> str:
+    """Which build runs here, in words ("" when none does)."""
+    library = load()[0]
+    return library.build if library is not None else ""
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (rows, K) float32 @ weight.T with weight (N, K) bfloat16, both contiguous on the CPU;
+    float32 out."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    rows, width = x.shape
+    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    library.bf16_linear(
+        x.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        weight.shape[0],
+        width,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+# bf16_gemm's activations (bf16_linear.c's enum activation)
+ACTIVATIONS = {None: 0, "gelu_tanh": 1}
+
+
+def bf16_gemm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None = None
+) -> torch.Tensor:
+    """activation(x (rows, K) float32 @ weight.T + bias) with weight (N, K) bfloat16, all
+    contiguous on the CPU; float32 out. For many rows: see bf16_linear.c."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    rows, width = x.shape
+    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    bias = None if bias is None else bias.float().contiguous()
+    library.bf16_gemm(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        rows,
+        weight.shape[0],
+        width,
+        ACTIVATIONS[activation],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v for q [queries, heads, d] and k, v [keys, kv_heads, d] (float32
+    on the CPU, any row and head strides, d contiguous; heads a multiple of kv_heads), without a
+    mask or causal (query i sees keys up to i + keys - queries); out [queries, heads, d]. See
+    attention.c."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    (queries, heads, d), (keys, kv_heads) = q.shape, k.shape[:2]
+    if heads % kv_heads or k.shape != v.shape:
+        raise ValueError(f"q's {heads} heads against k {tuple(k.shape)} and v {tuple(v.shape)}")
+    out = torch.empty(queries, heads, d)
+    strided = [value for t in (q, k, v) for value in (t.data_ptr(), t.stride(0), t.stride(1))]
+    shape = (queries, keys, heads, heads // kv_heads, int(causal), d)
+    status = library.attention(*strided, out.data_ptr(), heads * d, *shape, torch.get_num_threads())
+    if status:
+        raise MemoryError("attention.c could not allocate its scratch")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2) + eps)) over x's last dimension: x float32 on the CPU with
+    that dimension contiguous and the rest flattening to rows; weight float32, contiguous."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(x.shape)
+    library.rms_norm(
+        rows.data_ptr(),
+        rows.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows.shape[0],
+        rows.shape[1],
+        eps,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (rows, heads, d) float32 on the CPU, any row and head strides, d contiguous, rotated by
+    cos/sin (rows, rot) float32, contiguous, rot <= d and even (the rest of each head passes
+    through); a new contiguous tensor. See pointwise.c."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    rows, heads, d = x.shape
+    out = torch.empty(rows, heads, d)
+    library.rotary(
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        out.data_ptr(),
+        rows,
+        heads,
+        d,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.shape[-1],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate <- silu(gate) * up, in place (both float32, contiguous, of one shape, on the CPU);
+    returns gate."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    library.silu_times(gate.data_ptr(), up.data_ptr(), gate.numel(), torch.get_num_threads())
+    return gate
+
+
+def decode_scratch(layer: DecodeLayer, rows: int, context: int) -> torch.Tensor:
+    """The floats decode_layer.c works in for `rows` rows reaching `context` columns (one buffer
+    for every layer of a step)."""
+    per_row = 2 * layer.hidden + 2 * (layer.heads + layer.kv_heads) * layer.d
+    return torch.empty(rows * (per_row + 2 * layer.intermediate) + layer.heads * context)
+
+
+def decode_layer(
+    layer: DecodeLayer,
+    x: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    scratch: torch.Tensor,
+) -> None:
+    """The layer's output for one token a row into x (rows x hidden, contiguous, float32), row
+    r's key and value written at column positions[r] of cache row slots[r] (kv: [cache rows,
+    kv_heads, columns, d], contiguous) and attended over positions[r] + 1 columns; slots and
+    positions int64 on the CPU, their values checked by the caller; cos/sin: d values a row;
+    scratch: decode_scratch's for these rows and positions. See decode_layer.c."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    k, v = kv
+    library.decode_layer(
+        ctypes.byref(layer),
+        x.data_ptr(),
+        x.shape[0],
+        k.data_ptr(),
+        v.data_ptr(),
+        k.shape[2],
+        slots.data_ptr(),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        scratch.data_ptr(),
+        torch.get_num_threads(),
+    )
+
+
+def int8_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """x (rows, in) float32, contiguous, @ an Int8Weight (linear.py), each row quantized to 7 bits
+    with its own scale on the way; float32 (rows, padded out) out."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    rows, width = x.shape
+    padded_out, padded_in = weight.values.shape
+    threads = torch.get_num_threads()
+    levels = torch.empty(rows, padded_in, dtype=torch.uint8)
+    scale = torch.empty(rows)
+    library.quantize_rows(
+        x.data_ptr(), rows, width, levels.data_ptr(), padded_in, scale.data_ptr(), threads
+    )
+    out = torch.empty(rows, padded_out)
+    library.int8_linear(
+        levels.data_ptr(),
+        scale.data_ptr(),
+        weight.values.data_ptr(),
+        weight.sums.data_ptr(),
+        weight.scale.data_ptr(),
+        weight.bias.data_ptr(),
+        out.data_ptr(),
+        rows,
+        padded_out,
+        padded_in,
+        threads,
+    )
+    return out
+
+
+def quantize_weights(
+    weight: torch.Tensor, column_scale: torch.Tensor | None, padded: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8_weights.c: weight (out, in) bfloat16 or float32, contiguous, its columns times
+    `column_scale` (float32, or None) -> int8 values in int8_linear.c's layout (`padded` sides),
+    each channel's scale and each channel's sum, as linear.py's quantize_int8 computes them."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    (rows, width), (n, k) = weight.shape, padded
+    values = torch.empty(n, k, dtype=torch.int8)
+    scale, sums = torch.empty(n), torch.empty(n, dtype=torch.int32)
+    library.quantize_weights(
+        weight.data_ptr(),
+        int(weight.dtype == torch.bfloat16),
+        None if column_scale is None else column_scale.data_ptr(),
+        rows,
+        width,
+        values.data_ptr(),
+        scale.data_ptr(),
+        sums.data_ptr(),
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return values, scale, sums

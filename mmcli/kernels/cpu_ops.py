@@ -1,0 +1,107 @@
+"""Our C kernels (cpu.py) as the layers call them once the kernel plan installs them: each takes
+a layer's inputs and returns its output, or None where these inputs are not the kernel's (another
+dtype or device, strides it does not read, inside a graph being traced), and the layer then runs
+its own torch code. The checks are the kernels' contracts, so a layer knows no kernel by name."""
+
+from __future__ import annotations
+
+import torch
+
+from mmcli.kernels import cpu
+
+# the few-rows kernel up to here, the GEMM above: their crossover (bench/float_kernels.py)
+KERNEL_ROWS = 16
+
+
+def _float32_on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """rms_norm.c: a norm in one call (torch's CPU rms_norm is eight operations)."""
+    if not (_float32_on_cpu(x, weight) and x.stride(-1) == 1 and cpu.eager()):
+        return None
+    return cpu.rms_norm(x, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """pointwise.c's rotary: x [..., heads, head_dim] by cos/sin [..., rotary_dim], one pass."""
+    if not (
+        _float32_on_cpu(x, cos, sin)
+        and x.dim() >= 3
+        and x.stride(-1) == 1
+        and cos.shape == sin.shape == (*x.shape[:-2], cos.shape[-1])
+        and cos.shape[-1] % 2 == 0
+        and cos.shape[-1] <= x.shape[-1]
+        and not x.requires_grad
+        and cpu.eager()
+    ):
+        return None
+    try:
+        rows = x.view(-1, *x.shape[-2:])
+    except RuntimeError:  # leading dimensions that do not merge: torch's path
+        return None
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos.reshape(-1, rotary_dim).contiguous(), sin.reshape(-1, rotary_dim).contiguous()
+    return cpu.rotary(rows, cos, sin).view(x.shape)
+
+
+def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """pointwise.c's SwiGLU, silu(gate) * up in one pass, into gate (the layer does not keep
+    it)."""
+    if not (
+        _float32_on_cpu(gate, up)
+        and gate.shape == up.shape
+        and gate.is_contiguous()
+        and up.is_contiguous()
+        and not gate.requires_grad
+        and cpu.eager()
+    ):
+        return None
+    return cpu.silu_times(gate, up)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
+) -> torch.Tensor | None:
+    """attention.c: the decoder prefill's causal, grouped-query attention and attention within
+    one image's range."""
+    if (
+        not (_float32_on_cpu(q, k, v) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
+        or not cpu.eager()
+    ):
+        return None
+    return cpu.attention(q, k, v, causal)
+
+
+def bf16_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+) -> torch.Tensor | None:
+    """bf16_linear.c: x (float32) @ weight.T (bfloat16) + bias, then the activation; up to
+    KERNEL_ROWS rows the few-rows kernel, more rows the GEMM (which applies the bias and the
+    activation as it stores)."""
+    if not (
+        weight.dtype == torch.bfloat16
+        and x.dtype == torch.float32
+        and weight.is_contiguous()
+        and x.device.type == "cpu"
+        and cpu.eager()
+    ):
+        return None
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if x2.shape[0] > KERNEL_ROWS:
+        y = cpu.bf16_gemm(x2, weight, bias, activation)
+    else:
+        y = cpu.bf16_linear(x2, weight)
+        y = y if bias is None else y + bias
+        if activation is not None:
+            y = torch.nn.functional.gelu(y, approximate="tanh")
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def int8_matmul(x2: torch.Tensor, weight) -> torch.Tensor | None:
+    """int8_linear.c: x2 (rows, in) float32 @ an Int8Weight, each row quantized with its own
+    scale on the way."""
+    if not (x2.device.type == "cpu" and cpu.eager()):
+        return None
+    return cpu.int8_linear(x2, weight)

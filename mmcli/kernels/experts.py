@@ -1,0 +1,84 @@
+"""The MoE experts' kernels: tokens grouped by expert, so each expert's weights are read once per
+call, for the tokens routed to it, and an expert no token chose is not read at all. A loop over
+the chosen experts (a custom op, so compiled graphs call it as it is), and torch's grouped GEMM
+on CUDA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def expert_ffn(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """One expert on the rows routed to it; weights held lower (bfloat16 on the CPU) compute in
+    x's dtype."""
+    gate, up = F.linear(x, gate_up.to(x.dtype)).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down.to(x.dtype))
+
+
+def _grouped(chosen: torch.Tensor, weights: torch.Tensor):
+    """Each (token, choice) pair's token row and weight, sorted by expert (stable: a token's order
+    within its expert is its order in the batch)."""
+    order = chosen.flatten().argsort(stable=True)
+    return order // chosen.shape[1], weights.flatten()[order]
+
+
+def grouped_loop(x, chosen, weights, experts: int, ffn) -> torch.Tensor:
+    """x [T, H]; chosen, weights [T, k] -> the weighted sum of each token's experts [T, H]:
+    `ffn(e, rows)` once per expert chosen, on its rows (the counts are read on the host)."""
+    rows, scales = _grouped(chosen, weights)
+    counts = torch.bincount(chosen.flatten(), minlength=experts).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        group = rows[start : start + count]
+        y = ffn(expert, x[group])
+        out.index_add_(0, group, y * scales[start : start + count, None])
+        start += count
+    return out
+
+
+# The loop reads the routing on the host, which a fixed-shape graph cannot trace: as a custom op
+# the compiler calls it as it is (inductor's fullgraph buckets then hold MoE layers too).
+@torch.library.custom_op("mmcli::grouped_experts", mutates_args=())
+def grouped_experts(
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    def ffn(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return expert_ffn(gate_up_proj[expert], down_proj[expert], rows)
+
+    return grouped_loop(x, chosen, weights, len(gate_up_proj), ffn)
+
+
+@grouped_experts.register_fake
+def _(x, chosen, weights, gate_up_proj, down_proj):
+    return torch.empty_like(x)
+
+
+def grouped_gemm(x, chosen, weights, gate_up_proj, down_proj) -> torch.Tensor:
+    """The same sum by torch's grouped GEMM (one kernel over every expert's rows, offsets kept on
+    the device: no host sync). For CUDA with bfloat16 weights and activations."""
+    rows, scales = _grouped(chosen, weights)
+    counts = torch.bincount(chosen.flatten(), minlength=len(gate_up_proj))
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    gate, up = grouped_mm(x[rows], gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    y = grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)
+    return torch.zeros_like(x).index_add_(0, rows, y * scales[:, None])
+
+
+def has_grouped_gemm() -> bool:
+    return hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")
+
+
+def grouped_gemm_where_it_fits(x, chosen, weights, gate_up_proj, down_proj):
+    """grouped_gemm for CUDA with bfloat16 weights and activations, else None."""
+    if not (x.is_cuda and x.dtype == gate_up_proj.dtype == torch.bfloat16):
+        return None
+    return grouped_gemm(x, chosen, weights, gate_up_proj, down_proj)

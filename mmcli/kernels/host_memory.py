@@ -1,0 +1,82 @@
+"""The host memory of a run on the CPU: the allocator's setting, and the weights' pages mapped in.
+
+glibc's malloc hands each block over its mmap threshold (a few MB, raised as blocks are freed)
+back to the kernel when freed, and trims the heap's free top, so every activation of a
+prefill's size is mapped afresh and page-faulted on first write (docs/performance.md has the
+cost). Keeping freed blocks in the heap costs at most one forward pass's largest activations,
+held until the process ends.
+
+Quantizing at load frees a float32 copy of each weight as the next is made, between the kept
+int8 ones: malloc keeps those holes (docs/performance.md has what they held), so the load hands
+them back a layer at a time.
+
+The weights are mapped from the checkpoint (or the prepared file) and their pages would enter
+the page table one fault per 64 KiB during the first forward pass; one madvise a file enters
+them all at once, in the kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import sys
+
+MADV_POPULATE_READ = 22  # Linux 5.14 and later
+PAGE = 4096
+# mallopt's parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 256 << 20  # a block over this (a whole weight, the KV cache) is still mapped
+TRIM_THRESHOLD = 1 << 30
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def populate(extents: list[tuple[int, int]]) -> bool:
+    """Enter the pages of these (address, bytes) extents into the page table now, reading what
+    the page cache lacks; adjacent extents (one file's tensors) in one call. False where the
+    kernel cannot (older than 5.14, or not Linux): the pages then come in as they are touched."""
+    libc = _libc()
+    if libc is None:
+        return False
+    merged: list[list[int]] = []
+    for start, size in sorted(extents):
+        start, end = start // PAGE * PAGE, -(-(start + size) // PAGE) * PAGE
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return all(libc.madvise(start, end - start, MADV_POPULATE_READ) == 0 for start, end in merged)
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed activation memory for reuse; False where malloc is not glibc's
+    (the run goes on as before)."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:  # not Linux, or not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
+
+
+def release_freed_memory() -> bool:
+    """Hand the pages of malloc's free blocks back to the kernel (glibc's malloc_trim); False
+    where malloc is not glibc's."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

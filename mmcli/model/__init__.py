@@ -1,1 +1,0 @@
-"""The models, shaped like the released checkpoints, and loading them."""

@@ -1,0 +1,143 @@
+"""Quantized linear layers, each a module of its own that replaces a Linear at load
+(mmcli/weights/int8.py and int4.py make their weights):
+
+- Int8Linear: 8-bit weights with a scale per output channel, in the layout int8_linear.c reads
+  (so that they load as stored: fbgemm's packed weights cannot be stored, and packing them took
+  longer than the rest of a one-image ask); activations quantized on the fly to 7 bits with a
+  scale per token, so a token with large values never coarsens the others.
+- Int4Linear: 4-bit weights with a scale and a zero point per group of GROUP input channels
+  (asymmetric), in the layout torch's int4 CPU kernel takes and computed by it
+  (`torch.ops.aten._weight_int4pack_mm_for_cpu`, bfloat16 activations, float32 accumulation).
+  Half a byte a parameter, plus 4 bytes of scale and zero per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mmcli.models.layers.linear import activate, check_activation, upcast_linear
+
+GROUP = (
+    32  # int4's input channels per scale and zero: the error against int8's is in docs/models.md
+)
+# int8's activations take 7 bits (-63..63): the kernel's AVX2 path multiplies them without
+# saturating
+X_MAX = 63
+_rows: dict[int, torch.Tensor] = {}
+
+
+@dataclass
+class Int8Weight:
+    """A layer's int8 weights in the kernel's layout (int8_linear.c: groups of 16 output channels,
+    4 input channels interleaved; out_features padded to 16, in_features to 4 with zeros), as
+    computed and as the prepared file stores them: the kernel runs them as they are."""
+
+    values: torch.Tensor  # int8 [padded out, padded in], in the kernel's order
+    scale: torch.Tensor  # float32 per output channel (zero for padding)
+    sums: torch.Tensor  # int32: each output channel's sum of values
+    bias: torch.Tensor  # float32 (zeros when the layer has none)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"values": self.values, "scale": self.scale, "sums": self.sums, "bias": self.bias}
+
+    def rows(self) -> torch.Tensor:
+        """The values as [padded out, padded in] rows (a strided view of the kernel's layout)."""
+        n, k = self.values.shape
+        return self.values.view(n // 16, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(n, k)
+
+
+def _rows_buffer(shape: torch.Size) -> torch.Tensor:
+    """A float32 [rows, columns] buffer reused across calls (one per width, grown to the most
+    rows seen): a fresh one of a prefill's size is mapped and page-faulted at every call."""
+    rows, columns = shape
+    held = _rows.get(columns)
+    if held is None or held.shape[0] < rows:
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of it
+            held = _rows[columns] = torch.empty(rows, columns)
+    return held[:rows]
+
+
+def int8_reference(x2: torch.Tensor, weight: Int8Weight, per_token: bool) -> torch.Tensor:
+    """int8_linear.c's arithmetic in float32 (exact while the sums stay under 2**24): x2 (rows,
+    in) quantized to X_MAX levels, each row with its own scale (or one for the call without
+    `per_token`) -> (rows, padded out)."""
+    scale = torch.maximum(x2.amax(1, keepdim=True), x2.amin(1, keepdim=True).neg_())
+    if not per_token:
+        scale = scale.amax().expand(x2.shape[0], 1)
+    scale = scale.div(X_MAX).clamp_min_(1e-12)
+    levels = torch.div(x2, scale, out=_rows_buffer(x2.shape)).round_()
+    padded = torch.nn.functional.pad(levels, (0, weight.values.shape[1] - x2.shape[1]))
+    y = upcast_linear(padded, weight.rows(), None).mul_(scale).mul_(weight.scale)
+    return y.add_(weight.bias)
+
+
+class Int8Linear(nn.Module):
+    """x @ W.T + b with int8 weights, the activations quantized on the fly: by the installed
+    kernel (int8_linear.c, summing exactly in int32), else int8_reference."""
+
+    work = "int8"  # the kind of work the kernel plan installs a kernel for
+    kernel = None  # (x2, Int8Weight) -> (rows, padded out), or None where x2 is not the kernel's
+    per_token = True  # one activation scale a row; False: one a call (what the tests compare)
+
+    def __init__(self, in_features: int, out_features: int, weight: Int8Weight):
+        super().__init__()
+        self.in_features, self.out_features, self.weight = in_features, out_features, weight
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors this layer computes with (no parameters: the Int8Weight's)."""
+        return list(self.weight.tensors().values())
+
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        check_activation(activation)
+        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+        y = None
+        if self.per_token and self.kernel is not None:
+            y = self.kernel(x2, self.weight)
+        if y is None:
+            y = int8_reference(x2, self.weight, self.per_token)
+        if y.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        return activate(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features), activation)
+
+
+@dataclass
+class Int4Weight:
+    packed: torch.Tensor  # torch's int4 CPU layout of the [out, in] 4-bit values
+    scales_zeros: torch.Tensor  # [in / GROUP, out, 2] bfloat16
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_zeros))
+
+
+def can_int4() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )
+
+
+def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, GROUP, weight.scales_zeros)
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias
+
+    def held(self) -> list[torch.Tensor]:
+        return [self.weight.packed, self.weight.scales_zeros]
+
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        check_activation(activation)
+        return activate(int4_linear(x, self.weight, self.bias), activation)

@@ -1,0 +1,196 @@
+"""Qwen3-VL's text decoder: Qwen3 layers (q/k RMSNorm, GQA), interleaved M-RoPE, DeepStack
+injection. Qwen3.5's attention gates its output and scales its norms by (1 + weight), as its config
+says; its hybrid stack (models/qwen3_5) and the MoE variants' sparse MLPs subclass the decoder.
+
+Tokens of all sequences in a call are flat ([T, hidden]); the runner passes the cache and where
+each sequence's tokens go. Module names follow the checkpoint (model.language_model.*)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmcli.models.cache import AttentionBatch, DecoderCache
+from mmcli.models.config import TextConfig
+from mmcli.models.layers.attention import RangeAttention
+from mmcli.models.layers.linear import Linear, embedding
+from mmcli.models.layers.mlp import MLP
+from mmcli.models.layers.norms import RMSNorm
+from mmcli.models.layers.rotary import Rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim, self.output_gate = cfg.head_dim, cfg.attn_output_gate
+        # with the output gate, each head's query is followed by its gate in q_proj's rows
+        width = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
+        self.q_proj = Linear(cfg.hidden_size, width, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.rotary, self.attend = Rotary(), RangeAttention()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.output_gate:
+            q, gate = self.q_proj(x).unflatten(-1, (self.num_heads, -1)).chunk(2, dim=-1)
+        else:
+            q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)  # M-RoPE after the q/k norms
+        if batch.seqlens is not None:
+            out = self._prefill(q, k, v, batch, k_cache, v_cache)
+        else:
+            out = self._decode(q, k, v, batch, k_cache, v_cache)
+        out = out.flatten(-2)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate.flatten(-2))
+        return self.o_proj(out)
+
+    def _prefill(self, q, k, v, batch, k_cache, v_cache):
+        out, start = [], 0
+        for i, n in enumerate(batch.seqlens):
+            s = slice(start, start + n)
+            if batch.starts and batch.starts[i]:
+                out.append(
+                    self._prefill_after(
+                        q[s], k[s], v[s], batch.slots[i : i + 1], batch.starts[i], k_cache, v_cache
+                    )
+                )
+                start += n
+                continue
+            # a tensor index: no host sync, and one compiled graph whatever the slot
+            slot = batch.slots[i : i + 1]
+            k_cache[slot, :, :n] = k[s].transpose(0, 1)[None]
+            v_cache[slot, :, :n] = v[s].transpose(0, 1)[None]
+            out.append(self.attend(q[s], k[s], v[s], causal=True))
+            start += n
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _prefill_after(self, q, k, v, slot, first: int, k_cache, v_cache):
+        """Tokens at positions first.. of a row whose earlier tokens are cached (a shared
+        prefix): written after them, attending to all of them and causally among themselves."""
+        n = q.shape[0]
+        k_cache[slot, :, first : first + n] = k.transpose(0, 1)[None]
+        v_cache[slot, :, first : first + n] = v.transpose(0, 1)[None]
+        keys = k_cache[slot, :, : first + n][0].transpose(0, 1)
+        values = v_cache[slot, :, : first + n][0].transpose(0, 1)
+        return self.attend(q, keys, values, causal=True)
+
+    def _decode(self, q, k, v, batch, k_cache, v_cache):
+        slots, pos, n = batch.slots, batch.positions, batch.context_len
+        k_cache[slots, :, pos] = k
+        v_cache[slots, :, pos] = v
+        b = slots.shape[0]
+        if batch.fixed_shapes:
+            keys, values = k_cache[slots, :, :n], v_cache[slots, :, :n]
+        else:
+            keys = k_cache[:b, :, :n] if batch.contiguous else k_cache[slots, :, :n]
+            values = v_cache[:b, :, :n] if batch.contiguous else v_cache[slots, :, :n]
+            if b == 1:  # one sequence: its whole context, no mask needed
+                # each KV head's query heads as its queries: one call, no GQA expansion
+                grouped = q.view(1, self.num_kv_heads, -1, self.head_dim)
+                out = F.scaled_dot_product_attention(grouped, keys, values)
+                return out.reshape(1, self.num_heads, self.head_dim)
+        # each row sees its own past
+        mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]
+        # One query per row: group the query heads under their KV head instead of expanding K/V for
+        # GQA.
+        qg = q.view(b, self.num_kv_heads, -1, self.head_dim)  # [B, kv, group, d]
+        scores = (qg @ keys.transpose(-1, -2)).float() * self.head_dim**-0.5  # [B, kv, group, n]
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        o = scores.softmax(-1).to(values.dtype) @ values  # [B, kv, group, d]
+        return o.reshape(b, self.num_heads, self.head_dim)
+
+
+class DecoderLayer(nn.Module):
+    """Attention (or, in a hybrid stack's linear layers, `linear_attn`: Gated DeltaNet), then the
+    MLP (sparse in an MoE model's sparse layers)."""
+
+    def __init__(self, cfg: TextConfig, mlp: nn.Module, linear_attn: nn.Module | None = None):
+        super().__init__()
+        if linear_attn is not None:
+            self.linear_attn = linear_attn
+        else:
+            self.self_attn = Attention(cfg)
+        self.linear = linear_attn is not None
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        state: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """`state`: this layer's cache tensors, (K, V) or (conv, recurrent)."""
+        normed = self.input_layernorm(x)
+        if self.linear:
+            h = x + self.linear_attn(normed, batch, *state)
+        else:
+            h = x + self.self_attn(normed, cos, sin, batch, *state)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TextDecoder(nn.Module):
+    work = "decode_step"  # the kind of work the kernel plan installs a kernel for
+    # a decode step through every layer at once (kernels/fused_decode.py) where it fits
+    kernel = None
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(self.build_layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+
+    def build_layer(self, cfg: TextConfig, index: int) -> DecoderLayer:
+        """Decoder layer `index`: attention and the MLP (subclasses: other mixers and MLPs)."""
+        return DecoderLayer(cfg, self.build_mlp(cfg, index))
+
+    def build_mlp(self, cfg: TextConfig, index: int) -> nn.Module:
+        return MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings in the compute dtype (the norms' dtype; the table may be held in a
+        lower precision)."""
+        return self.embed_tokens(ids).to(self.norm.weight.dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+        cache: DecoderCache,
+        deepstack: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """hidden [T, H] -> final-normed hidden [T, H]. DeepStack level l ([T, H], zero off the
+        image tokens) is added after layer l (prefill only)."""
+        cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)
+        if self.kernel is not None and self.kernel.fits(hidden, batch, deepstack):
+            return self.norm(self.kernel(hidden, cos, sin, batch, cache))
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, batch, cache.layer(i))
+            if deepstack is not None and i < len(deepstack):
+                hidden = hidden + deepstack[i].to(hidden.dtype)
+        return self.norm(hidden)

@@ -1,0 +1,140 @@
+"""`quantize: int4` at load: each matrix is quantized as it is read, so no full-precision copy of
+the model is ever held (a 30B MoE's experts are most of its bytes).
+
+Quantized: every linear layer's weight of the text decoder (and an untied lm_head) whose shape
+torch's int4 CPU kernel takes (rows a multiple of 16, columns of GROUP) and the MoE experts, one
+expert's gate, up and down projections at a time; kept as loaded: the vision tower, the
+embeddings, the norms, the MoE routers and a tied lm_head."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from mmcli.errors import CheckpointError
+from mmcli.models.layers.quantized import GROUP, Int4Linear, Int4Weight
+
+
+def int4_values(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [out, in] in 0..15, scale, zero [out, in / GROUP]) with value = (q - 8) * scale + zero:
+    each group's range mapped onto the 16 levels."""
+    out, inner = weight.shape
+    w = weight.detach().float().reshape(out, inner // GROUP, GROUP)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp_min(1e-8)
+    q = ((w - low) / scale).round_().clamp_(0, 15).reshape(out, inner)
+    return q.to(torch.int32), scale[..., 0], (low + 8 * scale)[..., 0]
+
+
+ROWS = 2048  # quantized a block of rows at a time: a multiple of the kernel's 64-row blocks
+
+
+class Slab:
+    """The 4-bit weights of one load, carved out of large blocks. Thousands of sub-MiB weights
+    allocated one by one between the quantizer's freed temporaries fragment malloc's heap (a
+    30B MoE's load held 1.6x its weights); blocks this size are mapped apart from the heap."""
+
+    def __init__(self, block_bytes: int = 256 << 20):
+        self.block_bytes = block_bytes  # 0: each tensor allocated apart, at its own size
+        self.block, self.used = torch.empty(0, dtype=torch.uint8), 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = -(-self.used // 64) * 64
+        if start + nbytes > len(self.block):
+            self.block, start = torch.empty(max(self.block_bytes, nbytes), dtype=torch.uint8), 0
+        self.used = start + nbytes
+        return self.block[start : start + nbytes].view(dtype).view(shape)
+
+
+def quantize_int4(weight: torch.Tensor, slab: Slab | None = None) -> Int4Weight:
+    """Row blocks pack exactly as the whole matrix would; quantizing a block at a time keeps the
+    float32 and int32 temporaries small (the whole of a 151936-row lm_head's would be 4 GiB)."""
+    out, inner = weight.shape
+    slab = slab or Slab(0)
+    packed = slab.take((out, inner // 2), torch.uint8)
+    pairs = slab.take((inner // GROUP, out, 2), torch.bfloat16)
+    for start in range(0, out, ROWS):
+        q, scale, zero = int4_values(weight[start : start + ROWS])
+        pairs[:, start : start + ROWS] = torch.stack([scale, zero], -1).transpose(0, 1)
+        packed[start : start + ROWS] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return Int4Weight(packed, pairs, (out, inner))
+
+
+_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up|down)_proj$")
+
+
+def eligible(name: str, shape: tuple[int, ...], linear_weights: set[str], tied: bool) -> bool:
+    """Whether int4 takes this tensor: a linear layer's or an expert's [out, in] matrix whose
+    sides the kernel takes (out a multiple of 16, in of GROUP), not a router or a tied head."""
+    if name.endswith(".mlp.gate.weight") or (tied and name == "lm_head.weight"):
+        return False
+    # The vision tower stays as stored (llama.cpp keeps its mmproj in 16 bits too): a few percent
+    # of the parameters, and its many rows a call run faster in float32 than in torch's int4 kernel.
+    if name.startswith("model.visual."):
+        return False
+    if "embed" in name:  # embed_tokens, the vision patch and position embeddings
+        return False
+    if not (_PER_EXPERT.match(name) or _FUSED.match(name) or name in linear_weights):
+        return False
+    out, inner = shape[-2:]
+    if (fused := _FUSED.match(name)) and fused.group(2) == "gate_up":
+        out = min(out, inner) // 2  # each of gate and up, whichever way the tensor is laid out
+    return out % 16 == 0 and min(shape[-2:]) % GROUP == 0 and max(shape[-2:]) % GROUP == 0
+
+
+def quantize_read(name: str, tensor: torch.Tensor, expected: tuple[int, ...] | None, slab: Slab):
+    """The int4 form of one tensor as read, held in `slab`: an Int4Weight, or for a fused experts
+    tensor (either orientation) a list per expert of (gate, up) or (down,) Int4Weights."""
+    fused = _FUSED.match(name)
+    if fused is None:
+        return quantize_int4(tensor, slab)
+    if expected is not None and tuple(tensor.shape) != expected:
+        tensor = tensor.transpose(1, 2)  # the released [E, in, out] layout
+    if fused.group(2) == "down":
+        return [(quantize_int4(e, slab),) for e in tensor]
+    half = tensor.shape[1] // 2
+    return [(quantize_int4(e[:half], slab), quantize_int4(e[half:], slab)) for e in tensor]
+
+
+def experts_int4(held: dict, expected: dict[str, tuple]) -> dict[str, list]:
+    """Per MoE layer (`...mlp.experts`), each expert's (gate, up, down) Int4Weights, from the fused
+    or the per-expert tensors read; what it used is taken out of `held`."""
+    out = {}
+    for name, shape in expected.items():
+        fused = _FUSED.match(name)
+        if fused is None or fused.group(2) != "gate_up":
+            continue
+        prefix, count = fused.group(1), shape[0]
+        down = held.pop(f"{prefix}.down_proj", None)
+        gate_up = held.pop(name, None)
+        if gate_up is None or down is None:
+            names = [
+                f"{prefix}.{e}.{p}_proj.weight"
+                for e in range(count)
+                for p in "gate up down".split()
+            ]
+            missing = [n for n in names if n not in held]
+            if len(missing) == len(names):
+                continue  # named by the missing-tensor check
+            if missing:
+                raise CheckpointError(f"missing expert tensors: {', '.join(missing[:3])}")
+            parts = [held.pop(n) for n in names]
+            out[prefix] = [tuple(parts[3 * e : 3 * e + 3]) for e in range(count)]
+        else:
+            out[prefix] = [g_u + d for g_u, d in zip(gate_up, down)]
+    return out
+
+
+def adopt(model: torch.nn.Module, held: dict[str, Int4Weight], experts: dict[str, list]) -> None:
+    """Put the 4-bit weights into the model built on the meta device."""
+    for name, weight in held.items():
+        path = name.rsplit(".", 1)[0]
+        parent, _, child = path.rpartition(".")
+        linear = model.get_submodule(path)
+        model.get_submodule(parent).register_module(child, Int4Linear(weight, linear.bias))
+    for prefix, weights in experts.items():
+        model.get_submodule(prefix).adopt_int4(weights)

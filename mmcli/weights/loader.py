@@ -1,0 +1,88 @@
+"""The model built from a checkpoint's weights, and its weights put into the form the kernel plan
+chose (oneDNN's packed float32, int8 through the prepared cache), the plan's kernels installed."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmcli.kernels.host_memory import keep_freed_memory, populate
+from mmcli.kernels.plan import KernelPlan, install
+from mmcli.models.config import ModelConfig
+from mmcli.models.layers.linear import Linear, PackedLinear, can_pack
+from mmcli.models.registry import family_of
+from mmcli.weights import int4
+from mmcli.weights.checkpoint import Weights
+from mmcli.weights.int8 import quantize_model, replace
+from mmcli.weights.prepared import PreparedWeights
+
+
+def build_model(cfg: ModelConfig, weights: Weights) -> nn.Module:
+    """Built without allocating, then given the loaded tensors (a tied lm_head shares
+    embed_tokens) and any 4-bit weights."""
+    with torch.device("meta"):
+        model = family_of(cfg).build(cfg)
+    quantized = bool(weights.int4 or weights.experts_int4)
+    model.load_state_dict(weights.tensors, strict=not quantized, assign=True)
+    int4.adopt(model, weights.int4, weights.experts_int4)
+    return model.eval().requires_grad_(False)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Every Linear of `model` that can be (CPU, float32, oneDNN present) replaced by its
+    PackedLinear; returns how many were."""
+    names = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, Linear) and m.weight is not None and can_pack(m.weight)
+    ]
+    for name in names:
+        replace(model, name, PackedLinear(model.get_submodule(name)))
+    return len(names)
+
+
+def prepare(
+    model: nn.Module, plan: KernelPlan, device: torch.device, prepared: PreparedWeights | None
+) -> nn.Module:
+    """The weights in the plan's form on `device`, its kernels installed, and on the CPU the
+    allocator set for the run and the weights' pages mapped in."""
+    model = model.to(device)
+    form = plan.linears.kernel
+    if form == "int8":
+        if prepared is not None:
+            prepared.quantize(model)
+        else:
+            quantize_model(model)
+    elif form.startswith("packed float32"):
+        pack_linears(model)
+    install(plan, model)
+    if device.type == "cpu":
+        keep_freed_memory()  # after the load: its temporaries are returned as before
+        populate([(t.data_ptr(), t.numel() * t.element_size()) for t in held_tensors(model)])
+    return model
+
+
+def held_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors the model computes with on the CPU: parameters, buffers and the quantized and
+    packed layers' weights (oneDNN's packed ones are opaque: no pages of ours to map)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for layer in model.modules():
+        if hasattr(layer, "held"):
+            tensors += layer.held()
+    return [t for t in tensors if t.device.type == "cpu" and t.layout == torch.strided]
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights take as held: every tensor's storage once (a tied weight is
+    shared), plus the packed oneDNN, int8 and int4 weights and the MoE experts' int4."""
+    storages = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    total = sum(storages.values())
+    for layer in model.modules():
+        if hasattr(layer, "held"):
+            total += sum(t.numel() * t.element_size() for t in layer.held())
+    total += sum(getattr(m, "int4_bytes", 0) for m in model.modules())  # MoE experts
+    return total

@@ -1,0 +1,70 @@
+"""The kernel plan: which kernel each kind of work uses, chosen once at load from the run's shape,
+and installed into the layers that name that work."""
+
+import pytest
+
+from mmcli.kernels import cpu, cpu_ops
+from mmcli.kernels.attention import bounded_attention
+from mmcli.kernels.fused_decode import FusedDecode
+from mmcli.kernels.plan import NONE, RunShape, choose
+
+DEFAULT = RunShape("cpu", "eager", "float32", "bfloat16", "none", fusable_decode=True)
+needs_kernels = pytest.mark.skipif(
+    cpu.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
+)
+
+
+@needs_kernels
+def test_the_default_cpu_run_takes_our_kernels_for_every_kind_of_work():
+    plan = choose(DEFAULT)
+    ours = {"upcast", "attention", "norm", "rotary", "swiglu", "decode_step"}
+    assert all(plan.choices()[work].install is not None for work in ours)
+    assert plan.record()["norm"] == "rms_norm.c" and plan.record()["build"] == cpu.name()
+    assert plan.int8 is NONE and plan.experts is NONE and plan.delta_rule is NONE
+    assert "int8" not in plan.record() and "decode_step decode_layer.c" in plan.summary()
+
+
+def test_without_our_kernels_every_layer_keeps_torch(monkeypatch):
+    monkeypatch.setattr(cpu, "load", lambda: (None, "MMCLI_CPU_KERNEL=0"))
+    plan = choose(DEFAULT)
+    assert plan.build == "none (MMCLI_CPU_KERNEL=0)"
+    assert all(c.install is None for w, c in plan.choices().items() if w != "vision_blocks")
+    assert plan.upcast.kernel == "chunks" and plan.decode_step.kernel == "layer by layer"
+
+
+@pytest.mark.parametrize("backend", ["inductor", "neuron"])
+def test_compiled_graphs_trace_torch_operations(backend):
+    plan = choose(RunShape("cpu", backend, "float32", "float32", "none"))
+    assert {plan.norm.kernel, plan.attention.kernel, plan.rotary.kernel} == {"torch"}
+    assert plan.linears.kernel == "as loaded" and plan.decode_step.install is None
+    if backend == "inductor":  # neuron's kernel needs torch-neuronx to be installed
+        assert plan.vision_blocks.install(None) is bounded_attention
+
+
+@needs_kernels
+def test_quantized_runs_keep_the_upcast_kernel_for_the_matrices_left_as_loaded():
+    int8 = choose(RunShape("cpu", "eager", "float32", "bfloat16", "int8", hybrid=True))
+    assert int8.int8.install(None) is cpu_ops.int8_matmul and int8.upcast.install is not None
+    assert int8.linears.kernel == "int8" and int8.delta_rule.kernel == "PyTorch"
+    int4 = choose(RunShape("cpu", "eager", "float32", "bfloat16", "int4", sparse=True))
+    assert int4.upcast.install is not None and int4.experts.kernel == "grouped loop"
+
+
+@needs_kernels
+def test_a_loaded_run_holds_its_plan_and_its_layers_the_plans_kernels(tiny_dir, tmp_path):
+    from mmcli import Labeler
+    from mmcli.testing import make_tiny_checkpoint
+
+    labeler = Labeler.from_pretrained(
+        str(make_tiny_checkpoint(tmp_path / "bf16", dtype="bfloat16")), device="cpu"
+    )
+    decoder = labeler.model.language_model
+    assert labeler.kernel_plan == choose(DEFAULT)
+    assert decoder.layers[0].input_layernorm.kernel is cpu_ops.rms_norm
+    assert decoder.layers[0].self_attn.rotary.kernel is cpu_ops.rotary
+    assert decoder.layers[0].mlp.act.kernel is cpu_ops.silu_times
+    assert isinstance(decoder.kernel, FusedDecode)
+    assert labeler.kernels == labeler.kernel_plan.summary()
+    float32 = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
+    assert float32.kernel_plan.linears.kernel == "packed float32 (oneDNN)"
+    assert float32.model.language_model.kernel is None  # decode_layer.c reads bfloat16 weights
