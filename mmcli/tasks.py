@@ -76,12 +76,16 @@ def resolve_tasks(
     return tasks
 
 
+# a plain question's task: its name seeds its sampled tokens (`ask` and `serve` alike)
+QUESTION_TASK = "caption"
+
+
 def question_task(cfg: Config, question: str | None, given: dict | None = None) -> Task:
     """The plain task of a question (else the settings' prompt): text out, no template."""
     if question:
         check_prompt(question, "prompt (given)")
     sampling = decide_sampling(cfg.generation, {}, given)
-    return Task("caption", question or cfg.prompt, "text", None, sampling, None, "", "")
+    return Task(QUESTION_TASK, question or cfg.prompt, "text", None, sampling, None, "", "")
 
 
 def _json_text(text: str) -> str:

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mmcli"
 LAYERS = [
     ["mmcli", "mmcli.__main__", "mmcli.testing"],
     ["mmcli.cli"],
-    ["mmcli.jobs", "mmcli.review"],
+    ["mmcli.jobs", "mmcli.review", "mmcli.serve"],
     ["mmcli.api"],
     ["mmcli.inputs"],
     ["mmcli.engine"],
@@ -28,7 +28,7 @@ LAYERS = [
     ["mmcli.models.layers", "mmcli.models.cache"],
     ["mmcli.models.config", "mmcli.models.family"],
     ["mmcli.kernels"],
-    ["mmcli.errors", "mmcli.paths"],
+    ["mmcli.errors", "mmcli.paths", "mmcli.hosts"],
 ]
 
 

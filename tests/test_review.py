@@ -1,6 +1,7 @@
 """`mmcli review`: the store and the server (paths, tokens, malformed records, edits that resume
 keeps), and the page in a real headless Chromium (grid, boxes, filters, sorting, an edit)."""
 
+import http.client
 import json
 import shutil
 import threading
@@ -287,3 +288,27 @@ def test_an_edit_on_the_page_appends_a_record(server, browser, labeled):
     last = json.loads(out.read_text().splitlines()[-1])
     assert last["key"] == "chelsea.png" and last["text"] == "a cat, corrected"
     assert last["review"]["by"] == "person"
+
+
+def test_a_request_for_another_host_gets_neither_the_page_nor_its_token(server):
+    """DNS rebinding: a page whose name now points here asks with its own Host; refused before
+    the page (and its edit token) or any label is sent. The server's own address is served."""
+    port = server.server_address[1]
+    for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.evil.example:{port}"):
+        for method, path in (("GET", "/"), ("GET", "/api/items"), ("POST", "/api/review")):
+            conn = http.client.HTTPConnection("127.0.0.1", port)
+            conn.request(
+                method,
+                path,
+                body=b"{}" if method == "POST" else None,
+                headers={"Host": host, "X-Review-Token": server.token},
+            )
+            response = conn.getresponse()
+            body = response.read()
+            conn.close()
+            assert response.status == 400 and server.token.encode() not in body, (host, path)
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}"):
+        conn = http.client.HTTPConnection("127.0.0.1", port)
+        conn.request("GET", "/", headers={"Host": host})
+        assert conn.getresponse().status == 200
+        conn.close()

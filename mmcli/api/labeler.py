@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
@@ -12,7 +13,7 @@ from PIL import Image
 from mmcli.api.loader import Loaded, Run, load, resolve_run
 from mmcli.api.result import Result
 from mmcli.config import Config, SamplingParams, load_config
-from mmcli.engine.grammar import compile_grammars
+from mmcli.engine.grammar import JsonGrammar, compile_grammars
 from mmcli.engine.loop import Engine
 from mmcli.engine.sequence import Request
 from mmcli.inputs.placeholders import render_prompt
@@ -38,6 +39,7 @@ class Labeler:
         self.kernel_plan, self.prepared = loaded.kernel_plan, loaded.prepared
         self.precision = {k: v for k, v in loaded.precision.items() if k != "loaded"}
         self.engine = Engine(self.runner, self.config)
+        self._json_grammars: dict = {}  # schema text -> JsonGrammar (a server's response formats)
         visual_ids = (self.model.cfg.image_token_id, self.model.cfg.video_token_id)
         self.requests = RequestBuilder(
             self.prompts,
@@ -126,6 +128,21 @@ class Labeler:
         if tasks is None:
             return [question_task(self.config, prompt, sampling)]
         return resolve_tasks(self.config, tasks, sampling)
+
+    def json_grammar(self, schema: str, where: str = "response_format.json_schema.schema"):
+        """A JSON schema (its JSON text) compiled against the tokenizer, once per schema: each
+        `start()` of it constrains one sequence; a ConfigError naming `where` if it cannot."""
+        if schema not in self._json_grammars:
+            eos = min(self.stop_ids) if self.stop_ids else 0
+            self._json_grammars[schema] = JsonGrammar(
+                "",
+                json.loads(schema),
+                self.prompts.tokenizer.to_str(),
+                eos,
+                self.prompts.reasoning_end,
+                where,
+            )
+        return self._json_grammars[schema]
 
     def grammars(self, tasks: list[Task]) -> dict:
         return compile_grammars(

@@ -315,6 +315,7 @@ def review(
     host: o.Host = "127.0.0.1",
     port: o.Port = 8765,
     config: o.ConfigFile = None,
+    allowed_host: o.AllowedHost = [],  # noqa: B006 - Typer's default, never mutated
 ) -> None:
     """Open a local page to look at, filter and correct the records of one or more JSONL files.
 
@@ -326,7 +327,7 @@ def review(
     from mmcli.cli.review import serve
 
     with exit_codes():
-        serve(labels, host, port, _load_config(config))
+        serve(labels, host, port, _load_config(config), tuple(allowed_host))
 
 
 @app.command()
@@ -353,6 +354,62 @@ def export(
         count = write(labels, to, out, wide, include_errors, with_media)
         unit = {"imagefolder": "images", "webdataset": "shards"}.get(to, "rows")
         typer.echo(f"mmcli: {count} {unit} in {out}", err=True)
+
+
+@app.command("serve")
+def serve_cmd(
+    model: o.Model = None,
+    config: o.ConfigFile = None,
+    host: o.Host = "127.0.0.1",
+    port: o.Port = 8000,
+    api_key: o.ApiKey = None,
+    served_model_name: o.ServedModel = None,
+    allowed_media_dir: o.MediaDir = None,
+    allow_media_url: o.MediaURL = [],  # noqa: B006 - Typer's default, never mutated
+    allowed_host: o.AllowedHost = [],  # noqa: B006
+    max_images: o.MaxImages = 16,
+    max_body_mb: o.MaxBodyMB = 64,
+    max_queue: o.MaxQueue = 64,
+    dtype: o.Dtype = None,
+    device: o.Device = None,
+    backend: o.Backend = None,
+    quantize: o.Quantize = None,
+    no_cache: o.NoCache = False,
+    thinking: o.Thinking = None,
+) -> None:
+    """Serve the model behind the OpenAI API (chat completions) until Ctrl-C or SIGTERM.
+
+    \b
+    Examples:
+      mmcli serve --model Qwen/Qwen3-VL-2B-Instruct --port 8000
+      mmcli serve --api-key secret --allowed-media-dir ./images
+    """
+    from mmcli.cli.serve import ServeOptions, serve
+
+    with exit_codes():
+        cfg = _load_config(
+            config,
+            model=model,
+            dtype=dtype,
+            device=device,
+            quantize=quantize,
+            thinking=thinking,
+            weights_cache=False if no_cache else None,
+            compile={"backend": backend},
+        )
+        options = ServeOptions(
+            host=host,
+            port=port,
+            api_key=api_key,
+            served_model=served_model_name,
+            media_dir=allowed_media_dir,
+            media_domains=allow_media_url,
+            allowed_hosts=allowed_host,
+            max_images=max_images,
+            max_body_mb=max_body_mb,
+            max_queue=max_queue,
+        )
+        serve(cfg, options)
 
 
 @app.command("config")

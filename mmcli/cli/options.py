@@ -105,3 +105,27 @@ ExportFormat = _option(
 Wide = _option(bool, "--wide", help="Parquet: one row per input, one column per task.")
 IncludeErrors = _option(bool, "--include-errors", help="Keep the error records too.")
 WithMedia = _option(bool, "--with-media", help="webdataset: copy each sample's members too.")
+
+# serve and batch
+ApiKey = _option(
+    str | None,
+    "--api-key",
+    help="Clients must send it (Authorization: Bearer KEY); default $MMCLI_API_KEY.",
+    envvar="MMCLI_API_KEY",
+    show_envvar=False,
+)
+ServedModel = _option(
+    str | None, "--served-model-name", help="The model id clients name (default: --model's)."
+)
+MediaDir = _option(
+    Path | None, "--allowed-media-dir", help="file:// media only inside this folder (off)."
+)
+MediaURL = _option(
+    list[str], "--allow-media-url", help="http(s) media from this domain (repeatable; off)."
+)
+AllowedHost = _option(
+    list[str], "--allowed-host", help="Another Host name clients reach this server by."
+)
+MaxImages = _option(int, "--max-images", help="Most images in one request.")
+MaxBodyMB = _option(int, "--max-body-mb", help="Largest request body, in MB.")
+MaxQueue = _option(int, "--max-queue", help="Requests that may wait; more are answered 429.")

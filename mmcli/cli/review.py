@@ -7,12 +7,14 @@ from pathlib import Path
 from mmcli.config import Config
 
 
-def serve(files: list[Path], host: str, port: int, config: Config) -> None:
+def serve(
+    files: list[Path], host: str, port: int, config: Config, allowed_hosts: tuple[str, ...] = ()
+) -> None:
     from mmcli.review.server import ReviewServer
     from mmcli.review.store import ReviewStore
 
     store = ReviewStore(files)
-    server = ReviewServer(store, host, port, config.image.max_decode_pixels)
+    server = ReviewServer(store, host, port, config.image.max_decode_pixels, allowed_hosts)
     print(
         f"mmcli: {len(store.items)} items from {len(files)} file(s) at {server.url} (Ctrl-C stops)"
     )

@@ -24,7 +24,9 @@ class JsonGrammar:
         tokenizer_json: str,
         eos_token: int,
         reasoning_end: int | None = None,
+        where: str | None = None,
     ):
+        """`where`: the setting errors name (default: the task's schema in the config)."""
         self.reasoning_end = reasoning_end
         try:
             import llguidance
@@ -43,9 +45,8 @@ class JsonGrammar:
         except (ValueError, TypeError, RuntimeError) as e:
             error = str(e)
         if error:
-            raise ConfigError(
-                f"config tasks.{task_name}.schema: cannot be compiled to a grammar ({error[:200]})"
-            )
+            where = where or f"config tasks.{task_name}.schema"
+            raise ConfigError(f"{where}: cannot be compiled to a grammar ({error[:200]})")
 
     def start(self) -> SequenceConstraint | AfterReasoning:
         constraint = SequenceConstraint(

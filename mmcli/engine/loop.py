@@ -78,7 +78,12 @@ class Engine:
     def _choose(self, scheduler: Scheduler, seqs: list[Sequence], logits) -> None:
         params = [s.request.sampling for s in seqs]
         seeds = [
-            step_seed(s.request.sampling.seed, s.request.key, s.request.task, len(s.token_ids))
+            step_seed(
+                s.request.sampling.seed,
+                s.request.seed_key or s.request.key,
+                s.request.task,
+                len(s.token_ids),
+            )
             for s in seqs
         ]
         # Only the repetition penalty reads the history: skip building it otherwise.

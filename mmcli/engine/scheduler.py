@@ -51,7 +51,15 @@ class Scheduler:
         return sorted((s for s in self.running if not s.finished), key=lambda s: s.slot)
 
     def finish(self) -> list[Sequence]:
-        """Sequences that stopped, out of the running set, their slots freed."""
+        """Sequences that stopped (or were cancelled), out of the running set, their slots
+        freed; cancelled requests that still wait are dropped."""
+        for seq in self.running:
+            if seq.request.cancelled and not seq.finished:
+                seq.finish_reason = "cancelled"
+        if any(r.cancelled for r in self.waiting):
+            kept = [r for r in self.waiting if not r.cancelled]
+            self.waiting.clear()
+            self.waiting.extend(kept)
         done = [s for s in self.running if s.finished]
         for seq in done:
             self.running.remove(seq)

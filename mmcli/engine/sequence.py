@@ -29,6 +29,11 @@ class Request:
     group: str | None = None
     prefix_len: int = 0
     constraint: Any = None  # a grammar.SequenceConstraint: the tokens this sequence may take
+    # set from another thread (a server's client gone): the scheduler drops it at the next step
+    cancelled: bool = False
+    # what its sampled tokens are seeded by with `task` (default: `key`): a server's request
+    # draws what `ask` draws for the same inputs, whatever its routing key
+    seed_key: str | None = None
 
     @property
     def vision_patches(self) -> list[int]:

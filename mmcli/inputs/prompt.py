@@ -96,8 +96,12 @@ class PromptBuilder:
     def render(self, question: str, kinds: list[str]) -> str:
         """The chat template over one user turn: the inputs ("image" or "video", in order), then
         the question."""
-        content = [{"type": kind} for kind in kinds] + [{"type": "text", "text": question}]
-        messages = [{"role": "user", "content": content}]
+        return self.render_messages([user_turn(question, kinds)])
+
+    def render_messages(self, messages: list[dict]) -> str:
+        """The chat template over a conversation: messages of roles system, user and assistant,
+        each's content a string or parts ({"type": "text", "text": ...}, {"type": "image"},
+        {"type": "video"}), and the assistant's turn opened."""
         return self.template.render(
             messages=messages,
             add_generation_prompt=True,
@@ -106,16 +110,21 @@ class PromptBuilder:
         )
 
     def encode(self, question: str, layout: list) -> list[int]:
-        """Token ids of the prompt about these inputs. `layout` has per input an image's token
-        count, or a video's [(seconds, tokens)] per temporal patch. An image's `<|image_pad|>` is
-        repeated to its count; a video's `<|vision_start|><|video_pad|><|vision_end|>` becomes,
-        per temporal patch, "<t seconds>" and its own vision start, pads and end (as Qwen3-VL's
-        processor expands it; the time formatted with one decimal)."""
+        """Token ids of one user turn about these inputs: the inputs in order (an image or a
+        video per `layout` entry), then the question."""
+        kinds = ["video" if isinstance(e, list) else "image" for e in layout]
+        return self.encode_messages([user_turn(question, kinds)], layout)
+
+    def encode_messages(self, messages: list[dict], layout: list) -> list[int]:
+        """Token ids of a conversation whose image and video parts are, in order, the inputs of
+        `layout`: per input an image's token count, or a video's [(seconds, tokens)] per temporal
+        patch. An image's `<|image_pad|>` is repeated to its count; a video's
+        `<|vision_start|><|video_pad|><|vision_end|>` becomes, per temporal patch, "<t seconds>"
+        and its own vision start, pads and end (as Qwen3-VL's processor expands it; the time
+        formatted with one decimal)."""
         videos = [entry for entry in layout if isinstance(entry, list)]
         images = [entry for entry in layout if not isinstance(entry, list)]
-        parts = self.render(
-            question, ["video" if isinstance(e, list) else "image" for e in layout]
-        ).split(VIDEO_SPAN)
+        parts = self.render_messages(messages).split(VIDEO_SPAN)
         text = parts[0]
         for groups, part in zip(videos, parts[1:]):
             text += "".join(f"<{seconds:.1f} seconds>{VIDEO_SPAN}" for seconds, _ in groups) + part
@@ -159,6 +168,12 @@ class PromptBuilder:
             return self.decode(ids).strip(), "", False
         cut = ids.index(self.reasoning_end)
         return self.decode(ids[:cut]).strip(), self.decode(ids[cut + 1 :]).lstrip(), True
+
+
+def user_turn(question: str, kinds: list[str]) -> dict:
+    """One user message: the inputs ("image" or "video", in order), then the question."""
+    content = [{"type": kind} for kind in kinds] + [{"type": "text", "text": question}]
+    return {"role": "user", "content": content}
 
 
 class TextStream:

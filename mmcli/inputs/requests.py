@@ -68,21 +68,33 @@ class RequestBuilder:
     def prepare(self, images: list, videos: list = ()) -> PreparedInputs:
         """Decode and preprocess (files with a video extension as videos, after the images);
         raises ImageError naming the file for a bad input."""
-        out = PreparedInputs([], [], [], [])
         videos = [i for i in images if self.is_video(i)] + list(videos)
-        for image in [i for i in images if not self.is_video(i)]:
-            rgb, note, file = self._decode_image(image)
-            try:
-                pv, grid = preprocess(rgb, self.image_cfg)
-            except ImageError as e:
-                raise ImageError(f"{_named(image)}: {e}") from None
-            self._check_block(image, pv.shape[0])
-            out.add(pv, grid)
-            out.infos.append({"width": rgb.width, "height": rgb.height, "note": note, **file})
-            out.layout.append(grid[0] * grid[1] * grid[2] // self.image_cfg.merge_size**2)
-        for video in videos:
-            self._add_video(out, video)
+        images = [i for i in images if not self.is_video(i)]
+        return self.prepare_in_order(
+            [("image", i) for i in images] + [("video", v) for v in videos]
+        )
+
+    def prepare_in_order(self, inputs: list[tuple[str, object]]) -> PreparedInputs:
+        """Decode and preprocess ("image" or "video", source) inputs in the order given (a
+        conversation's parts); raises ImageError naming the input for a bad one."""
+        out = PreparedInputs([], [], [], [])
+        for kind, source in inputs:
+            if kind == "video":
+                self._add_video(out, source)
+            else:
+                self._add_image(out, source)
         return out
+
+    def _add_image(self, out: PreparedInputs, image) -> None:
+        rgb, note, file = self._decode_image(image)
+        try:
+            pv, grid = preprocess(rgb, self.image_cfg)
+        except ImageError as e:
+            raise ImageError(f"{_named(image)}: {e}") from None
+        self._check_block(image, pv.shape[0])
+        out.add(pv, grid)
+        out.infos.append({"width": rgb.width, "height": rgb.height, "note": note, **file})
+        out.layout.append(grid[0] * grid[1] * grid[2] // self.image_cfg.merge_size**2)
 
     def _decode_image(self, image):
         """(RGB, note, {"file": the facts of the bytes decoded} or {} for a PIL image)."""
@@ -138,6 +150,21 @@ class RequestBuilder:
         """One request for `question` about the prepared images; raises ItemError when the prompt
         cannot run."""
         ids = self.prompts.encode(question, prepared.layout)
+        return self.request(key, ids, prepared, sampling, **extra)
+
+    def build_messages(
+        self, key: str, prepared: PreparedInputs, messages: list[dict], sampling, **extra
+    ) -> Request:
+        """One request for a conversation whose image and video parts are the prepared inputs,
+        in order (chat_template's content parts); raises ItemError when the prompt cannot run."""
+        ids = self.prompts.encode_messages(messages, prepared.layout)
+        return self.request(key, ids, prepared, sampling, **extra)
+
+    def request(
+        self, key: str, ids: list[int], prepared: PreparedInputs, sampling, **extra
+    ) -> Request:
+        """The engine's request for prompt `ids` about the prepared inputs, checked against the
+        engine's and the compiled buckets' limits."""
         max_len = self.config.engine.max_len
         if len(ids) >= max_len:
             raise ItemError(

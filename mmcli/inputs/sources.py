@@ -11,7 +11,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -73,7 +73,19 @@ class Broken:
         raise ImageError(self.message)
 
 
-Source = Path | TarMember | ParquetCell | Broken
+@dataclass(frozen=True)
+class Received:
+    """An input whose bytes came with a request (a server's data URL or fetched URL), and the
+    name errors give it."""
+
+    name: str
+    data: bytes = field(repr=False)
+
+    def read(self) -> bytes:
+        return self.data
+
+
+Source = Path | TarMember | ParquetCell | Broken | Received
 
 
 def describe(source: Source) -> str:
@@ -84,11 +96,14 @@ def describe(source: Source) -> str:
         return f"{source.file}:row group {source.row_group} row {source.row}"
     if isinstance(source, Broken):
         return str(source.where)
+    if isinstance(source, Received):
+        return source.name
     return str(source)
 
 
 def suffix(source: Source) -> str:
-    name = source.name if isinstance(source, (TarMember, ParquetCell, Broken)) else str(source)
+    held = (TarMember, ParquetCell, Broken, Received)
+    name = source.name if isinstance(source, held) else str(source)
     return Path(name).suffix.lower()
 
 
@@ -155,6 +170,9 @@ class Opened:
 def read_source(source: Source) -> Opened:
     """The input's bytes, read once, and their facts (a shard member's or a Parquet cell's are
     its file's, hashed once a file); raises ImageError naming what cannot be read."""
+    if isinstance(source, Received):
+        data = source.read()
+        return Opened(io.BytesIO(data), {"sha256": hashlib.sha256(data).hexdigest()})
     if isinstance(source, (TarMember, ParquetCell, Broken)):
         return Opened(io.BytesIO(source.read()), file_facts(container_file(source)))
     path = Path(source)

@@ -15,6 +15,7 @@ from importlib import resources
 from urllib.parse import parse_qs, urlparse
 
 from mmcli.errors import ImageError, MmcliError
+from mmcli.hosts import accepted_hosts
 from mmcli.review.media import SIZES, Thumbnails
 from mmcli.review.store import ReviewStore
 
@@ -41,10 +42,19 @@ DETAIL_FIELDS = (
 class ReviewServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, store: ReviewStore, host: str, port: int, max_decode_pixels: int):
+    def __init__(
+        self,
+        store: ReviewStore,
+        host: str,
+        port: int,
+        max_decode_pixels: int,
+        allowed_hosts: tuple[str, ...] = (),
+    ):
         self.store, self.token = store, secrets.token_urlsafe(24)
         self.thumbnails = Thumbnails(max_decode_pixels)
         super().__init__((host, port), Handler)
+        # the port bound (0 asks for any): only now known
+        self.hosts = accepted_hosts(host, self.server_address[1], allowed_hosts)
 
     @property
     def url(self) -> str:
@@ -58,7 +68,17 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args) -> None:  # the terminal shows the URL, not every request
         pass
 
+    def _foreign_host(self) -> bool:
+        """A Host that is not this server's (a page rebinding its own name to this machine):
+        refused, before the page, its token or any label is sent."""
+        if self.headers.get("Host", "") in self.server.hosts:
+            return False
+        self._send_json({"error": "Host is not this server's address"}, HTTPStatus.BAD_REQUEST)
+        return True
+
     def do_GET(self) -> None:
+        if self._foreign_host():
+            return
         url = urlparse(self.path)
         parts = [p for p in url.path.split("/") if p]
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
@@ -82,6 +102,8 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json({"error": "not found"}, HTTPStatus.NOT_FOUND)
 
     def do_POST(self) -> None:
+        if self._foreign_host():
+            return
         if urlparse(self.path).path != "/api/review":
             return self._send_json({"error": "not found"}, HTTPStatus.NOT_FOUND)
         if not secrets.compare_digest(self.headers.get("X-Review-Token", ""), self.server.token):

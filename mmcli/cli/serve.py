@@ -1,0 +1,71 @@
+"""`mmcli serve`: the model loaded once behind the OpenAI API, on uvicorn, until SIGTERM or Ctrl-C
+(then it admits nothing more, finishes what is in flight and exits 0)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmcli.config import Config
+from mmcli.errors import ConfigError
+from mmcli.hosts import accepted_hosts
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model: str | None = None
+    media_dir: Path | None = None
+    media_domains: list[str] = field(default_factory=list)
+    allowed_hosts: list[str] = field(default_factory=list)
+    max_images: int = 16
+    max_body_mb: int = 64
+    max_queue: int = 64
+
+
+def serve(cfg: Config, options: ServeOptions) -> None:
+    try:
+        import uvicorn
+
+        from mmcli.serve.app import ServeSettings, create_app
+    except ImportError:
+        raise ConfigError("mmcli serve needs its extra: pip install 'mmcli[serve]'") from None
+    from mmcli.api.labeler import Labeler
+    from mmcli.serve.chat import Limits
+    from mmcli.serve.media import MediaPolicy
+    from mmcli.serve.service import EngineService
+
+    labeler = Labeler.from_pretrained(config=cfg)
+    if options.port == 0:  # any free one, known before the Host check is set up
+        options.port = free_port(options.host)
+    settings = ServeSettings(
+        served_model=options.served_model or cfg.model,
+        hosts=accepted_hosts(options.host, options.port, options.allowed_hosts),
+        api_key=options.api_key,
+        media=MediaPolicy(options.media_dir, tuple(d.lower() for d in options.media_domains)),
+        limits=Limits(options.max_images, options.max_body_mb << 20, options.max_queue),
+    )
+    service = EngineService(labeler, options.max_queue).start()
+    app = create_app(labeler, service, settings)
+    print(
+        f"mmcli: serving {settings.served_model} at http://{options.host}:{options.port}/v1 "
+        f"({labeler.precision['weights']} weights, {labeler.precision['compute']} compute; "
+        f"{labeler.kernels})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        uvicorn.run(app, host=options.host, port=options.port, log_level="warning")
+    finally:
+        service.close()
+        labeler.prepared_weights_report()
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,1 @@
+"""`mmcli serve` and `mmcli batch`: the labeling engine behind the OpenAI API."""
