@@ -412,6 +412,39 @@ def serve_cmd(
         serve(cfg, options)
 
 
+@app.command("batch")
+def batch_cmd(
+    requests: Annotated[
+        Path, typer.Argument(metavar="REQUESTS", help="An OpenAI Batch API input file (JSONL).")
+    ],
+    output: o.BatchOutput = Path("results.jsonl"),
+    model: o.Model = None,
+    config: o.ConfigFile = None,
+    dtype: o.Dtype = None,
+    device: o.Device = None,
+    quantize: o.Quantize = None,
+    thinking: o.Thinking = None,
+    quiet: o.Quiet = False,
+) -> None:
+    """Run an OpenAI Batch API file offline: one output line per request; resumable.
+
+    \b
+    Examples:
+      mmcli batch requests.jsonl -o results.jsonl
+    """
+    from mmcli.cli.batch import run_batch
+    from mmcli.cli.progress import Progress
+
+    with exit_codes():
+        cfg = _load_config(
+            config, model=model, dtype=dtype, device=device, quantize=quantize, thinking=thinking
+        )
+        redo = "fix those lines and rerun: answered custom_ids are kept, the failed ones redone"
+        progress = Progress(quiet=quiet, work=("answering", "requests"), redo=redo)
+        code = run_batch(cfg, requests, output, progress)
+    raise typer.Exit(code)
+
+
 @app.command("config")
 def config_cmd(
     action: str = typer.Argument("show", help="show: print the effective settings as YAML."),

@@ -129,3 +129,6 @@ AllowedHost = _option(
 MaxImages = _option(int, "--max-images", help="Most images in one request.")
 MaxBodyMB = _option(int, "--max-body-mb", help="Largest request body, in MB.")
 MaxQueue = _option(int, "--max-queue", help="Requests that may wait; more are answered 429.")
+BatchOutput = _option(
+    Path, "--output", "-o", help="The Batch API's output file (JSONL) to append to."
+)

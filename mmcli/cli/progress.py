@@ -27,8 +27,19 @@ SHOWN_FAILURES = 10
 
 
 class Progress:
-    def __init__(self, total: int = 0, quiet: bool = False, console: Console | None = None):
+    def __init__(
+        self,
+        total: int = 0,
+        quiet: bool = False,
+        console: Console | None = None,
+        work: tuple[str, str] = ("captioning", "images"),
+        redo: str = "fix the files, then rerun with --retry-errors to redo them",
+    ):
+        """`work`: what the run does and what it counts (`batch`: answering requests); `redo`:
+        how to redo what failed."""
         self.total, self.quiet = total, quiet
+        self.verb, self.unit = work
+        self.redo = redo
         self.done = self.tokens = 0
         self.failures: list[tuple[str, str]] = []  # (key, one-line cause)
         self.load_seconds = 0.0
@@ -76,7 +87,9 @@ class Progress:
             yield loaded
         self.load_seconds = time.perf_counter() - started
         kernels = f" ({loaded['kernels']})" if loaded.get("kernels") else ""
-        self.say(f"loaded in {self.load_seconds:.1f} s{kernels}; captioning {self.total} images")
+        self.say(
+            f"loaded in {self.load_seconds:.1f} s{kernels}; {self.verb} {self.total} {self.unit}"
+        )
         self.start()
 
     def start(self) -> None:
@@ -84,7 +97,7 @@ class Progress:
         self.started = time.perf_counter()
         if self.live and self.bar is None:
             self.bar = RichProgress(
-                TextColumn("captioning"),
+                TextColumn(self.verb),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[rate]}"),
@@ -115,14 +128,13 @@ class Progress:
             self.bar.update(
                 self.task,
                 completed=self.done,
-                rate=f"{images_s:.2f} img/s {tokens_s:.1f} tok/s",
+                rate=f"{images_s:.2f} {self.unit}/s {tokens_s:.1f} tok/s",
                 failed=f"{self.failed} failed" if self.failed else "",
             )
         else:
             status = "ok" if ok else f"error: {self.failures[-1][1]}"
-            self.say(
-                f"[{self.done}/{self.total}] {record['key']}: {status} ({images_s:.2f} images/s)"
-            )
+            rate = f"{images_s:.2f} {self.unit}/s"
+            self.say(f"[{self.done}/{self.total}] {record['key']}: {status} ({rate})")
 
     def stop(self) -> None:
         if self.bar is not None:
@@ -136,13 +148,13 @@ class Progress:
         elapsed, images_s, tokens_s = self._rates()
         table = Table(title="interrupted: finished items are saved" if interrupted else "done")
         for col in (
-            "images",
+            self.unit,
             "ok",
             "failed",
             "not done",
             "load s",
             "labeling s",
-            "images/s",
+            f"{self.unit}/s",
             "tokens/s",
         ):
             table.add_column(col, justify="right")
@@ -157,7 +169,7 @@ class Progress:
             f"{tokens_s:.1f}",
         )
         self.console.print(table)
-        for line in failure_lines(self.failures):
+        for line in failure_lines(self.failures, self.redo):
             self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
@@ -180,14 +192,14 @@ def status_line(console: Console, what: str) -> Iterator[None]:
         yield
 
 
-def failure_lines(failures: list[tuple[str, str]], shown: int = SHOWN_FAILURES) -> list[str]:
+def failure_lines(
+    failures: list[tuple[str, str]], redo: str, shown: int = SHOWN_FAILURES
+) -> list[str]:
     """The failed items by name with their causes (the first `shown`), and how to redo them."""
     if not failures:
         return []
     lines = [f"failed: {key}: {cause}" for key, cause in failures[:shown]]
     if len(failures) > shown:
         lines.append(f"and {len(failures) - shown} more (their error records say why)")
-    lines.append(
-        f"{len(failures)} failed; fix the files, then rerun with --retry-errors to redo them"
-    )
+    lines.append(f"{len(failures)} failed; {redo}")
     return lines
