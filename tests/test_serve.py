@@ -123,6 +123,17 @@ def test_an_answer_is_asks_with_its_logprobs(client, reference, names):
     assert reply.usage.prompt_tokens == expected.num_input_tokens
 
 
+def test_top_logprobs_are_the_most_likely_tokens_at_each_step(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=user(), max_tokens=6, logprobs=True, top_logprobs=3
+    )
+    for token in reply.choices[0].logprobs.content:  # greedy: the chosen token is the top one
+        tops = [t.logprob for t in token.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert token.top_logprobs[0].token == token.token
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob)
+
+
 def test_stream_and_non_stream_give_the_same_text_and_usage(client):
     messages = user(data_url("chelsea.jpg"))
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
@@ -236,7 +247,7 @@ def _status(call) -> tuple[int, dict]:
             "cannot be compiled",
         ),
         (user(), {"frequency_penalty": 0.5}, 400, "frequency_penalty: not implemented"),
-        (user(), {"top_logprobs": 2, "logprobs": True}, 400, "top_logprobs"),
+        (user(), {"top_logprobs": 2}, 400, "top_logprobs: needs logprobs"),
         (user(f"file://{SAMPLES / 'coffee.jpg'}"), {}, 400, "no such file inside"),
         (user("http://127.0.0.1:1/x.jpg"), {}, 400, "not a public address"),
         (user("http://example.com/x.jpg"), {}, 400, "not allowed"),
@@ -341,3 +352,69 @@ def test_an_image_over_the_decode_limit_is_refused(client):
         lambda: client.chat.completions.create(model=MODEL, messages=user(url), max_tokens=2)
     )
     assert code == 400 and "decode limit" in body["message"]
+
+
+def test_a_video_as_a_data_url_is_asks_answer(client, reference, tmp_path):
+    from mmcli.testing import make_test_video
+
+    video = make_test_video(tmp_path / "clip.mp4", seconds=2, fps=8)
+    url = "data:video/mp4;base64," + base64.b64encode(video.read_bytes()).decode()
+    parts = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": QUESTION}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=10
+    )
+    expected = reference.ask([], QUESTION, videos=[str(video)], max_new_tokens=10)
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.prompt_tokens == expected.num_input_tokens
+
+
+@pytest.mark.slow
+def test_sigterm_stops_admitting_finishes_in_flight_and_exits_0(tiny_dir):
+    """A streaming answer in flight when SIGTERM comes is finished; then the process exits 0."""
+    import signal
+    import subprocess
+
+    from mmcli.testing import installed_command
+
+    port = _free_port()
+    command = [
+        installed_command("mmcli"),
+        "serve",
+        "--model",
+        str(tiny_dir),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--served-model-name",
+        MODEL,
+    ]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.2)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=user(), max_tokens=400, stream=True
+        )
+        chunks = iter(stream)
+        first = next(chunks)
+        server.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(openai.APIConnectionError):  # admits nothing more
+            client.models.list()
+        rest = list(chunks)
+        assert first.choices[0].delta.role == "assistant"
+        assert rest[-1].choices[0].finish_reason == "length"  # every token asked for came
+        assert server.wait(timeout=60) == 0, server.stderr.read()
+    finally:
+        if server.poll() is None:
+            server.kill()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -58,11 +59,21 @@ def serve(cfg: Config, options: ServeOptions) -> None:
         file=sys.stderr,
         flush=True,
     )
+    # uvicorn drains on SIGTERM and Ctrl-C, then raises the signal again under the handlers it
+    # found: these, so that a server stopped on purpose exits 0
+    stopped = {sig: signal.signal(sig, _noted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.run(app, host=options.host, port=options.port, log_level="warning")
+        config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning")
+        uvicorn.Server(config).run()
     finally:
+        for sig, handler in stopped.items():
+            signal.signal(sig, handler)
         service.close()
         labeler.prepared_weights_report()
+
+
+def _noted(signum, frame) -> None:
+    """A stop signal after the drain: the server has already stopped."""
 
 
 def free_port(host: str) -> int:

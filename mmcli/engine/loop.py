@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 from mmcli.config import Config
 from mmcli.engine.batch import DecodeItem, PrefillItem
 from mmcli.engine.runner import ModelRunner
-from mmcli.engine.sampling import choose, step_seed
+from mmcli.engine.sampling import choose, step_seed, top_logprobs
 from mmcli.engine.scheduler import Scheduler
 from mmcli.engine.sequence import Finished, Request, Sequence
 
@@ -94,7 +94,11 @@ class Engine:
             for s in seqs
         ]
         constraints = [s.request.constraint for s in seqs]
-        for seq, choice in zip(seqs, self.choose(logits, params, histories, seeds, constraints)):
+        tops = top_logprobs(logits, [s.request.top_logprobs for s in seqs])
+        chosen = self.choose(logits, params, histories, seeds, constraints)
+        for i, (seq, choice) in enumerate(zip(seqs, chosen)):
+            if tops is not None:
+                seq.top_logprobs.append(tops[i])
             if seq.request.constraint is not None:
                 seq.request.constraint.consume(choice.token_id)
             if self.on_token is not None:

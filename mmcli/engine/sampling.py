@@ -94,3 +94,14 @@ def choose(
                 constraint.mask(row)
     tokens, logprobs = choose_tokens(scores, params, histories, seeds, model_logits=logits)
     return [Choice(t, lp) for t, lp in zip(tokens, logprobs)]
+
+
+def top_logprobs(logits: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]]] | None:
+    """Per row, its `counts[i]` most likely tokens and their log-probabilities under the model
+    (None when no row asks for any)."""
+    most = max(counts, default=0)
+    if most == 0:
+        return None
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(most, dim=-1)
+    rows = zip(ids.cpu().tolist(), values.double().cpu().tolist(), counts)
+    return [list(zip(i[:n], v[:n])) for i, v, n in rows]

@@ -31,6 +31,7 @@ class Request:
     constraint: Any = None  # a grammar.SequenceConstraint: the tokens this sequence may take
     # set from another thread (a server's client gone): the scheduler drops it at the next step
     cancelled: bool = False
+    top_logprobs: int = 0  # the most likely tokens to report at each step, with their logprobs
     # what its sampled tokens are seeded by with `task` (default: `key`): a server's request
     # draws what `ask` draws for the same inputs, whatever its routing key
     seed_key: str | None = None
@@ -48,6 +49,7 @@ class Sequence:
     slot: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # where asked
     finish_reason: str | None = None
 
     @property
@@ -70,6 +72,7 @@ class Finished:
     task: str = ""
     constraint: Any = None
     prompt: str = ""
+    top_logprobs: list = field(default_factory=list)  # per token, where the request asked
 
     @classmethod
     def of(cls, seq: Sequence) -> Finished:
@@ -84,4 +87,5 @@ class Finished:
             req.task,
             req.constraint,
             req.prompt,
+            seq.top_logprobs,
         )

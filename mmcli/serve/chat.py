@@ -43,10 +43,8 @@ def build_job(
     name = body.unsupported()
     if name is not None:
         raise APIError(400, f"{name}: not implemented by mmcli serve (see docs/serve.md)", name)
-    if body.top_logprobs:
-        raise APIError(
-            400, "top_logprobs: not implemented by mmcli serve (logprobs is)", "top_logprobs"
-        )
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
     if body.chat_template_kwargs is not None and body.chat_template_kwargs.enable_thinking != (
         labeler.prompts.thinking
     ):
@@ -76,6 +74,7 @@ def build_job(
                     # seeded as `ask` is for the same question: the same sampled answer
                     seed_key="ask" if choice == 0 else f"ask-{choice}",
                     task=QUESTION_TASK,
+                    top_logprobs=body.top_logprobs or 0,
                     constraint=grammar.start() if grammar is not None else None,
                 )
             )
@@ -158,19 +157,23 @@ def choice_of(labeler, job: ChatJob, index: int, done) -> dict:
         message["reasoning_content"] = reasoning
     choice = {"index": index, "message": message, "finish_reason": reason, "logprobs": None}
     if job.logprobs:
-        choice["logprobs"] = {"content": token_logprobs(labeler, done.token_ids, done.logprobs)}
+        choice["logprobs"] = {"content": token_logprobs(labeler, done)}
     return choice
 
 
-def token_logprobs(labeler, ids: list[int], logprobs: list[float]) -> list[dict]:
-    tokenizer = labeler.prompts.tokenizer
-    out = []
-    for token_id, logprob in zip(ids, logprobs):
-        piece = tokenizer.decode([token_id], skip_special_tokens=False)
-        out.append(
-            {"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "top_logprobs": []}
-        )
-    return out
+def token_logprobs(labeler, done) -> list[dict]:
+    """OpenAI's logprobs.content: each token's text, log-probability and bytes, and the most
+    likely tokens at its step where the request asked for them."""
+    tops = done.top_logprobs or [[] for _ in done.token_ids]
+    return [
+        {**_token(labeler, token_id, logprob), "top_logprobs": [_token(labeler, *t) for t in top]}
+        for token_id, logprob, top in zip(done.token_ids, done.logprobs, tops)
+    ]
+
+
+def _token(labeler, token_id: int, logprob: float) -> dict:
+    piece = labeler.prompts.tokenizer.decode([token_id], skip_special_tokens=False)
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
 
 def usage_of(finished: list) -> dict:
