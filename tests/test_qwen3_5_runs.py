@@ -234,3 +234,37 @@ def test_int8_runs_the_hybrid_layers_close_to_float32(qwen3_5_dir):
     # Wider than Qwen3-VL's 0.12: Gated DeltaNet's RMSNorm magnifies the rounding of a random
     # model's small delta-rule outputs (tests/test_qwen3_5.py), int8's included.
     assert error < 0.35 and error < naive_error
+
+
+def test_serve_thinks_when_a_request_asks_and_keeps_the_reasoning_apart(thinker):
+    """Off by default; on with chat_template_kwargs.enable_thinking, the reasoning in
+    message.reasoning_content apart from the answer, as a --thinking run of ask gives them."""
+    openai = pytest.importorskip("openai")
+    from conftest import live_server
+
+    from mmcli.serve.service import EngineService
+
+    path, _ = thinker
+    labeler = Labeler.from_pretrained(str(path), config=load_config(None, {"device": "cpu"}))
+    thinking = Labeler.from_pretrained(
+        str(path), config=load_config(None, {"device": "cpu", "thinking": True})
+    )
+    expected = thinking.ask([], "Describe a cat.", max_new_tokens=40)
+    service = EngineService(labeler).start()
+    try:
+        with live_server(labeler, service, model="q") as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+            messages = [{"role": "user", "content": "Describe a cat."}]
+            plain = client.chat.completions.create(model="q", messages=messages, max_tokens=40)
+            reasoned = client.chat.completions.create(
+                model="q",
+                messages=messages,
+                max_tokens=40,
+                extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+            )
+    finally:
+        service.close()
+    assert getattr(plain.choices[0].message, "reasoning_content", None) is None
+    message = reasoned.choices[0].message
+    assert (message.reasoning_content, message.content) == (expected.reasoning, expected.text)
+    assert expected.reasoning and message.content != plain.choices[0].message.content

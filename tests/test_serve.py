@@ -4,7 +4,6 @@ error in OpenAI's shape with its status, the key, the Host check and the media r
 
 import base64
 import concurrent.futures
-import contextlib
 import http.server
 import io
 import json
@@ -14,44 +13,17 @@ import time
 
 import jsonschema
 import pytest
-from conftest import SAMPLES, encoded, photo
+from conftest import SAMPLES, encoded, free_port, live_server, photo
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from mmcli.serve.app import ServeSettings, create_app  # noqa: E402
 from mmcli.serve.chat import Limits  # noqa: E402
 from mmcli.serve.media import MediaPolicy  # noqa: E402
 from mmcli.serve.service import EngineService  # noqa: E402
 
 MODEL = "tiny"
 QUESTION = "Describe this image."
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def live_server(labeler, service, **settings):
-    """create_app on uvicorn in a thread of this process, on a free loopback port."""
-    from mmcli.hosts import accepted_hosts
-
-    port = _free_port()
-    settings.setdefault("hosts", accepted_hosts("127.0.0.1", port, []))
-    app = create_app(labeler, service, ServeSettings(served_model=MODEL, **settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join()
 
 
 def _labeler(tiny_dir):
@@ -376,7 +348,7 @@ def test_sigterm_stops_admitting_finishes_in_flight_and_exits_0(tiny_dir):
 
     from mmcli.testing import installed_command
 
-    port = _free_port()
+    port = free_port()
     command = [
         installed_command("mmcli"),
         "serve",

@@ -129,20 +129,18 @@ class Labeler:
             return [question_task(self.config, prompt, sampling)]
         return resolve_tasks(self.config, tasks, sampling)
 
-    def json_grammar(self, schema: str, where: str = "response_format.json_schema.schema"):
-        """A JSON schema (its JSON text) compiled against the tokenizer, once per schema: each
-        `start()` of it constrains one sequence; a ConfigError naming `where` if it cannot."""
-        if schema not in self._json_grammars:
+    def json_grammar(self, schema: str, reasoning_end: int | None, where: str = "response_format"):
+        """A JSON schema (its JSON text) compiled against the tokenizer, once per schema and
+        reasoning end (thinking: the schema constrains what follows it): each `start()` of it
+        constrains one sequence; a ConfigError naming `where` if it cannot."""
+        key = (schema, reasoning_end)
+        if key not in self._json_grammars:
             eos = min(self.stop_ids) if self.stop_ids else 0
-            self._json_grammars[schema] = JsonGrammar(
-                "",
-                json.loads(schema),
-                self.prompts.tokenizer.to_str(),
-                eos,
-                self.prompts.reasoning_end,
-                where,
+            tokenizer = self.prompts.tokenizer.to_str()
+            self._json_grammars[key] = JsonGrammar(
+                "", json.loads(schema), tokenizer, eos, reasoning_end, where
             )
-        return self._json_grammars[schema]
+        return self._json_grammars[key]
 
     def grammars(self, tasks: list[Task]) -> dict:
         return compile_grammars(

@@ -4,7 +4,7 @@ pad expansion."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -92,6 +92,19 @@ class PromptBuilder:
                 f"tokenizer of {path} has no {THINK_END} token"
             )
         return cls(tokenizer, template, image_token_id, special, thinking, end)
+
+    def with_thinking(self, thinking: bool) -> PromptBuilder:
+        """This builder with thinking mode on or off (a server's request chooses); ConfigError
+        where the model has no reasoning block to open."""
+        if thinking == self.thinking:
+            return self
+        end = self.tokenizer.token_to_id(THINK_END) if thinking else None
+        if thinking and end is None:
+            raise ConfigError(
+                f"thinking needs a model that reasons in <think> blocks (Qwen3.5); "
+                f"this tokenizer has no {THINK_END} token"
+            )
+        return replace(self, thinking=thinking, reasoning_end=end)
 
     def render(self, question: str, kinds: list[str]) -> str:
         """The chat template over one user turn: the inputs ("image" or "video", in order), then

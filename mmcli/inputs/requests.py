@@ -153,11 +153,18 @@ class RequestBuilder:
         return self.request(key, ids, prepared, sampling, **extra)
 
     def build_messages(
-        self, key: str, prepared: PreparedInputs, messages: list[dict], sampling, **extra
+        self,
+        key: str,
+        prepared: PreparedInputs,
+        messages: list[dict],
+        sampling,
+        prompts: PromptBuilder | None = None,
+        **extra,
     ) -> Request:
         """One request for a conversation whose image and video parts are the prepared inputs,
-        in order (chat_template's content parts); raises ItemError when the prompt cannot run."""
-        ids = self.prompts.encode_messages(messages, prepared.layout)
+        in order (chat_template's content parts), rendered by `prompts` (default: the run's);
+        raises ItemError when the prompt cannot run."""
+        ids = (prompts or self.prompts).encode_messages(messages, prepared.layout)
         return self.request(key, ids, prepared, sampling, **extra)
 
     def request(

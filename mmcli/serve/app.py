@@ -173,7 +173,7 @@ async def stream_events(labeler, service, job, handles, include_usage: bool):
 
 async def choice_pieces(labeler, job, handle, service):
     """(text piece, Finished or None) as one choice's tokens come; a stop string ends it."""
-    stream, sent = TextStream(labeler.prompts), ""
+    stream, sent = TextStream(job.prompts), ""
     while True:
         kind, value = await handle.events.get()
         if kind == "error":

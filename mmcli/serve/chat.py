@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from mmcli.config import SamplingParams
 from mmcli.errors import ConfigError, ImageError, ItemError
+from mmcli.inputs.prompt import PromptBuilder
 from mmcli.serve.media import MediaPolicy
 from mmcli.serve.protocol import APIError, ChatCompletionRequest
 from mmcli.tasks import QUESTION_TASK
@@ -29,10 +30,10 @@ class ChatJob:
 
     id: str
     model: str
+    prompts: PromptBuilder  # the run's, thinking on or off as the request asks
     requests: list = field(default_factory=list)
     stops: list[str] = field(default_factory=list)
     logprobs: bool = False
-    json: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -40,47 +41,56 @@ def build_job(
     labeler, body: ChatCompletionRequest, policy: MediaPolicy, limits: Limits, key: str, served: str
 ) -> ChatJob:
     """The engine requests of `body`; APIError(400) naming what cannot run."""
-    name = body.unsupported()
-    if name is not None:
-        raise APIError(400, f"{name}: not implemented by mmcli serve (see docs/serve.md)", name)
-    if body.top_logprobs and not body.logprobs:
-        raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
-    if body.chat_template_kwargs is not None and body.chat_template_kwargs.enable_thinking != (
-        labeler.prompts.thinking
-    ):
-        raise APIError(
-            400,
-            "chat_template_kwargs.enable_thinking: this server runs with "
-            f"thinking {'on' if labeler.prompts.thinking else 'off'} (--thinking)",
-            "chat_template_kwargs",
-        )
+    check_supported(body)
+    job = ChatJob(key, served, _prompts(labeler, body), stops=body.stops, logprobs=body.logprobs)
     messages, media = conversation(body, policy, limits)
     try:
         prepared = labeler.requests.prepare_in_order(media)
     except ImageError as e:
         raise APIError(400, str(e), "messages") from None
+    grammar = _grammar(labeler, body, job.prompts.reasoning_end)
     sampling = sampling_of(labeler.config.generation, body)
-    job = ChatJob(key, served, stops=body.stops, logprobs=body.logprobs)
-    grammar = _grammar(labeler, body)
-    job.json = grammar is not None
-    try:
-        for choice in range(body.n):
-            job.requests.append(
-                labeler.requests.build_messages(
-                    f"{key}-{choice}",
-                    prepared,
-                    messages,
-                    sampling,
-                    # seeded as `ask` is for the same question: the same sampled answer
-                    seed_key="ask" if choice == 0 else f"ask-{choice}",
-                    task=QUESTION_TASK,
-                    top_logprobs=body.top_logprobs or 0,
-                    constraint=grammar.start() if grammar is not None else None,
-                )
+    for choice in range(body.n):
+        try:
+            request = labeler.requests.build_messages(
+                f"{key}-{choice}",
+                prepared,
+                messages,
+                sampling,
+                job.prompts,
+                # seeded as `ask` is for the same question: the same sampled answer
+                seed_key="ask" if choice == 0 else f"ask-{choice}",
+                task=QUESTION_TASK,
+                top_logprobs=body.top_logprobs or 0,
+                constraint=grammar.start() if grammar is not None else None,
             )
-    except ItemError as e:
-        raise APIError(400, str(e), "messages", "context_length_exceeded") from None
+        except ItemError as e:
+            raise APIError(400, str(e), "messages", "context_length_exceeded") from None
+        job.requests.append(request)
     return job
+
+
+def check_supported(body: ChatCompletionRequest) -> None:
+    """What mmcli does not implement, refused by name (never ignored)."""
+    name = body.unsupported()
+    if name is not None:
+        raise APIError(400, f"{name}: not implemented by mmcli serve (see docs/serve.md)", name)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+
+
+def _prompts(labeler, body: ChatCompletionRequest):
+    """The run's prompt builder, thinking as the request's chat_template_kwargs say (the
+    server's --thinking by default)."""
+    kwargs = body.chat_template_kwargs
+    if kwargs is None:
+        return labeler.prompts
+    try:
+        return labeler.prompts.with_thinking(kwargs.enable_thinking)
+    except ConfigError as e:
+        raise APIError(
+            400, f"chat_template_kwargs.enable_thinking: {e}", "chat_template_kwargs"
+        ) from None
 
 
 def conversation(body: ChatCompletionRequest, policy: MediaPolicy, limits: Limits):
@@ -123,7 +133,7 @@ def sampling_of(base: SamplingParams, body: ChatCompletionRequest) -> SamplingPa
     return replace(base, **{k: v for k, v in given.items() if v is not None})
 
 
-def _grammar(labeler, body: ChatCompletionRequest):
+def _grammar(labeler, body: ChatCompletionRequest, reasoning_end: int | None):
     """The JSON grammar a response_format asks for, compiled once per schema (None for text)."""
     form = body.response_format
     if form is None or form.type == "text":
@@ -134,11 +144,9 @@ def _grammar(labeler, body: ChatCompletionRequest):
             raise APIError(400, "response_format.json_schema: missing", "response_format")
         schema = form.json_schema.schema_
     try:
-        return labeler.json_grammar(json.dumps(schema, sort_keys=True))
-    except ConfigError as e:
-        raise APIError(
-            400, f"response_format: the schema cannot be compiled ({e})", "response_format"
-        ) from None
+        return labeler.json_grammar(json.dumps(schema, sort_keys=True), reasoning_end)
+    except ConfigError as e:  # "response_format: cannot be compiled to a grammar (...)"
+        raise APIError(400, str(e), "response_format") from None
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -149,7 +157,7 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
 
 def choice_of(labeler, job: ChatJob, index: int, done) -> dict:
     """One choice of the response, from a finished sequence."""
-    reasoning, text, _ = labeler.prompts.split_reasoning(done.token_ids)
+    reasoning, text, _ = job.prompts.split_reasoning(done.token_ids)
     text, stopped = cut_at_stop(text, job.stops)
     reason = "stop" if stopped or done.finish_reason in ("stop", "cancelled") else "length"
     message = {"role": "assistant", "content": text}
