@@ -6,8 +6,10 @@ transformers loads the result unchanged. Never used on a real model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import socket
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -663,3 +665,37 @@ def boxes_record(
         sampling={},
         path=path,
     )
+
+
+def free_port() -> int:
+    """A free loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def live_server(labeler, service, model: str = "tiny", **settings):
+    """`mmcli serve`'s app over `service` on uvicorn, in a thread of this process, on a free
+    loopback port; yields its address."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from mmcli.hosts import accepted_hosts
+    from mmcli.serve.app import ServeSettings, create_app
+
+    port = free_port()
+    settings.setdefault("hosts", accepted_hosts("127.0.0.1", port, []))
+    app = create_app(labeler, service, ServeSettings(served_model=model, **settings))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join()

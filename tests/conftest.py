@@ -3,12 +3,10 @@ them."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import json
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -126,40 +124,6 @@ def image_folder(root: Path, n: int = 2) -> Path:
         name = ["astronaut.jpg", "chelsea.jpg", "coffee.jpg"][i % 3]
         photo(name, (64 + 16 * i, 48 + 8 * i)).save(root / f"im{i}.jpg")
     return root
-
-
-def free_port() -> int:
-    """A free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def live_server(labeler, service, model: str = "tiny", **settings):
-    """`mmcli serve`'s app over `service` on uvicorn, in a thread of this process, on a free
-    loopback port; yields its address."""
-    import threading
-    import time
-
-    import uvicorn
-
-    from mmcli.hosts import accepted_hosts
-    from mmcli.serve.app import ServeSettings, create_app
-
-    port = free_port()
-    settings.setdefault("hosts", accepted_hosts("127.0.0.1", port, []))
-    app = create_app(labeler, service, ServeSettings(served_model=model, **settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join()
 
 
 def hf_processor(path: Path):

@@ -110,3 +110,10 @@ def test_float_kernels_bench_smoke():
         "| 1 x 2048 |",
     ):
         assert row in stdout
+
+
+@pytest.mark.slow
+def test_serve_bench_smoke(tmp_path):
+    stdout = _smoke("serve.py", "--cache-dir", str(tmp_path))
+    assert "8 concurrent clients:" in stdout and "x ask's" in stdout.splitlines()[-1]
+    assert "8 of 8 answers as caption's" in stdout

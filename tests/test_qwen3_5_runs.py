@@ -240,9 +240,8 @@ def test_serve_thinks_when_a_request_asks_and_keeps_the_reasoning_apart(thinker)
     """Off by default; on with chat_template_kwargs.enable_thinking, the reasoning in
     message.reasoning_content apart from the answer, as a --thinking run of ask gives them."""
     openai = pytest.importorskip("openai")
-    from conftest import live_server
-
     from mmcli.serve.service import EngineService
+    from mmcli.testing import live_server
 
     path, _ = thinker
     labeler = Labeler.from_pretrained(str(path), config=load_config(None, {"device": "cpu"}))

@@ -13,7 +13,9 @@ import time
 
 import jsonschema
 import pytest
-from conftest import SAMPLES, encoded, free_port, live_server, photo
+from conftest import SAMPLES, encoded, photo
+
+from mmcli.testing import free_port, live_server
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -390,3 +392,25 @@ def test_sigterm_stops_admitting_finishes_in_flight_and_exits_0(tiny_dir):
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(labeler, service):
+    """No Content-Length to refuse it by: the body is cut as it arrives."""
+    import http.client
+
+    with live_server(labeler, service, limits=Limits(max_body_bytes=1 << 16)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        conn = http.client.HTTPConnection("127.0.0.1", port)
+        body = json.dumps({"model": MODEL, "messages": user(text="x" * (1 << 17))}).encode()
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=iter([body[:1000], body[1000:]]),
+            headers={"Content-Type": "application/json"},
+            encode_chunked=True,
+        )
+        response = conn.getresponse()
+        assert (
+            response.status == 413
+            and "max-body-mb" in json.loads(response.read())["error"]["message"]
+        )
