@@ -33,6 +33,7 @@ def test_a_batch_file_gives_the_batch_apis_lines_resumes_and_reports_bad_lines(t
     lines = [
         _line("a", _image(f"file://{tmp_path / 'coffee.jpg'}"), max_tokens=8),
         _line("b", "Say something.", max_tokens=6, temperature=0.7, seed=3),
+        _line("e", _image("coffee.jpg"), max_tokens=8),  # a path: beside the requests file
         _line("c", _image(f"file://{SAMPLES / 'chelsea.jpg'}"), max_tokens=8),  # outside
         _line("d", "hi", frequency_penalty=1.0),
     ]
@@ -41,22 +42,23 @@ def test_a_batch_file_gives_the_batch_apis_lines_resumes_and_reports_bad_lines(t
     out = tmp_path / "results.jsonl"
     assert _batch(tiny_dir, requests, out).exit_code == 1  # some lines failed
     results = {r["custom_id"]: r for r in read_records(out)}
-    assert set(results) == {"a", "b", "c", "d", None} and len(read_records(out)) == 5
+    assert set(results) == {"a", "b", "c", "d", "e", None} and len(read_records(out)) == 6
     cap = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
     answer = results["a"]["response"]
     expected = cap.ask([str(SAMPLES / "coffee.jpg")], "Describe this image.", max_new_tokens=8)
     assert answer["status_code"] == 200 and results["a"]["error"] is None
     assert answer["body"]["choices"][0]["message"]["content"] == expected.text
     assert answer["body"]["object"] == "chat.completion" and answer["request_id"]
+    assert results["e"]["response"]["body"]["choices"] == answer["body"]["choices"]
     sampled = cap.ask([], "Say something.", max_new_tokens=6, temperature=0.7, seed=3)
     assert results["b"]["response"]["body"]["choices"][0]["message"]["content"] == sampled.text
     for custom_id, says in (("c", "inside the allowed"), ("d", "frequency_penalty")):
         response = results[custom_id]["response"]
         assert response["status_code"] == 400 and says in response["body"]["error"]["message"]
-    assert "line 5: not JSON" in results[None]["error"]["message"]
+    assert "line 6: not JSON" in results[None]["error"]["message"]
     before = out.read_text()
     assert _batch(tiny_dir, requests, out).exit_code == 1  # the failed ones again, no answer
-    again = read_records(out)[5:]
+    again = read_records(out)[6:]
     assert out.read_text().startswith(before)
     assert sorted(r["custom_id"] for r in again) == ["c", "d"]  # a and b are kept, not redone
 

@@ -166,6 +166,24 @@ def test_eight_concurrent_clients_each_get_their_single_run(client, reference):
     assert [r.choices[0].message.content for r in replies] == alone
 
 
+def test_a_request_that_fails_fails_alone(client, reference):
+    """A bad request among good ones in flight: the good ones get their answers."""
+    good = user(data_url("rocket.jpg"))
+    bad = user("data:image/png;base64,aGVsbG8=")
+
+    def one(messages):
+        try:
+            reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+            return reply.choices[0].message.content
+        except openai.BadRequestError as e:
+            return e.status_code
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        answers = list(pool.map(one, [good, good, bad, good, good]))
+    expected = ask(reference, ["rocket.jpg"], max_new_tokens=8).text
+    assert answers == [expected, expected, 400, expected, expected]
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_sequence(base, service, monkeypatch):
     """The sequence is dropped at the next step once the client is gone: far fewer tokens are
     made than it asked for (the engine's max_len allows all 400)."""

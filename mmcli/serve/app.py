@@ -90,8 +90,8 @@ def create_app(labeler, service: EngineService, settings: ServeSettings) -> Fast
 
 
 class BodyLimit:
-    """A body cut at the limit as it arrives, whether or not it declared its length (chunked):
-    the route's read fails with a 413, in OpenAI's shape."""
+    """The body read whole before the route, and cut at the limit as it arrives whether or not
+    it declared its length (chunked): a 413 in OpenAI's shape, the route never called."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -99,17 +99,27 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        chunks, size, more = [], 0, True
+        while more:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise APIError(413, f"the body is over --max-body-mb ({self.limit >> 20} MB)")
+            if message["type"] != "http.request":  # the client left
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.limit:
+                error = APIError(413, f"the body is over --max-body-mb ({self.limit >> 20} MB)")
+                return await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+        body = b"".join(chunks)
+
+        async def replay():
+            nonlocal body
+            if body is None:
+                return await receive()
+            message, body = {"type": "http.request", "body": body, "more_body": False}, None
             return message
 
-        await self.app(scope, limited, send)
+        await self.app(scope, replay, send)
 
 
 def check_request(request: Request, settings: ServeSettings) -> None:

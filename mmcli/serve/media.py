@@ -41,6 +41,9 @@ class MediaPolicy:
             return Received(str(path), path.read_bytes())
         if scheme in ("http", "https"):
             return Received(url, self._http(url, param))
+        if not scheme and self.allowed_dir is not None:  # a path, relative to the allowed folder
+            path = self._file((self.allowed_dir / url).resolve().as_uri(), param)
+            return Received(str(path), path.read_bytes())
         raise APIError(
             400, f"{param}: {scheme or 'no'} scheme: use a data:, file: or http(s) URL", param
         )
