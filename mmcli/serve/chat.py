@@ -94,7 +94,18 @@ def _prompts(labeler, body: ChatCompletionRequest):
 
 
 def conversation(body: ChatCompletionRequest, policy: MediaPolicy, limits: Limits):
-    """(the template's messages, the media in their order as ("image" | "video", source))."""
+    """(the template's messages, the media in their order as ("image" | "video", source)); the
+    image count is checked before anything is fetched."""
+    images = sum(
+        part.type == "image_url"
+        for message in body.messages
+        if isinstance(message.content, list)
+        for part in message.content
+    )
+    if images > limits.max_images:
+        raise APIError(
+            400, f"messages: {images} images, over --max-images {limits.max_images}", "messages"
+        )
     messages, media = [], []
     for m, message in enumerate(body.messages):
         if message.content is None or isinstance(message.content, str):
@@ -112,11 +123,6 @@ def conversation(body: ChatCompletionRequest, policy: MediaPolicy, limits: Limit
             media.append((kind, policy.fetch(getattr(part, part.type).url, where)))
             parts.append({"type": kind})
         messages.append({"role": message.role, "content": parts})
-    images = sum(kind == "image" for kind, _ in media)
-    if images > limits.max_images:
-        raise APIError(
-            400, f"messages: {images} images, over --max-images {limits.max_images}", "messages"
-        )
     return messages, media
 
 
