@@ -370,8 +370,8 @@ def decode_layer(
 
 
 def int8_linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """x (rows, in) float32, contiguous, @ an Int8Weight (linear.py), each row quantized to 7 bits
-    with its own scale on the way; float32 (rows, padded out) out."""
+    """x (rows, in) float32, contiguous, @ an Int8Weight (models/layers/quantized.py), each row
+    quantized to 7 bits with its own scale on the way; float32 (rows, padded out) out."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
@@ -405,7 +405,8 @@ def quantize_weights(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """int8_weights.c: weight (out, in) bfloat16 or float32, contiguous, its columns times
     `column_scale` (float32, or None) -> int8 values in int8_linear.c's layout (`padded` sides),
-    each channel's scale and each channel's sum, as linear.py's quantize_int8 computes them."""
+    each channel's scale and each channel's sum, as weights/int8.py's quantize_int8 computes
+    them."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)

@@ -15,7 +15,7 @@ from mmcli.errors import CheckpointError
 from mmcli.models.config import ModelConfig
 from mmcli.models.layers.moe import EXPERTS
 from mmcli.models.registry import family_of
-from mmcli.weights import int4 as int4_load
+from mmcli.weights import int4 as int4_weights
 from mmcli.weights.hub import read_config
 
 
@@ -97,13 +97,13 @@ def load_weights(
     expected = expected_shapes(cfg)
     matrices = matrix_weight_names(cfg) if weights_dtype not in (None, dtype) or int4 else set()
     weights = Weights({})
-    slab = int4_load.Slab()
+    slab = int4_weights.Slab()
 
     def keep(name: str, tensor: torch.Tensor) -> None:
-        if int4 and int4_load.eligible(
+        if int4 and int4_weights.eligible(
             name, tuple(tensor.shape), matrices, cfg.tie_word_embeddings
         ):
-            weights.int4[name] = int4_load.quantize_read(name, tensor, expected.get(name), slab)
+            weights.int4[name] = int4_weights.quantize_read(name, tensor, expected.get(name), slab)
         else:
             held = tensor.to(weights_dtype or dtype if name in matrices else dtype)
             # safetensors maps the file: a tensor held as stored shares its pages. With int4 most
@@ -115,7 +115,7 @@ def load_weights(
         _read_file(file, keep)
     try:
         if int4:
-            weights.experts_int4 = int4_load.experts_int4(weights.int4, expected)
+            weights.experts_int4 = int4_weights.experts_int4(weights.int4, expected)
         family_of(cfg).map_checkpoint(weights.tensors, expected)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None

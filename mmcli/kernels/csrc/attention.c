@@ -1,4 +1,4 @@
-/* Attention in float32 on the CPU, built by cpu_kernel.py: out = softmax(q k^T / sqrt(d)) v for
+/* Attention in float32 on the CPU, built by kernels/cpu.py: out = softmax(q k^T / sqrt(d)) v for
    every head, without a mask (the vision tower's blocks) or causal (the decoder's prefill: query i
    of n sees the keys up to i + keys - n, after any cached ones), with `group` query heads sharing
    each key and value head (GQA).

@@ -1,5 +1,5 @@
 /* y = x @ w.T (+ bias) for float32 x and bfloat16 w, float32 accumulation: the kernels
-   cpu_kernel.py builds for bfloat16 weights. A bfloat16 is the high half of a float32, so widening
+   kernels/cpu.py builds for bfloat16 weights. A bfloat16 is the high half of a float32, so widening
    is exact.
 
    bf16_linear, for a few rows (decode): each vector of up to 4 weight rows is widened once in

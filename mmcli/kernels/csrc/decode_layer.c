@@ -1,8 +1,8 @@
 /* A decode step (one token of each of a few sequences) through a Qwen3 attention layer with
-   bfloat16 weights and float32 arithmetic, built by cpu_kernel.py: the same operations as text.py's
-   DecoderLayer (the norms, q/k/v, the q/k norms, the rotary, the cache write, attention over each
-   row's own context, o, the MLP, both residual adds) in one call. A step's weight reads are
-   bf16_linear's; what this saves is the two dozen tensor operations around them, each of which
+   bfloat16 weights and float32 arithmetic, built by kernels/cpu.py: the same operations as the
+   decoder's DecoderLayer (the norms, q/k/v, the q/k norms, the rotary, the cache write, attention
+   over each row's own context, o, the MLP, both residual adds) in one call. A step's weight reads
+   are bf16_linear's; what this saves is the two dozen tensor operations around them, each of which
    costs more to dispatch than to compute for a few tokens (and runs slower still after a weight
    read has flushed the caches), and the batched step's copy of every row's context. */
 #include <string.h>
@@ -18,7 +18,7 @@ void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t r
 void silu_times(float *gate, const float *up, int64_t n, int threads);
 
 /* A layer's weights (bfloat16 bits for the matrices, float32 for the norms) and sizes, set once
-   by cpu_kernel.DecodeLayer. */
+   by cpu.DecodeLayer. */
 struct decode_layer {
     const float *input_norm, *post_norm, *q_norm, *k_norm;
     const uint16_t *q, *k, *v, *o, *gate, *up, *down;

@@ -1,11 +1,12 @@
 /* y = (x @ w.T) * x_scale[m] * w_scale[n] + bias[n], summed exactly in int32: the int8 kernel
-   cpu_kernel.py builds.
+   kernels/cpu.py builds.
 
    x: M rows of Kp bytes, each activation a 7-bit integer in [-63, 63] stored plus 64 (so unsigned,
-   in [1, 127]). w: the weights in the layout linear.py's quantize_int8 writes and the prepared file
-   stores as it is: groups of 16 output channels, and in each group, for every 4 input channels, the
-   16 channels' 4 bytes (the operand layout of vpdpbusd; Np a multiple of 16, Kp of 4, zero padded).
-   A weight lies in [-127, 127]. w_sum[n] is the sum of row n: the 64 added to x is taken off as 64
+   in [1, 127]). w: the weights in the layout weights/int8.py's quantize_int8 writes and the
+   prepared file stores as it is: groups of 16 output channels, and in each group, for every 4 input
+   channels, the 16 channels' 4 bytes (the operand layout of vpdpbusd; Np a multiple of 16, Kp of 4,
+   zero padded). A weight lies in [-127, 127]. w_sum[n] is the sum of row n: the 64 added to x is
+   taken off as 64
    * w_sum[n]. Activations of 7 bits keep vpmaddubsw (AVX2) from saturating: a pair of products is
    at most 2 * 127 * 127, within int16. With AVX-512 VNNI one vpdpbusd does the 64 products and sums
    of a 16-channel, 4-input step; both paths give the same integers. */
@@ -199,7 +200,7 @@ void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const 
 
 /* Each row of x (M x K float32) to int8_linear's activations: its scale (largest magnitude / 63, at
    least 1e-12) in x_scale[m], and its values divided by it, rounded to the nearest (ties to even)
-   and offset by 64, into q (M x Kp, the padding 64: zero). The same arithmetic as linear.py's
+   and offset by 64, into q (M x Kp, the padding 64: zero). The same arithmetic as quantized.py's
    float32 path, in one pass over x. */
 void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp, float *x_scale,
                    int threads) {

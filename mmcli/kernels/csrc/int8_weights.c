@@ -1,7 +1,7 @@
-/* A weight matrix to int8_linear.c's weights, as linear.py's quantize_int8 makes them in torch: the
-   columns multiplied by a folded norm's scale (or not), then each output channel's largest
-   magnitude / 127 (at least 1e-12) its scale, and its values divided by it and rounded to the
-   nearest, ties to even, in int8_linear.c's layout (groups of 16 channels, 4 inputs of each
+/* A weight matrix to int8_linear.c's weights, as weights/int8.py's quantize_int8 makes them in
+   torch: the columns multiplied by a folded norm's scale (or not), then each output channel's
+   largest magnitude / 127 (at least 1e-12) its scale, and its values divided by it and rounded to
+   the nearest, ties to even, in int8_linear.c's layout (groups of 16 channels, 4 inputs of each
    interleaved). The same float32 operations in the same order, so the same bits; one pass over the
    stored bfloat16 (or float32) weights, where torch's eight operations wrote and read a float32
    copy of each. */

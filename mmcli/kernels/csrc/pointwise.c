@@ -1,4 +1,4 @@
-/* A layer's element-wise steps in float32 on the CPU, built by cpu_kernel.py, each one pass over
+/* A layer's element-wise steps in float32 on the CPU, built by kernels/cpu.py, each one pass over
    its tensors: the rotary (rope.apply_rotary) and SiLU(gate) * up (the MLP). PyTorch runs the
    rotary as three passes with a temporary, and the SwiGLU as two: on a prefill's or the vision
    tower's tensors, which outgrow the caches, every pass is a read and a write of memory. The

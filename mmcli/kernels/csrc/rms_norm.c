@@ -1,4 +1,4 @@
-/* RMSNorm in float32 on the CPU, built by cpu_kernel.py: out[r] = w * (x[r] / sqrt(mean(x[r]^2) +
+/* RMSNorm in float32 on the CPU, built by kernels/cpu.py: out[r] = w * (x[r] / sqrt(mean(x[r]^2) +
    eps)), normalised first, then scaled, as the Qwen3 reference does. One call in place of the eight
    tensor operations torch's CPU rms_norm runs: a decode step runs over a hundred norms of one row,
    each cheap next to the dispatch of those operations. */
