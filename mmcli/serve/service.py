@@ -71,14 +71,18 @@ class EngineService:
             handle.request.cancelled = True
 
     def _incoming(self):
-        """The engine's requests as they arrive; None while none is ready; ends on close."""
+        """The engine's requests as they arrive; None while none is ready and some are in flight
+        (the engine goes on with them); with none in flight, it waits for the next one rather
+        than polling. Ends on close."""
         while True:
+            idle = not self.handles  # a request's handle is there from submit to its end
             try:
-                yield self.inbox.get_nowait()
+                yield self.inbox.get(timeout=0.05) if idle else self.inbox.get_nowait()
             except queue.Empty:
                 if self.closing.is_set():
                     return
-                yield None
+                if not idle:
+                    yield None
 
     def _serve(self) -> None:
         while not self.closing.is_set() or not self.inbox.empty():
