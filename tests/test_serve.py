@@ -136,6 +136,23 @@ def test_sampled_answers_are_asks_and_n_gives_several(client, reference):
     assert len(reply.choices) == 3 and len({c.message.content for c in reply.choices}) > 1
 
 
+def test_a_stop_string_cuts_the_answer_before_it_streamed_or_not(client):
+    messages = user(data_url("astronaut.jpg"))
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24)
+    text = whole.choices[0].message.content
+    stop = next(text[i : i + 2] for i in range(4, len(text) - 2) if text.find(text[i : i + 2]) == i)
+    cut = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, stop=[stop, "never"]
+    )
+    assert cut.choices[0].message.content == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, stop=stop, stream=True
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text[: text.find(stop)]
+
+
 def test_json_schema_answers_parse_and_validate(client):
     schema = {
         "type": "object",
