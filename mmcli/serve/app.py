@@ -206,24 +206,30 @@ async def stream_events(labeler, service, job, handles, include_usage: bool):
 
 
 async def choice_pieces(labeler, job, handle, service):
-    """(text piece, Finished or None) as one choice's tokens come; a stop string ends it."""
-    stream, sent = TextStream(job.prompts), ""
+    """(text piece, Finished or None) as one choice's tokens come. The text is the stream's
+    whole characters so far, cut before the first stop string (then the sequence is cancelled
+    and what it still made is dropped); a tail that may begin a stop string waits."""
+    stream, sent, stopped = TextStream(job.prompts), "", False
     while True:
         kind, value = await handle.events.get()
         if kind == "error":
             raise APIError(500, value)
-        if kind == "token":
-            text = sent + stream.push(value)
-            cut, stopped = cut_at_stop(text, job.stops)
-            safe = cut if stopped else _held_back(cut, job.stops)
+        if kind == "done":
+            if not stopped:
+                stream.finish()
+            text, _ = cut_at_stop(stream.emitted, job.stops)
+            yield text[len(sent) :], value
+            return
+        if stopped:
+            continue
+        stream.push(value)
+        text, stopped = cut_at_stop(stream.emitted, job.stops)
+        safe = text if stopped else _held_back(text, job.stops)
+        if len(safe) > len(sent):
             yield safe[len(sent) :], None
             sent = safe
-            if stopped:
-                service.cancel([handle])
-            continue
-        text, _ = cut_at_stop(sent + stream.finish(), job.stops)
-        yield text[len(sent) :], value
-        return
+        if stopped:
+            service.cancel([handle])
 
 
 def _held_back(text: str, stops: list[str]) -> str:
