@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -669,9 +668,9 @@ def boxes_record(
 
 def free_port() -> int:
     """A free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from mmcli.cli.serve import free_port as port_on
+
+    return port_on("127.0.0.1")
 
 
 @contextlib.contextmanager

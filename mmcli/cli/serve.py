@@ -77,6 +77,7 @@ def _noted(signum, frame) -> None:
 
 
 def free_port(host: str) -> int:
+    """A port free on `host` now (--port 0)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

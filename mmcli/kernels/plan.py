@@ -31,6 +31,8 @@ class Choice:
 
 NONE = Choice("-", "no such work in this model")
 TORCH = "torch"
+# the forms of `linears` that mmcli/weights puts the weights into at load
+PACKED, INT8 = "packed float32 (oneDNN)", "int8"
 
 
 @dataclass(frozen=True)
@@ -100,11 +102,11 @@ def _linears(shape: RunShape) -> Choice:
     if shape.quantize == "int4":
         return Choice("int4 (torch's int4 CPU kernel)", "quantize int4: quantized as read")
     if shape.quantize == "int8":
-        return Choice("int8", "quantize int8: norms folded, a scale per output channel")
+        return Choice(INT8, "quantize int8: norms folded, a scale per output channel")
     if shape.backend != "eager":
         return Choice("as loaded", "traced into the compiled graphs")
     if shape.device == "cpu" and shape.loaded == shape.compute == "float32":
-        return Choice("packed float32 (oneDNN)", "float32 weights: oneDNN's blocked layout")
+        return Choice(PACKED, "float32 weights: oneDNN's blocked layout")
     if shape.loaded != shape.compute:
         return Choice("as loaded", f"{shape.loaded} weights, {shape.compute} compute")
     return Choice("as loaded", f"{shape.compute} weights and compute: torch's")

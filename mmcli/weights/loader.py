@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mmcli.kernels.host_memory import keep_freed_memory, populate
-from mmcli.kernels.plan import KernelPlan, install
+from mmcli.kernels.plan import INT8, PACKED, KernelPlan, install
 from mmcli.models.config import ModelConfig
 from mmcli.models.layers.linear import Linear, PackedLinear, can_pack
 from mmcli.models.registry import family_of
@@ -48,12 +48,12 @@ def prepare(
     allocator set for the run and the weights' pages mapped in."""
     model = model.to(device)
     form = plan.linears.kernel
-    if form == "int8":
+    if form == INT8:
         if prepared is not None:
             prepared.quantize(model)
         else:
             quantize_model(model)
-    elif form.startswith("packed float32"):
+    elif form == PACKED:
         pack_linears(model)
     install(plan, model)
     if device.type == "cpu":
