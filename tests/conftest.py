@@ -36,6 +36,18 @@ def build(request, monkeypatch):
     cpu.load.cache_clear()
 
 
+@pytest.fixture
+def vector_units(monkeypatch):
+    """Runs as on a CPU whose units are vector ones only (AVX2, AVX-512 VNNI: no bfloat16
+    products), where `dtype: auto` computes in float32 end to end."""
+    from mmcli.kernels import cpu_features
+
+    real = cpu_features.detect()
+    vector = real.units - {"amx_bf16", "amx_int8", "avx512_bf16", "bf16", "i8mm"}
+    forced = dataclasses.replace(real, units=vector, overridden=True)
+    monkeypatch.setattr(cpu_features, "detect", lambda: forced)
+
+
 def with_cpu_kernels(module, compute="float32", loaded="bfloat16", quantize="none"):
     """`module` with the kernels the kernel plan of an eager CPU run installs in its layers."""
     from mmcli.kernels.plan import RunShape, choose, install

@@ -54,10 +54,11 @@ def _parameters(cap) -> int:
     )
 
 
-def test_default_cpu_path_holds_the_stored_bfloat16_and_computes_in_float32(bf16_dir):
+def test_default_cpu_path_holds_the_stored_bfloat16_and_computes_in_float32(bf16_dir, vector_units):
     default, full = _labeler(bf16_dir), _labeler(bf16_dir, dtype="float32")
-    assert default.precision == {"weights": "bfloat16", "compute": "float32", "quantize": "none"}
-    assert full.precision == {"weights": "float32", "compute": "float32", "quantize": "none"}
+    float32 = {"compute": "float32", "products": "float32", "quantize": "none"}
+    assert default.precision == {"weights": "bfloat16", **float32}
+    assert full.precision == {"weights": "float32", **float32}
     assert ("bf16_linear.c" in default.kernels) == (cpu.why_unavailable() is None)
     assert (
         default.weight_bytes / _parameters(default) <= 2.1 < full.weight_bytes / _parameters(full)

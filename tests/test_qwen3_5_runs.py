@@ -196,7 +196,7 @@ def _image_logits(labeler):
     return prefill_logits(labeler, req)
 
 
-def test_folding_norms_that_scale_by_one_plus_weight_is_exact(qwen3_5_dir):
+def test_folding_norms_that_scale_by_one_plus_weight_is_exact(qwen3_5_dir, vector_units):
     labeler = Labeler.from_pretrained(
         str(qwen3_5_dir), config=load_config(None, {"device": "cpu", "weights_dtype": "bfloat16"})
     )

@@ -40,7 +40,7 @@ class Run:
     image_cfg: ImageProcessorConfig  # the checkpoint's preprocessor under the pixel budget
     backend: str
     device: str
-    precision: dict  # weights, loaded, compute, quantize (see weights/precision.py)
+    precision: dict  # weights, loaded, compute, products, quantize (see weights/precision.py)
 
 
 @dataclass
@@ -76,6 +76,7 @@ def pick_device(name: str, backend: str = "eager") -> torch.device:
 def resolve_run(cfg: Config, path: Path | None = None) -> Run:
     """The run of `cfg` (a backend that cannot run is refused first); `path`: the checkpoint
     directory where it is known, else the local one the model setting names, if any."""
+    from mmcli.kernels import cpu_features
     from mmcli.weights.precision import run_precision
 
     backend = resolve_backend(cfg.compile.backend)
@@ -85,7 +86,10 @@ def resolve_run(cfg: Config, path: Path | None = None) -> Run:
         config_bytes, model_cfg = read_config(path)
     checkpoint_dtype = model_cfg.torch_dtype if model_cfg is not None else "bfloat16"
     device = pick_device(cfg.device, backend).type
-    precision = run_precision(cfg.dtype, cfg.weights_dtype, cfg.quantize, checkpoint_dtype, device)
+    bf16_matrix = device == "cpu" and backend == "eager" and cpu_features.detect().bf16_matrix()
+    precision = run_precision(
+        cfg.dtype, cfg.weights_dtype, cfg.quantize, checkpoint_dtype, device, bf16_matrix
+    )
     image_cfg = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
     return Run(cfg, path, config_bytes, model_cfg, image_cfg, backend, device, precision)
 
@@ -95,6 +99,8 @@ def load_description(run: Run) -> str:
     precision."""
     cfg, precision = run.config, run.precision
     dtype = f"{precision['weights']} weights, {precision['compute']} compute"
+    if precision["products"] != precision["compute"]:
+        dtype += f" ({precision['products']} products)"
     if run.path is None:
         return f"{cfg.model} (not downloaded yet) on {run.device}, {dtype}"
     size = sum(f.stat().st_size for f in run.path.glob("*.safetensors"))
@@ -179,21 +185,23 @@ def _load_model(run: Run):
     return model, kernel_plan, prepared, device
 
 
-def choose_kernels(plan: Run, model_cfg) -> KernelPlan:
-    """The kernel plan of this run (kernels/plan.py)."""
+def choose_kernels(plan: Run, model_cfg: ModelConfig | None) -> KernelPlan:
+    """The kernel plan of this run (kernels/plan.py); without the model's config (not on disk
+    yet), a dense Qwen3-VL's."""
     from mmcli.kernels import fused_decode
     from mmcli.kernels.plan import RunShape, choose
 
-    text = model_cfg.text
+    text = model_cfg.text if model_cfg is not None else None
     shape = RunShape(
         device=plan.device,
         backend=plan.backend,
         compute=plan.precision["compute"],
         loaded=plan.precision["loaded"],
         quantize=plan.precision["quantize"],
-        hybrid=bool(text.layer_types),
-        sparse=text.num_experts > 0,
-        fusable_decode=fused_decode.fusable_config(text),
+        products=plan.precision["products"],
+        hybrid=bool(text and text.layer_types),
+        sparse=bool(text and text.num_experts > 0),
+        fusable_decode=text is None or fused_decode.fusable_config(text),
     )
     return choose(shape)
 

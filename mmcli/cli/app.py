@@ -445,6 +445,25 @@ def batch_cmd(
     raise typer.Exit(code)
 
 
+@app.command()
+def doctor(
+    config: o.ConfigFile = None,
+    model: o.Model = None,
+    dtype: o.Dtype = None,
+    quantize: o.Quantize = None,
+    measure: bool = typer.Option(
+        False, "--measure", help="Measure the kernels again (the cache keeps the first)."
+    ),
+) -> None:
+    """Print this machine's CPU units, the library's peak on each, the kernel plan a run of the
+    settings gets, and the measured kernels against their unit's peak."""
+    from mmcli.cli.doctor import doctor as report
+
+    with exit_codes():
+        cfg = _load_config(config, model=model, dtype=dtype, device="cpu", quantize=quantize)
+        report(cfg, measure)
+
+
 @app.command("config")
 def config_cmd(
     action: str = typer.Argument("show", help="show: print the effective settings as YAML."),

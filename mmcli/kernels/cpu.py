@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from mmcli.kernels import cpu_features
 from mmcli.paths import mmcli_cache
 
 SOURCES = [
@@ -47,8 +48,12 @@ VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 
 
 def has_vnni() -> bool:
-    """AVX-512 VNNI (and BW), from the kernel's CPU flags; MMCLI_CPU_KERNEL=avx2 leaves it out."""
-    if os.environ.get("MMCLI_CPU_KERNEL") == "avx2":
+    """AVX-512 VNNI (and BW), from the kernel's CPU flags; MMCLI_CPU_KERNEL=avx2, or an
+    MMCLI_CPU_FEATURES without avx512_vnni, leaves it out."""
+    forced = cpu_features.detect()
+    if os.environ.get("MMCLI_CPU_KERNEL") == "avx2" or (
+        forced.overridden and "avx512_vnni" not in forced.units
+    ):
         return False
     try:
         text = Path("/proc/cpuinfo").read_text()

@@ -5,10 +5,16 @@ model's layers: each layer names its kind of work (`work`) and calls what is ins
 `kernel`, keeping its own torch code where nothing is or the inputs are not the kernel's.
 
 Kinds of work: `linears` (the form the weights take: as loaded, oneDNN's packed float32, int8,
-int4), `upcast` (bfloat16 weights in float32 arithmetic), `int8`, `attention` (the decoder's
-prefill and attention within one image), `vision_blocks` (the packed vision blocks' bounded
-attention), `norm`, `rotary`, `swiglu`, `decode_step` (a decode step through every layer in one
-call), `experts` (MoE) and `delta_rule` (Gated DeltaNet)."""
+int4), `upcast` (bfloat16 weights with float32 activations), `head` (the lm_head: as `upcast`,
+but in float32 products always), `int8`, `vision_int8` (the vision tower's int8), `int4`,
+`attention` (the decoder's prefill and attention within one image), `vision_blocks` (the packed
+vision blocks' bounded attention), `norm`, `rotary`, `swiglu`, `decode_step` (a decode step
+through every layer in one call), `experts` (MoE) and `delta_rule` (Gated DeltaNet).
+
+On the CPU the choice among ours and the library's (oneDNN through torch) follows the CPU's units
+(kernels/cpu_features.py): where they decide it (AMX against our vector kernels), by them; where
+two kernels are close (AVX-512 BF16, VNNI's int8 against oneDNN's), by this machine's measurement
+(kernels/measure.py, made once and cached)."""
 
 from __future__ import annotations
 
@@ -16,7 +22,17 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from mmcli.kernels import attention, cpu, cpu_ops, delta_rule, experts, fused_decode
+from mmcli.kernels import (
+    attention,
+    cpu,
+    cpu_features,
+    cpu_ops,
+    delta_rule,
+    experts,
+    fused_decode,
+    matrix,
+    measure,
+)
 
 # a layer -> the kernel to install in it (None: its own torch code)
 Install = Callable[[object], object]
@@ -33,6 +49,8 @@ NONE = Choice("-", "no such work in this model")
 TORCH = "torch"
 # the forms of `linears` that mmcli/weights puts the weights into at load
 PACKED, INT8 = "packed float32 (oneDNN)", "int8"
+# the vision tower's int8 kernels (ONEDNN_INT8: its weights are put in rows layout at load)
+INT8_OURS, ONEDNN_INT8 = "int8_linear.c", "oneDNN int8 (torch._int_mm)"
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,17 @@ class RunShape:
     hybrid: bool = False  # Gated DeltaNet layers
     sparse: bool = False  # MoE layers
     fusable_decode: bool = False  # dense attention layers decode_layer.c computes
+    products: str = ""  # the matrix products' operands ("": the compute dtype)
+    features: cpu_features.CpuFeatures | None = None  # None: this CPU's
+
+    def cpu(self) -> cpu_features.CpuFeatures:
+        return self.features or cpu_features.detect()
+
+    def bf16_products(self) -> bool:
+        return self.products == "bfloat16" and self.compute == "float32"
+
+    def eager_cpu(self) -> bool:
+        return self.device == "cpu" and self.backend == "eager"
 
 
 @dataclass(frozen=True)
@@ -54,7 +83,10 @@ class KernelPlan:
     build: str  # our C kernels' build on this machine, or why none loads
     linears: Choice
     upcast: Choice
+    head: Choice
     int8: Choice
+    vision_int8: Choice
+    int4: Choice
     attention: Choice
     vision_blocks: Choice
     norm: Choice
@@ -112,10 +144,26 @@ def _linears(shape: RunShape) -> Choice:
     return Choice("as loaded", f"{shape.compute} weights and compute: torch's")
 
 
+def _measured(name: str, shape: RunShape) -> tuple[int | None, str]:
+    """(rows above which the library's kernel wins, why) from this machine's measurement (of
+    the library's alone where our C kernels are not built here)."""
+    if name != "int4_tiles" and cpu.load()[0] is None:
+        return 0, f"ours not built here ({cpu.load()[1]})"
+    result = measure.measured(name)
+    above = measure.crossover(result["rates"])
+    ours, library = result["kernels"]
+    rates = ", ".join(f"{a:.0f} vs {b:.0f} at {rows}" for rows, (a, b) in result["rates"].items())
+    return above, f"measured here: {ours} vs {library}, G(FL)OP/s by rows: {rates}"
+
+
 def _upcast(shape: RunShape) -> Choice:
     # quantized runs keep some matrices as loaded too: a tied lm_head, int4's vision tower
     if shape.loaded == shape.compute:
         return NONE
+    if shape.bf16_products() and shape.eager_cpu():
+        products = _bf16_products(shape)
+        if products is not None:
+            return products
     choice = _c_kernel("bf16_linear.c", shape, _function(cpu_ops.bf16_matmul))
     if choice.install is None:
         return Choice("chunks", f"{choice.why}: each chunk widened in a reused buffer")
@@ -124,14 +172,75 @@ def _upcast(shape: RunShape) -> Choice:
     )
 
 
+def _head(shape: RunShape, upcast: Choice) -> Choice:
+    """The lm_head as the other bfloat16 matrices, but in float32 products: logits rounded to
+    bfloat16 would move greedy near-ties and every log-prob (a GEMM at many sequences only)."""
+    if not shape.bf16_products() or upcast is NONE:
+        return upcast
+    ours = _c_kernel("bf16_linear.c", shape, _function(cpu_ops.bf16_matmul))
+    if ours.install is None:
+        return Choice("chunks", f"{ours.why}: float32 logits")
+    return Choice(ours.kernel, "float32 products for the logits", ours.install)
+
+
+def _bf16_products(shape: RunShape) -> Choice | None:
+    """oneDNN's bfloat16 GEMM above the rows where it beats ours: KERNEL_ROWS on AMX (three
+    times ours there), measured on AVX-512 BF16 and Arm's BF16; None where ours wins at every
+    measured row count."""
+    unit = shape.cpu().engine()
+    if "amx_bf16" in shape.cpu().units:
+        above, why = cpu_ops.KERNEL_ROWS, "AMX-BF16: the matrix engine above the few-rows kernel"
+    else:
+        above, why = _measured("bf16_gemm", shape)
+    if above is None:
+        return None
+    kernel = f"oneDNN bfloat16 ({unit}) above {above} rows, bf16_linear.c to {above}"
+    return Choice(kernel, why, _function(matrix.bf16_products(above)))
+
+
 def _int8(shape: RunShape) -> Choice:
     if shape.quantize != "int8":
         return NONE
     library, reason = cpu.load()
     if library is None:
         return Choice("int8 in float32", reason)
-    why = f"weights stored in its layout ({cpu.name()} build)"
-    return Choice("int8_linear.c", why, _function(cpu_ops.int8_matmul))
+    why = f"weights stored in its layout ({cpu.name()} build); decode reads them"
+    return Choice(INT8_OURS, why, _function(cpu_ops.int8_matmul))
+
+
+def _vision_int8(shape: RunShape) -> Choice:
+    """The vision tower's int8 (it never decodes: every product has hundreds of rows) on
+    oneDNN's int8 GEMM in rows layout where that wins: AMX-INT8, else measured."""
+    if shape.quantize != "int8" or not shape.eager_cpu():
+        return NONE
+    if shape.cpu().int8_matrix():
+        why = "the matrix engine's int8; rows layout made at load"
+    else:
+        above, why = _measured("int8_vision", shape)
+        if above is None:
+            return Choice(INT8_OURS, f"{why}: as the decoder")
+    return Choice(ONEDNN_INT8, why, _function(matrix.int8_rows_matmul))
+
+
+def _int4(shape: RunShape) -> Choice:
+    if shape.quantize != "int4":
+        return NONE
+    above, why = _measured("int4_tiles", shape) if shape.eager_cpu() else (None, "")
+    if above is None:
+        return Choice("torch int4", why or "torch's int4 kernel")
+    kernel = f"int4 tiles + oneDNN bfloat16 above {above} rows, torch int4 to {above}"
+    return Choice(kernel, why, _function(matrix.int4_matmul(above)))
+
+
+def _attention(shape: RunShape) -> Choice:
+    """attention.c, or torch's flash attention on bfloat16 where it measures faster."""
+    ours = _c_kernel("attention.c", shape, _function(cpu_ops.attention))
+    if not (shape.bf16_products() and shape.eager_cpu()):
+        return ours
+    above, why = _measured("attention", shape)
+    if above is None and ours.install is not None:
+        return Choice(ours.kernel, why, ours.install)
+    return Choice("flash attention bfloat16", why, _function(matrix.bf16_attention))
 
 
 def _vision_blocks(shape: RunShape, attend: Choice) -> Choice:
@@ -142,7 +251,7 @@ def _vision_blocks(shape: RunShape, attend: Choice) -> Choice:
     if shape.backend == "eager" and shape.device == "cpu":
         kernel = attention.segment_attention
         if attend.install is not None:
-            kernel = functools.partial(kernel, attend=_with_fallback(cpu_ops.attention))
+            kernel = functools.partial(kernel, attend=_with_fallback(attend.install(None)))
         return Choice(
             f"by range ({attend.kernel})", "eager: only inside the bounds", _function(kernel)
         )
@@ -190,13 +299,16 @@ def _delta_rule(shape: RunShape) -> Choice:
 
 
 def choose(shape: RunShape) -> KernelPlan:
-    attend = _c_kernel("attention.c", shape, _function(cpu_ops.attention))
+    attend, upcast = _attention(shape), _upcast(shape)
     library, reason = cpu.load() if shape.device == "cpu" else (None, "not on the CPU")
     return KernelPlan(
         build=cpu.name() if library is not None else f"none ({reason})",
         linears=_linears(shape),
-        upcast=_upcast(shape),
+        upcast=upcast,
+        head=_head(shape, upcast),
         int8=_int8(shape),
+        vision_int8=_vision_int8(shape),
+        int4=_int4(shape),
         attention=attend,
         vision_blocks=_vision_blocks(shape, attend),
         norm=_c_kernel("rms_norm.c", shape, _function(cpu_ops.rms_norm)),

@@ -9,6 +9,8 @@ costs only its own rows' precision."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -196,3 +198,9 @@ def _mixer_inputs(layer: nn.Module) -> list[Linear]:
         mixer = layer.linear_attn
         return [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a]
     return [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+
+
+def as_rows(weight: Int8Weight) -> Int8Weight:
+    """The same weights in rows layout, for oneDNN's int8 GEMM (one copy at load: its packed
+    form cannot be stored, and plain rows are what it reads fastest after it)."""
+    return dataclasses.replace(weight, values=weight.rows().contiguous(), layout="rows")

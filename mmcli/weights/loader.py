@@ -7,13 +7,14 @@ import torch
 from torch import nn
 
 from mmcli.kernels.host_memory import keep_freed_memory, populate
-from mmcli.kernels.plan import INT8, PACKED, KernelPlan, install
+from mmcli.kernels.plan import INT8, ONEDNN_INT8, PACKED, KernelPlan, install
 from mmcli.models.config import ModelConfig
 from mmcli.models.layers.linear import Linear, PackedLinear, can_pack
+from mmcli.models.layers.quantized import Int8Linear
 from mmcli.models.registry import family_of
 from mmcli.weights import int4
 from mmcli.weights.checkpoint import Weights
-from mmcli.weights.int8 import quantize_model, replace
+from mmcli.weights.int8 import as_rows, quantize_model, replace
 from mmcli.weights.prepared import PreparedWeights
 
 
@@ -41,6 +42,15 @@ def pack_linears(model: nn.Module) -> int:
     return len(names)
 
 
+def vision_int8_rows(tower: nn.Module) -> int:
+    """The vision tower's int8 layers in rows layout, for oneDNN's int8 GEMM (the kernel plan's
+    `vision_int8`); returns how many."""
+    layers = [m for m in tower.modules() if isinstance(m, Int8Linear)]
+    for layer in layers:
+        layer.weight, layer.work = as_rows(layer.weight), "vision_int8"
+    return len(layers)
+
+
 def prepare(
     model: nn.Module, plan: KernelPlan, device: torch.device, prepared: PreparedWeights | None
 ) -> nn.Module:
@@ -53,6 +63,8 @@ def prepare(
             prepared.quantize(model)
         else:
             quantize_model(model)
+        if plan.vision_int8.kernel == ONEDNN_INT8:
+            vision_int8_rows(model.visual)
     elif form == PACKED:
         pack_linears(model)
     install(plan, model)

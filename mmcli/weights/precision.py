@@ -41,16 +41,35 @@ def resolve_weights_dtype(
     )
 
 
+def resolve_products(dtype: str, compute: str, loaded: str, bf16_matrix: bool) -> str:
+    """The operands' dtype of the matrix products (GEMMs and attention's). auto on a CPU that
+    multiplies bfloat16 in hardware, with bfloat16 weights: bfloat16 operands, float32
+    accumulation, float32 between the products (norms, residuals, the KV cache, the few-rows
+    decode kernels), as peer engines run there; else the compute dtype."""
+    if dtype == "auto" and compute == "float32" and loaded == "bfloat16" and bf16_matrix:
+        return "bfloat16"
+    return compute
+
+
 def run_precision(
-    dtype: str, weights_dtype: str, quantize: str, checkpoint_dtype: str, device_type: str
+    dtype: str,
+    weights_dtype: str,
+    quantize: str,
+    checkpoint_dtype: str,
+    device_type: str,
+    bf16_matrix: bool = False,
 ) -> dict:
     """The precisions a run holds and computes in, as records name them: weights (as loaded;
-    `int8` once quantized), compute (activations and accumulation) and the quantization."""
+    `int8` once quantized), compute (activations and accumulation), products (the matrix
+    products' operands) and the quantization. `bf16_matrix`: the CPU multiplies bfloat16 in
+    hardware (kernels/cpu_features.py)."""
     compute = resolve_dtype(dtype, checkpoint_dtype, device_type)
     loaded = resolve_weights_dtype(weights_dtype, compute, dtype, checkpoint_dtype, device_type)
+    cpu_bf16 = bf16_matrix and device_type == "cpu"
     return {
         "weights": quantize if quantize in ("int8", "int4") else loaded,
         "loaded": loaded,
         "compute": compute,
+        "products": resolve_products(dtype, compute, loaded, cpu_bf16),
         "quantize": quantize,
     }

@@ -13,40 +13,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+from mmcli.kernels.weight_forms import GROUP, X_MAX, Int4Weight, Int8Weight
 from mmcli.models.layers.linear import activate, check_activation, upcast_linear
 
-GROUP = (
-    32  # int4's input channels per scale and zero: the error against int8's is in docs/models.md
-)
-# int8's activations take 7 bits (-63..63): the kernel's AVX2 path multiplies them without
-# saturating
-X_MAX = 63
 _rows: dict[int, torch.Tensor] = {}
-
-
-@dataclass
-class Int8Weight:
-    """A layer's int8 weights in the kernel's layout (int8_linear.c: groups of 16 output channels,
-    4 input channels interleaved; out_features padded to 16, in_features to 4 with zeros), as
-    computed and as the prepared file stores them: the kernel runs them as they are."""
-
-    values: torch.Tensor  # int8 [padded out, padded in], in the kernel's order
-    scale: torch.Tensor  # float32 per output channel (zero for padding)
-    sums: torch.Tensor  # int32: each output channel's sum of values
-    bias: torch.Tensor  # float32 (zeros when the layer has none)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"values": self.values, "scale": self.scale, "sums": self.sums, "bias": self.bias}
-
-    def rows(self) -> torch.Tensor:
-        """The values as [padded out, padded in] rows (a strided view of the kernel's layout)."""
-        n, k = self.values.shape
-        return self.values.view(n // 16, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(n, k)
 
 
 def _rows_buffer(shape: torch.Size) -> torch.Tensor:
@@ -103,17 +76,6 @@ class Int8Linear(nn.Module):
         return activate(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features), activation)
 
 
-@dataclass
-class Int4Weight:
-    packed: torch.Tensor  # torch's int4 CPU layout of the [out, in] 4-bit values
-    scales_zeros: torch.Tensor  # [in / GROUP, out, 2] bfloat16
-    shape: tuple[int, int]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_zeros))
-
-
 def can_int4() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
         torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
@@ -130,6 +92,12 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) 
 
 
 class Int4Linear(nn.Module):
+    """x @ W.T + b with 4-bit weights: the installed kernel where it takes the inputs (many rows
+    dequantized for a bfloat16 GEMM), else torch's int4 kernel."""
+
+    work = "int4"  # the kind of work the kernel plan installs a kernel for
+    kernel = None  # (x, Int4Weight, bias) -> y, or None where the inputs are not the kernel's
+
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -140,4 +108,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
         check_activation(activation)
-        return activate(int4_linear(x, self.weight, self.bias), activation)
+        y = self.kernel(x, self.weight, self.bias) if self.kernel is not None else None
+        if y is None:
+            y = int4_linear(x, self.weight, self.bias)
+        return activate(y, activation)

@@ -22,6 +22,7 @@ class VisionLanguageModel(nn.Module):
         self.model.visual = VisionTower(cfg.vision)
         self.model.language_model = self.decoder_class(cfg.text)
         self.lm_head = Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+        self.lm_head.work = "head"  # the logits: a kind of work of its own for the kernel plan
 
     @property
     def visual(self) -> VisionTower:

@@ -1,0 +1,58 @@
+"""`mmcli doctor`: what this machine computes with. The CPU's units, the library's peak on each
+(float32 FMA, bfloat16 and int8 on the matrix engine where there is one), the kernel plan a run
+of the settings gets, and each measured comparison's kernels against the peak of the unit they
+run on."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from mmcli.api.loader import Run, choose_kernels, resolve_run
+from mmcli.config import Config
+from mmcli.kernels import cpu, cpu_features, measure
+
+
+def plan_table(run: Run) -> Table:
+    plan = choose_kernels(run, run.model_config)
+    shown = str(run.path) if run.path else f"{run.config.model} (not on disk: a dense model's plan)"
+    precision = ", ".join(f"{k} {v}" for k, v in run.precision.items() if k != "loaded")
+    table = Table(title=f"kernel plan: {shown}; {precision}", title_justify="left")
+    for column in ("work", "kernel", "why"):
+        table.add_column(column, overflow="fold")
+    for work, choice in plan.choices().items():
+        table.add_row(work, choice.kernel, choice.why)
+    table.add_row("C kernels", plan.build, "")
+    return table
+
+
+def rates_table(peaks: dict, again: bool) -> Table:
+    table = Table(title="measured kernels, against their unit's peak", title_justify="left")
+    for column in ("comparison", "rows", "kernel", "G(FL)OP/s", "of the peak"):
+        table.add_column(column, justify="right" if column in ("rows", "G(FL)OP/s") else "left")
+    for name in measure.COMPARISONS:
+        if name == "peaks" or (name != "int4_tiles" and cpu.load()[0] is None):
+            continue
+        result = measure.measured(name, again)
+        for rows, pair in result["rates"].items():
+            for kernel, unit, rate in zip(result["kernels"], result["units"], pair):
+                share = f"{rate / peaks[unit]:.0%} of {unit}"
+                table.add_row(name, str(rows), kernel, f"{rate:.0f}", share)
+    return table
+
+
+def doctor(cfg: Config, again: bool) -> None:
+    console = Console()
+    features = cpu_features.detect()
+    console.print(f"CPU: {features.describe()}")
+    console.print(
+        f"bfloat16 products: {features.engine()}; C kernels: {cpu.name() or cpu.load()[1]}"
+    )
+    peaks = measure.measured("peaks", again)
+    console.print(
+        "library peaks: "
+        + ", ".join(f"{unit} {rate:.0f} G(FL)OP/s" for unit, rate in peaks.items())
+        + f" (measured once, cached in {measure.store_path()})"
+    )
+    console.print(plan_table(resolve_run(cfg)))
+    console.print(rates_table(peaks, again))

@@ -1,0 +1,128 @@
+"""The library's kernels for the CPU's matrix engines, as the layers call them once the kernel
+plan installs them (the contracts of cpu_ops.py: the layer's inputs in, its output out, or None
+where the inputs are not the kernel's). All of them are oneDNN's, through torch: its bfloat16
+GEMM (`F.linear` on bfloat16 operands: AMX-BF16, AVX-512 BF16, Arm's BFMMLA), its int8 GEMM
+(`torch._int_mm`: AMX-INT8, VNNI) and its flash attention in bfloat16 (SDPA on the CPU), each
+accumulating in float32. Activations enter and leave in float32: the residual stream, the norms
+and the KV cache stay float32 (`products: bfloat16` in the records)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mmcli.kernels import cpu_ops
+from mmcli.kernels.attention import sdpa_attention
+from mmcli.kernels.weight_forms import GROUP, X_MAX, Int4Weight, Int8Weight
+
+INT4_TILE = 256  # output channels dequantized at a time: 1 MB of bfloat16 for 2048 inputs
+
+
+def _library_rows(x: torch.Tensor, above: int) -> bool:
+    """Whether a product of these rows is the library's (more than `above` rows, float32
+    activations, eager: a graph being traced keeps torch's own operations)."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.numel() // x.shape[-1] > above
+        and not torch.compiler.is_compiling()
+    )
+
+
+def bf16_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+) -> torch.Tensor:
+    """x (float32) @ weight.T (bfloat16) by oneDNN's bfloat16 GEMM: x rounded to bfloat16, the
+    sums in float32, the result (rounded to bfloat16 by the GEMM) returned in float32 with the
+    bias and the activation applied there."""
+    y = F.linear(x.to(torch.bfloat16), weight).float()
+    if bias is not None:
+        y += bias
+    return y if activation is None else F.gelu(y, approximate="tanh")
+
+
+def bf16_products(above: int):
+    """The `upcast` kernel of a run with bfloat16 products: more than `above` rows on oneDNN's
+    bfloat16 GEMM, fewer on bf16_linear.c (decode reads each weight once: bound by memory, where
+    our kernel's float32 arithmetic costs nothing)."""
+
+    def matmul(x, weight, bias, activation):
+        if weight.dtype == torch.bfloat16 and _library_rows(x, above):
+            return bf16_linear(x, weight, bias, activation)
+        return cpu_ops.bf16_matmul(x, weight, bias, activation)
+
+    return matmul
+
+
+def int8_levels(x2: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row quantized to -levels..levels with its own scale: (int8 values, float32 scales
+    [rows, 1]); the arithmetic of int8_reference."""
+    scale = torch.maximum(x2.amax(1, keepdim=True), x2.amin(1, keepdim=True).neg_())
+    scale = scale.div_(levels).clamp_min_(1e-12)
+    return torch.div(x2, scale).round_().to(torch.int8), scale
+
+
+def int8_rows_matmul(x2: torch.Tensor, weight: Int8Weight) -> torch.Tensor | None:
+    """x2 (rows, in) float32 @ an Int8Weight in rows layout ([padded out, padded in]) by
+    oneDNN's int8 GEMM (`torch._int_mm`), the sums exact in int32, so the result is
+    int8_reference's with a scale a row."""
+    if weight.layout != "rows" or x2.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    values, scale = int8_levels(x2, X_MAX)
+    padded = weight.values.shape[1] - x2.shape[1]
+    if padded:
+        values = F.pad(values, (0, padded))
+    sums = torch._int_mm(values, weight.values.t())
+    return sums.float().mul_(scale).mul_(weight.scale).add_(weight.bias)
+
+
+def int4_dequantized(weight: Int4Weight, start: int, stop: int) -> torch.Tensor:
+    """Output channels [start, stop) of an Int4Weight as bfloat16 [in, stop - start] (torch's CPU
+    int4 layout: blocks of 64 output channels, each input channel's 64 values in 32 bytes, low
+    nibbles the block's first 32), value = (q - 8) * scale + zero per GROUP inputs."""
+    inner = weight.shape[1]
+    packed = weight.packed.view(-1, inner, 32)[start // 64 : stop // 64]
+    q = torch.cat([packed & 0xF, packed >> 4], -1)  # [blocks, in, 64]
+    q = q.permute(1, 0, 2).reshape(inner // GROUP, GROUP, stop - start)
+    scales_zeros = weight.scales_zeros[:, start:stop].float()  # [in / GROUP, out, 2]
+    w = (q.float() - 8).mul_(scales_zeros[:, None, :, 0]).add_(scales_zeros[:, None, :, 1])
+    return w.reshape(inner, stop - start).to(torch.bfloat16)
+
+
+def int4_tiles_linear(
+    x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ W.T for an Int4Weight at many rows: INT4_TILE output channels at a time dequantized
+    to bfloat16 and multiplied by oneDNN's bfloat16 GEMM (torch's int4 kernel dequantizes every
+    weight for every few rows)."""
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], INT4_TILE):
+        stop = min(start + INT4_TILE, weight.shape[0])
+        out[:, start:stop] = torch.mm(x2, int4_dequantized(weight, start, stop))
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def int4_matmul(above: int):
+    """The `int4` kernel: more than `above` rows dequantized in tiles for oneDNN's bfloat16
+    GEMM, fewer on torch's int4 kernel (None: the layer's own)."""
+
+    def matmul(x, weight, bias):
+        if weight.shape[0] % 64 == 0 and _library_rows(x, above):
+            return int4_tiles_linear(x, weight, bias)
+        return None
+
+    return matmul
+
+
+def bf16_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
+) -> torch.Tensor | None:
+    """Attention within one range by torch's CPU flash attention on bfloat16 q, k, v (its
+    products through oneDNN's brgemm, float32 softmax and sums), the output in float32."""
+    if q.dtype != torch.float32 or q.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    out = sdpa_attention(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), causal)
+    return out.float()

@@ -1,0 +1,211 @@
+"""Where two kernels are close on this machine, which one wins at which row count: measured once
+per machine (its CPU model, cores, units and torch version: cpu_features.CpuFeatures.key) and
+cached in ~/.cache/mmcli/kernels/measured.json, so a run pays nothing for it after the first.
+
+Each comparison times both kernels on a representative layer at a few row counts (best of
+REPEATS) and keeps the rates (GFLOP/s, GOP/s for int8), so that `mmcli doctor` can print them
+against the machine's peak for each unit (`peaks`: the library's own GEMM at 2048 cubed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mmcli.kernels import cpu, cpu_features, cpu_ops, matrix
+from mmcli.kernels.weight_forms import GROUP, Int4Weight, Int8Weight
+
+REPEATS = 3
+STORE = "measured.json"
+SHAPE = (2048, 6144)  # a 2B model's fused q/k/v and gate/up widths: in -> out
+BF16_ROWS = (1, 4, 8, 16, 32, 64)
+INT4_ROWS = (64, 128, 256, 512, 1024)
+VISION_ROWS = 784  # a 448x448 image's patches
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _rate(fn: Callable[[], object], ops: float) -> float:
+    return ops / _seconds(fn) / 1e9
+
+
+MARGIN = 1.1  # the library's kernel must be this much faster: a close call keeps ours
+
+
+def crossover(rates: dict[int, tuple[float, float]]) -> int | None:
+    """The row count above which the library's kernel (second) wins by MARGIN at every measured
+    count from there on: the last count where it did not (0: it wins at all; None: at none)."""
+    counts = sorted(rates)
+    losing = [rows for rows in counts if rates[rows][1] < MARGIN * rates[rows][0]]
+    if not losing:
+        return 0
+    if losing[-1] == counts[-1]:
+        return None
+    return losing[-1]
+
+
+def _bf16_gemm() -> dict:
+    inner, outer = SHAPE
+    weight = torch.randn(outer, inner).mul_(0.02).bfloat16()
+    rates = {}
+    for rows in BF16_ROWS:
+        x = torch.randn(rows, inner)
+        ops = 2 * rows * inner * outer
+        rates[rows] = (
+            _rate(lambda x=x: cpu_ops.bf16_matmul(x, weight, None, None), ops),
+            _rate(lambda x=x: matrix.bf16_linear(x, weight, None, None), ops),
+        )
+    return {
+        "kernels": ["bf16_linear.c", "oneDNN bfloat16"],
+        "units": ["float32", "bfloat16"],
+        "rates": rates,
+    }
+
+
+def random_int8(outer: int, inner: int) -> tuple[Int8Weight, Int8Weight]:
+    """Random int8 weights (for timing) in int8_linear.c's layout and in rows layout."""
+    values = torch.randint(-127, 128, (outer, inner), dtype=torch.int8)
+    weight = Int8Weight(
+        values, torch.rand(outer), values.sum(1, dtype=torch.int32), torch.zeros(outer)
+    )
+    return weight, dataclasses.replace(weight, layout="rows")
+
+
+def random_int4(outer: int, inner: int) -> Int4Weight:
+    """Random 4-bit weights (for timing) in torch's int4 CPU layout."""
+    q = torch.randint(0, 16, (outer, inner), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    scales_zeros = torch.rand(inner // GROUP, outer, 2).bfloat16()
+    return Int4Weight(packed, scales_zeros, (outer, inner))
+
+
+def _torch_int4(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    x2 = x.to(torch.bfloat16)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, GROUP, weight.scales_zeros)
+
+
+def _int8_vision() -> dict:
+    inner, outer = 1024, 4096  # the vision tower's MLP
+    weight, rows_form = random_int8(outer, inner)
+    x = torch.randn(VISION_ROWS, inner)
+    ops = 2 * VISION_ROWS * inner * outer
+    rates = {
+        VISION_ROWS: (
+            _rate(lambda: cpu_ops.int8_matmul(x, weight), ops),
+            _rate(lambda: matrix.int8_rows_matmul(x, rows_form), ops),
+        )
+    }
+    return {"kernels": ["int8_linear.c", "oneDNN int8"], "units": ["int8", "int8"], "rates": rates}
+
+
+def _int4_tiles() -> dict:
+    inner = outer = 2048
+    weight = random_int4(outer, inner)
+    rates = {}
+    for rows in INT4_ROWS:
+        x = torch.randn(rows, inner)
+        ops = 2 * rows * inner * outer
+        rates[rows] = (
+            _rate(lambda x=x: _torch_int4(x, weight), ops),
+            _rate(lambda x=x: matrix.int4_tiles_linear(x, weight, None), ops),
+        )
+    return {
+        "kernels": ["torch int4", "int4 tiles + oneDNN bfloat16"],
+        "units": ["float32", "bfloat16"],
+        "rates": rates,
+    }
+
+
+def _attention() -> dict:
+    """A 448x448 image's attention in the vision tower (16 heads of 64)."""
+    q, k, v = (torch.randn(1024, 16, 64) for _ in range(3))
+    ops = 4 * 1024 * 1024 * 16 * 64
+    rates = {
+        1024: (
+            _rate(lambda: cpu_ops.attention(q, k, v), ops),
+            _rate(lambda: matrix.bf16_attention(q, k, v), ops),
+        )
+    }
+    return {
+        "kernels": ["attention.c", "flash attention bfloat16"],
+        "units": ["float32", "bfloat16"],
+        "rates": rates,
+    }
+
+
+def peaks() -> dict:
+    """The library's rate on each unit: float32 FMA (MKL/oneDNN), bfloat16 and int8 (oneDNN:
+    the matrix engine where there is one), on 2048-cubed products."""
+    a = torch.randn(2048, 2048)
+    b16 = a.bfloat16()
+    i8 = torch.randint(-63, 64, (2048, 2048), dtype=torch.int8)
+    ops = 2 * 2048**3
+    return {
+        "float32": _rate(lambda: F.linear(a, a), ops),
+        "bfloat16": _rate(lambda: F.linear(b16, b16), ops),
+        "int8": _rate(lambda: torch._int_mm(i8, i8), ops),
+    }
+
+
+COMPARISONS: dict[str, Callable[[], dict]] = {
+    "bf16_gemm": _bf16_gemm,
+    "int8_vision": _int8_vision,
+    "int4_tiles": _int4_tiles,
+    "attention": _attention,
+    "peaks": peaks,
+}
+
+
+def store_path():
+    return cpu.cache_dir() / STORE
+
+
+def _read() -> dict:
+    try:
+        return json.loads(store_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(store: dict) -> None:
+    path = store_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # written aside, renamed: a concurrent run reads the old file or the new, never half
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(store, f, indent=1)
+    os.replace(tmp, path)
+
+
+def machine_key() -> str:
+    return cpu_features.detect().key(torch.__version__)
+
+
+def measured(name: str, again: bool = False) -> dict:
+    """The comparison `name` on this machine: from the cache, else measured now and cached.
+    Row counts come back as ints."""
+    store = _read()
+    entry = store.get(machine_key(), {})
+    if again or name not in entry:
+        entry[name] = COMPARISONS[name]()
+        store = _read()  # another run may have written meanwhile: keep its entries
+        store[machine_key()] = {**store.get(machine_key(), {}), name: entry[name]}
+        _write(store)
+    result = dict(entry[name])
+    if "rates" in result:
+        result["rates"] = {int(rows): tuple(pair) for rows, pair in result["rates"].items()}
+    return result

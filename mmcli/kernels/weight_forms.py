@@ -1,0 +1,51 @@
+"""The quantized weights' forms as the kernels read them: Int8Weight (int8_linear.c's layout, or
+plain rows for oneDNN's int8 GEMM) and Int4Weight (torch's int4 CPU layout), with the constants
+of their arithmetic. mmcli/weights makes them; models/layers/quantized.py computes with them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# int4's input channels per scale and zero: the error against int8's is in docs/models.md
+GROUP = 32
+# int8's activations take 7 bits (-63..63): the kernel's AVX2 path multiplies them without
+# saturating
+X_MAX = 63
+
+
+@dataclass
+class Int8Weight:
+    """A layer's int8 weights in the kernel's layout (int8_linear.c: groups of 16 output channels,
+    4 input channels interleaved; out_features padded to 16, in_features to 4 with zeros), as
+    computed and as the prepared file stores them: the kernel runs them as they are."""
+
+    values: torch.Tensor  # int8 [padded out, padded in], in the kernel's order
+    scale: torch.Tensor  # float32 per output channel (zero for padding)
+    sums: torch.Tensor  # int32: each output channel's sum of values
+    bias: torch.Tensor  # float32 (zeros when the layer has none)
+    # "interleaved" (int8_linear.c's), or "rows": values as plain [padded out, padded in] rows,
+    # the layout oneDNN's int8 GEMM reads (as_rows)
+    layout: str = "interleaved"
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"values": self.values, "scale": self.scale, "sums": self.sums, "bias": self.bias}
+
+    def rows(self) -> torch.Tensor:
+        """The values as [padded out, padded in] rows (a strided view of the kernel's layout)."""
+        if self.layout == "rows":
+            return self.values
+        n, k = self.values.shape
+        return self.values.view(n // 16, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(n, k)
+
+
+@dataclass
+class Int4Weight:
+    packed: torch.Tensor  # torch's int4 CPU layout of the [out, in] 4-bit values
+    scales_zeros: torch.Tensor  # [in / GROUP, out, 2] bfloat16
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_zeros))

@@ -1,0 +1,246 @@
+"""The CPU's matrix engines: the units read from /proc/cpuinfo or forced, the precision `auto`
+resolves to from them, the plan's choice among ours and the library's kernels (features forced,
+measurements faked), the library kernels' numbers against float32 on any CPU (oneDNN runs
+bfloat16 and int8 everywhere), and, where the CPU has AMX, that oneDNN runs on it."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import SAMPLES
+
+from mmcli.kernels import cpu, cpu_features, cpu_ops, matrix, measure
+from mmcli.kernels.plan import INT8_OURS, ONEDNN_INT8, RunShape, choose
+from mmcli.models.layers.quantized import int4_linear, int8_reference
+from mmcli.weights.int4 import int4_values, quantize_int4
+from mmcli.weights.int8 import as_rows, quantize_int8
+from mmcli.weights.precision import run_precision
+
+needs_kernels = pytest.mark.skipif(
+    cpu.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
+)
+ZEN4 = "fpu sse avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni"
+GRAVITON = "processor\t: 0\nFeatures\t: fp asimd asimddp bf16 i8mm sve\nCPU part\t: 0xd4f\n"
+
+
+def features(*units: str) -> cpu_features.CpuFeatures:
+    return cpu_features.CpuFeatures("x86_64", "test CPU", 2, frozenset(units), overridden=True)
+
+
+AVX2 = features("avx2", "fma")
+AVX512_BF16 = features("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16")
+AMX = features("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+SHAPE = RunShape("cpu", "eager", "float32", "bfloat16", "none", fusable_decode=True)
+
+
+def shape_on(cpu_units: cpu_features.CpuFeatures, **fields) -> RunShape:
+    products = "bfloat16" if cpu_units.bf16_matrix() else "float32"
+    return dataclasses.replace(SHAPE, products=products, features=cpu_units, **fields)
+
+
+def test_the_units_are_read_from_cpuinfo_for_x86_and_aarch64():
+    zen4 = cpu_features.reported_units({"flags": ZEN4})
+    assert zen4 == {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"}
+    arm = dict(line.split("\t: ", 1) for line in GRAVITON.strip().splitlines())
+    assert cpu_features.reported_units(arm) == {"asimddp", "bf16", "i8mm", "sve"}
+    assert features("bf16").engine() == "BFMMLA" and features("i8mm").int8_matrix()
+    assert AMX.engine() == "AMX" and not AVX2.bf16_matrix() and AVX512_BF16.bf16_matrix()
+
+
+def test_the_override_replaces_the_cpus_units_and_names_an_unknown_one(monkeypatch):
+    monkeypatch.setenv("MMCLI_CPU_FEATURES", "amx_bf16, avx2")
+    cpu_features.detect.cache_clear()
+    try:
+        forced = cpu_features.detect()
+        assert forced.units == {"amx_bf16", "avx2"} and forced.overridden
+        assert "from MMCLI_CPU_FEATURES" in forced.describe()
+        assert not cpu.has_vnni()  # our C kernels never take a unit from the override
+    finally:
+        cpu_features.detect.cache_clear()
+    assert cpu_features.parse_override("none") == frozenset()
+    with pytest.raises(ValueError, match="unknown unit.*amx_fp16"):
+        cpu_features.parse_override("amx_fp16")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "checkpoint", "device", "bf16_matrix", "compute", "products"),
+    [
+        ("auto", "bfloat16", "cpu", True, "float32", "bfloat16"),
+        ("auto", "bfloat16", "cpu", False, "float32", "float32"),
+        ("auto", "float32", "cpu", True, "float32", "float32"),  # a float32 checkpoint stays
+        ("float32", "bfloat16", "cpu", True, "float32", "float32"),  # exact, as transformers'
+        ("bfloat16", "bfloat16", "cpu", False, "bfloat16", "bfloat16"),
+        ("auto", "bfloat16", "cuda", True, "bfloat16", "bfloat16"),
+    ],
+)
+def test_auto_multiplies_in_bfloat16_only_where_the_cpu_does_it_in_hardware(
+    dtype, checkpoint, device, bf16_matrix, compute, products
+):
+    precision = run_precision(dtype, "auto", "none", checkpoint, device, bf16_matrix)
+    assert (precision["compute"], precision["products"]) == (compute, products)
+
+
+def test_crossover_is_where_the_library_wins_by_the_margin_from_there_on():
+    assert measure.crossover({8: (100, 90), 16: (100, 105), 32: (100, 200)}) == 16
+    assert measure.crossover({8: (100, 200), 16: (100, 200)}) == 0
+    assert measure.crossover({8: (100, 200), 16: (100, 90)}) is None
+
+
+@needs_kernels
+def test_an_avx2_cpu_keeps_todays_kernels_and_float32_products():
+    plan = choose(shape_on(AVX2))
+    assert plan == choose(SHAPE)
+    assert plan.upcast.install(None) is cpu_ops.bf16_matmul
+    assert plan.attention.kernel == "attention.c"
+
+
+@needs_kernels
+def test_amx_takes_onednn_above_the_few_rows_kernel_without_measuring(monkeypatch):
+    def measured(name, again=False):
+        assert name == "attention", f"measured {name} where the features decide"
+        return fake(name, ours=True)
+
+    monkeypatch.setattr(measure, "measured", measured)
+    plan = choose(shape_on(AMX, quantize="int8"))
+    assert plan.upcast.kernel.startswith("oneDNN bfloat16 (AMX) above 16 rows")
+    assert plan.vision_int8.kernel == ONEDNN_INT8 and plan.int8.kernel == INT8_OURS
+    assert plan.attention.kernel == "attention.c"  # measured (faked): ours wins
+
+
+def fake(name: str, ours: bool) -> dict:
+    """A measurement where ours wins everywhere, or the library above 8 rows."""
+    rates = {4: (100.0, 50.0), 8: (100.0, 80.0), 64: (100.0, 50.0 if ours else 300.0)}
+    units = ["float32", "bfloat16"]
+    return {"kernels": ["ours", "library"], "units": units, "rates": rates}
+
+
+@needs_kernels
+@pytest.mark.parametrize("ours", [True, False])
+def test_avx512_bf16_chooses_by_this_machines_measurement(monkeypatch, ours):
+    monkeypatch.setattr(measure, "measured", lambda name, again=False: fake(name, ours))
+    plan = choose(shape_on(AVX512_BF16, quantize="int8"))
+    if ours:
+        assert plan.upcast.kernel == "bf16_linear.c" and plan.attention.kernel == "attention.c"
+        assert plan.vision_int8.kernel == INT8_OURS
+    else:
+        assert plan.upcast.kernel.startswith("oneDNN bfloat16 (AVX-512 BF16) above 8 rows")
+        assert plan.attention.install(None) is matrix.bf16_attention
+        assert plan.vision_int8.kernel == ONEDNN_INT8
+    assert "measured here" in plan.upcast.why or ours
+
+
+def test_a_measurement_is_made_once_per_machine_and_cached(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu, "cache_dir", lambda: tmp_path)
+    calls = []
+    monkeypatch.setitem(measure.COMPARISONS, "peaks", lambda: calls.append(1) or {"int8": 1.0})
+    assert measure.measured("peaks") == measure.measured("peaks") == {"int8": 1.0}
+    assert len(calls) == 1 and (tmp_path / measure.STORE).is_file()
+    monkeypatch.setattr(measure, "machine_key", lambda: "another CPU")
+    measure.measured("peaks")
+    measure.measured("peaks", again=True)
+    assert len(calls) == 3
+
+
+def test_bf16_products_are_float32s_to_bfloat16_rounding_and_few_rows_stay_exact():
+    weight = torch.randn(96, 64).bfloat16()
+    kernel = matrix.bf16_products(above=8)
+    for rows in (4, 40):
+        x = torch.randn(rows, 64)
+        reference = x @ weight.float().t()
+        y = kernel(x, weight, None, None)
+        if y is None:  # no C kernels here: the few rows are the layer's own
+            assert rows <= 8 and cpu.why_unavailable() is not None
+            continue
+        tolerance = 0 if rows <= 8 else 2e-2 * reference.abs().max().item()
+        assert (y - reference).abs().max().item() <= tolerance + 1e-4
+
+
+def test_int8_on_onednn_is_int8_references_arithmetic_exactly():
+    weight = quantize_int8(torch.randn(40, 52))
+    x = torch.randn(33, 52)
+    y = matrix.int8_rows_matmul(x, as_rows(weight))
+    assert torch.equal(y, int8_reference(x, weight, per_token=True))
+    assert matrix.int8_rows_matmul(x, weight) is None  # not the rows layout
+
+
+def test_int4_tiles_dequantize_torchs_layout_and_match_its_kernel():
+    w = torch.randn(320, 128)
+    packed = quantize_int4(w.bfloat16())
+    q, scale, zero = int4_values(w.bfloat16())
+    expected = ((q.float() - 8).view(320, -1, 32) * scale[..., None] + zero[..., None]).view(
+        320, 128
+    )
+    dequantized = matrix.int4_dequantized(packed, 64, 320).float().t()
+    assert torch.allclose(dequantized, expected[64:].bfloat16().float(), atol=2e-2, rtol=1e-2)
+    x = torch.randn(300, 128)
+    y, reference = matrix.int4_tiles_linear(x, packed, None), int4_linear(x, packed, None)
+    assert (y - reference).abs().max() <= 2e-2 * reference.abs().max()
+    assert matrix.int4_matmul(above=512)(x, packed, None) is None  # few rows: torch's kernel
+
+
+def test_bf16_attention_is_float32s_to_bfloat16_rounding():
+    q, k, v = torch.randn(40, 4, 32), torch.randn(40, 2, 32), torch.randn(40, 2, 32)
+    out = matrix.bf16_attention(q, k, v, causal=True)
+    reference = matrix.sdpa_attention(q, k, v, causal=True)
+    assert out.dtype == torch.float32 and (out - reference).abs().max() < 3e-2
+
+
+AMX_HERE = {"amx_bf16", "amx_int8"} <= cpu_features.real_units()
+
+
+@pytest.mark.skipif(not AMX_HERE, reason="this CPU has no AMX (oneDNN's AMX kernels untestable)")
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_onednn_runs_the_matrix_kernels_on_amx_where_the_cpu_has_it(kind):
+    product = {
+        "bf16": "import torch.nn.functional as F; a = torch.randn(256, 256).bfloat16(); "
+        "F.linear(a, a)",
+        "int8": "a = torch.ones(256, 256, dtype=torch.int8); torch._int_mm(a, a)",
+    }[kind]
+    out = subprocess.run(
+        [sys.executable, "-c", f"import torch; {product}"],
+        env={**os.environ, "ONEDNN_VERBOSE": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "amx" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    from mmcli.testing import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("bf16"), dtype="bfloat16")
+
+
+def _greedy(path, units: cpu_features.CpuFeatures, monkeypatch, **settings):
+    from mmcli import Labeler
+    from mmcli.config import load_config
+
+    monkeypatch.setattr(cpu_features, "detect", lambda: units)
+    labeler = Labeler.from_pretrained(
+        str(path), config=load_config(None, {"device": "cpu", **settings})
+    )
+    answer = labeler.ask([SAMPLES / "astronaut.jpg"], "Describe this image.", max_new_tokens=16)
+    return labeler, answer.token_ids
+
+
+@needs_kernels
+@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
+def test_bfloat16_products_keep_the_float32_products_greedy_tokens(
+    bf16_checkpoint, monkeypatch, quantize
+):
+    settings = {"quantize": quantize, "weights_cache": False}
+    matrix_run, tokens = _greedy(bf16_checkpoint, AMX, monkeypatch, **settings)
+    vector_run, reference = _greedy(bf16_checkpoint, AVX2, monkeypatch, **settings)
+    assert matrix_run.precision["products"] == "bfloat16"
+    assert vector_run.precision["products"] == "float32"
+    assert matrix_run.kernel_plan.upcast.kernel.startswith("oneDNN bfloat16 (AMX)")
+    if quantize == "int8":
+        layers = [m for m in matrix_run.model.visual.modules() if hasattr(m, "per_token")]
+        assert layers and all(m.weight.layout == "rows" for m in layers)
+        assert all(m.kernel is matrix.int8_rows_matmul for m in layers)
+    assert tokens == reference
