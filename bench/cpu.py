@@ -23,6 +23,7 @@ python bench/cpu.py [--smoke] [--hf-batch-sizes 1,8] [--skip-hf] [--only-ask] [-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -44,7 +45,33 @@ PATHS = {
     "float32": {"dtype": "float32"},
     "default": {"dtype": "auto"},
     "int8": {"dtype": "auto", "quantize": "int8"},
+    "int4": {"dtype": "auto", "quantize": "int4"},
 }
+MATRIX_UNITS = {"amx_bf16", "amx_int8", "avx512_bf16", "bf16", "i8mm"}
+
+
+def vector_units() -> str:
+    """MMCLI_CPU_FEATURES for "before": this CPU's units less its matrix ones (the vector
+    kernels mmcli ran on every CPU before the plan chose by units)."""
+    from mmcli.kernels import cpu_features
+
+    return ",".join(sorted(cpu_features.real_units() - MATRIX_UNITS)) or "none"
+
+
+SIDES = {"before": lambda: {"MMCLI_CPU_FEATURES": vector_units()}, "after": dict}
+
+
+@contextlib.contextmanager
+def side_env(side: str):
+    """The environment of one side for the workers started inside."""
+    saved = os.environ.copy()
+    os.environ.pop("MMCLI_CPU_FEATURES", None)
+    os.environ.update(SIDES[side]())
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def higher(*limits: dict) -> dict:
@@ -96,6 +123,7 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
         "input_tokens": result.num_input_tokens,
         "weight_bytes": cap.weight_bytes,
         "kv_bytes": cap.runner.cache.nbytes,
+        "precision": cap.precision,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
 
@@ -149,43 +177,23 @@ def run(args, *worker_args: str, env: dict | None = None) -> tuple[dict, float]:
     return json.loads(out.stdout.strip().splitlines()[-1]), time.perf_counter() - start
 
 
-def agreement(args, ckpt: Path, image: Path, label: str) -> str:
+def agreement(
+    args, ckpt: Path, image: Path, label: str, test: dict, test_side: str = "after"
+) -> str:
+    """Teacher-forced on the float32-products run's greedy tokens (the default settings on the
+    vector units): top-1 agreement and mean |difference| of the reference token's log-prob."""
     count = 8 if args.smoke else 32
-    reference, _ = run(
-        args,
-        "--worker",
-        "forced",
-        "--ckpt",
-        str(ckpt),
-        "--image",
-        str(image),
-        "--settings",
-        "{}",
-        "--count",
-        str(count),
-    )
-    quantized, _ = run(
-        args,
-        "--worker",
-        "forced",
-        "--ckpt",
-        str(ckpt),
-        "--image",
-        str(image),
-        "--settings",
-        json.dumps(PATHS["int8"]),
-        "--tokens",
-        json.dumps(reference["tokens"]),
-    )
-    count = len(reference["tokens"])
-    same = sum(a == b for a, b in zip(reference["top1"], quantized["top1"])) / count
-    diff = (
-        sum(
-            abs(a - b)
-            for a, b in zip(reference["reference_logprob"], quantized["reference_logprob"])
+    worker = ["--worker", "forced", "--ckpt", str(ckpt), "--image", str(image), "--settings"]
+    with side_env("before"):
+        reference, _ = run(args, *worker, "{}", "--count", str(count))
+    with side_env(test_side):
+        tested, _ = run(
+            args, *worker, json.dumps(test), "--tokens", json.dumps(reference["tokens"])
         )
-        / count
-    )
+    count = len(reference["tokens"])
+    same = sum(a == b for a, b in zip(reference["top1"], tested["top1"])) / count
+    pairs = zip(reference["reference_logprob"], tested["reference_logprob"])
+    diff = sum(abs(a - b) for a, b in pairs) / count
     return f"| {label} | {count} | {100 * same:.1f}% | {diff:.4f} |"
 
 
@@ -393,6 +401,12 @@ def main() -> None:
     parser.add_argument("--hf-batch-sizes", default="1,8")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--only-ask", action="store_true", help="only (b) and (c) for `mmcli ask`")
+    parser.add_argument(
+        "--matrix-only",
+        action="store_true",
+        help="only the units, (a), the asks before and after, and (d)",
+    )
+    parser.add_argument("--images", type=int, default=None, help="the first N images only")
     parser.add_argument("--repeats", type=int, default=None, help="runs of each ask (3; smoke 1)")
     parser.add_argument("--worker", choices=["ask", "forced"], help=argparse.SUPPRESS)
     for name in ("--ckpt", "--image", "--settings", "--tokens"):
@@ -423,6 +437,7 @@ def main() -> None:
         args.cache_dir = compare_hf.ROOT / (".bench_cache/smoke" if args.smoke else ".bench_cache")
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     ckpt, images, lengths = compare_hf.make_inputs(args.cache_dir, args.smoke)
+    images, lengths = images[: args.images], lengths[: args.images]
     limits = compare_hf.machine_limits()
     print(
         f"machine: read bandwidth {limits['bandwidth'] / 1e9:.1f} GB/s, float32 matmul "
@@ -451,61 +466,129 @@ def main() -> None:
         for n, s in expected_shapes(cfg).items()
         if not (n == "lm_head.weight" and cfg.tie_word_embeddings)
     )
+    print_units(ckpt)
+    rates = batched(args, rate_args, parameters)
+    if not args.matrix_only:
+        hf_part(args, rate_args, rates)
+        print("\nstart-up, no model:")
+        start_times()
+        ask_part(args, ckpt, images[ASK_IMAGE % len(images)])
+    ask_sides(args, ckpt, images[ASK_IMAGE % len(images)])
+    agreements(args, ckpt, images[0])
+
+
+def print_units(ckpt: Path) -> None:
+    """The CPU's units, the library's peak on each, and each path's plan after."""
+    from mmcli.api.loader import choose_kernels, resolve_run
+    from mmcli.config import load_config
+    from mmcli.kernels import cpu_features, measure
+
+    peaks = measure.peaks()
+    print(f"CPU: {cpu_features.detect().describe()}")
+    print("library peaks: " + ", ".join(f"{u} {r:.0f} G(FL)OP/s" for u, r in peaks.items()))
+    BENCH["peaks"] = peaks
+    for name, settings in PATHS.items():
+        cfg = load_config(None, {"model": str(ckpt), "device": "cpu", **settings})
+        run = resolve_run(cfg)
+        print(f"plan, {name} after: {choose_kernels(run, run.model_config).summary()}")
+
+
+BENCH: dict = {}  # the peaks, measured once at the start
+
+
+def batched(args, rate_args, parameters: int) -> dict:
+    """(a) each path's batched run before (vector units) and after (this CPU's units)."""
     rates = {}
     for name, settings in PATHS.items():
-        rates[name] = compare_hf.run_worker(
-            argparse.Namespace(**vars(rate_args), settings=json.dumps(settings)), "mmcli"
-        )
-        r = rates[name]
-        spent = r["spent"]
-        print(
-            f"{name}: {r['images_per_s']:.4f} images/s ({r['seconds']:.1f} s: vision "
-            f"{spent['vision']:.1f}, text prefill {spent['prefill'] - spent['vision']:.1f}, "
-            f"decode {spent['decode']:.1f}; {r['precision']}); weights "
-            f"{r['weight_bytes'] / 2**30:.2f} GiB ({r['weight_bytes'] / parameters:.2f} bytes a "
-            f"parameter) + KV {r['kv_bytes'] / 2**30:.2f} GiB, peak RSS "
-            f"{r['peak_rss'] / 2**30:.2f} GiB "
-            f"({r['peak_rss'] / (r['weight_bytes'] + r['kv_bytes']):.2f}x)",
-            flush=True,
-        )
-    hf = (
-        []
-        if args.skip_hf
-        else [
-            compare_hf.run_worker(
-                argparse.Namespace(**vars(rate_args), settings="{}"), "hf", int(b)
+        for side in SIDES:
+            with side_env(side):
+                r = compare_hf.run_worker(
+                    argparse.Namespace(**vars(rate_args), settings=json.dumps(settings)), "mmcli"
+                )
+            rates[name, side] = r
+            spent = r["spent"]
+            print(
+                f"{name} {side}: {r['images_per_s']:.4f} images/s ({r['seconds']:.1f} s: vision "
+                f"{spent['vision']:.1f}, text prefill {spent['prefill'] - spent['vision']:.1f}, "
+                f"decode {spent['decode']:.1f}; {r['precision']}); weights "
+                f"{r['weight_bytes'] / 2**30:.2f} GiB ({r['weight_bytes'] / parameters:.2f} bytes "
+                f"a parameter), peak RSS {r['peak_rss'] / 2**30:.2f} GiB",
+                flush=True,
             )
-            for b in args.hf_batch_sizes.split(",")
-        ]
-    )
-    print("\n(a) images/s | vs float32 path | vs transformers (best batch)")
-    best = max(hf, key=lambda r: r["images_per_s"]) if hf else None
-    for name, r in rates.items():
-        versus = (
-            f"{r['images_per_s'] / best['images_per_s']:.2f}x (batch {best['batch_size']})"
-            if best
-            else "-"
-        )
-        print(
-            f"{name}: {r['images_per_s']:.4f} | "
-            f"{r['images_per_s'] / rates['float32']['images_per_s']:.2f}x | {versus}"
-        )
-    print("\nstart-up, no model:")
-    start_times()
-    ask_part(args, ckpt, images[ASK_IMAGE % len(images)])
-    print("\n(d) int8 against the unquantized run, teacher-forced on its greedy tokens")
-    print("| checkpoint | positions | top-1 agreement | mean abs log-prob difference |")
-    print("|---|---|---|---|")
-    print(agreement(args, ckpt, images[0], "2B-shaped random" if not args.smoke else "tiny"))
+    print("\n(a) images/s | before | after | after / before | vs float32 before")
+    base = rates["float32", "before"]["images_per_s"]
+    for name in PATHS:
+        before, after = (rates[name, side]["images_per_s"] for side in SIDES)
+        print(f"{name} | {before:.4f} | {after:.4f} | {after / before:.2f}x | {after / base:.2f}x")
+    return rates
+
+
+def hf_part(args, rate_args, rates: dict) -> None:
+    hf = [
+        compare_hf.run_worker(argparse.Namespace(**vars(rate_args), settings="{}"), "hf", int(b))
+        for b in ([] if args.skip_hf else args.hf_batch_sizes.split(","))
+    ]
+    if not hf:
+        return
+    best = max(hf, key=lambda r: r["images_per_s"])
+    print(f"\ntransformers (float32, best batch {best['batch_size']}): {best['images_per_s']:.4f}")
+    for (name, side), r in rates.items():
+        print(f"{name} {side}: {r['images_per_s'] / best['images_per_s']:.2f}x transformers")
+
+
+def unit_of(precision: dict) -> str:
+    """The unit the run's vision and prefill products ran on."""
+    if precision["quantize"] == "int8":
+        return "int8"
+    return "bfloat16" if precision.get("products") == "bfloat16" else "float32"
+
+
+def ask_sides(args, ckpt: Path, image: Path) -> None:
+    """(b') the instrumented ask at each precision before and after: its phases, and vision and
+    prefill's rate against the peak of the unit they ran on."""
+    from mmcli.models.registry import parse_config
+
+    worker = ["--worker", "ask", "--ckpt", str(ckpt), "--image", str(image), "--settings"]
+    cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
+    print("\n(b) the ask, before and after: wall = load + vision + text prefill + decode (s)")
+    print("| path | side | wall | vision | text prefill | decode | vision+prefill | of the peak |")
+    print("|---|---|---|---|---|---|---|---|")
+    walls = {}
+    for name, settings in PATHS.items():
+        for side in SIDES:
+            with side_env(side):
+                runs = instrumented(args, worker, settings)
+            timed = sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]
+            s = timed["spent"]
+            flops = ask_flops(cfg, timed["image_tokens"], timed["input_tokens"])[0]
+            rate = flops / s["prefill"] / 1e9
+            unit = unit_of(timed["precision"])
+            walls[name, side] = timed["wall"]
+            print(
+                f"| {name} | {side} | {timed['wall']:.1f} | {s['vision']:.2f} | "
+                f"{s['prefill'] - s['vision']:.2f} | {s['decode']:.2f} | {rate:.0f} G(FL)OP/s | "
+                f"{rate / BENCH['peaks'][unit]:.0%} of {unit} |",
+                flush=True,
+            )
+    for name in PATHS:
+        print(f"{name} ask: after {walls[name, 'after'] / walls[name, 'before']:.2f}x before")
+
+
+def agreements(args, ckpt: Path, image: Path) -> None:
+    """(d) bfloat16 products and int8 against float32 products, teacher-forced."""
     tiny, _, _ = compare_hf.make_inputs(args.cache_dir / "tiny", smoke=True)
-    print(
-        agreement(
-            args,
-            make_outlier_checkpoint(tiny, args.cache_dir / "tiny-outliers"),
-            images[0],
-            "tiny, RMSNorm outlier channels x30",
-        )
-    )
+    outliers = make_outlier_checkpoint(tiny, args.cache_dir / "tiny-outliers")
+    checkpoints = {"2B-shaped random" if not args.smoke else "tiny": ckpt}
+    checkpoints["tiny, RMSNorm outlier channels x30"] = outliers
+    print("\n(d) against the float32-products run, teacher-forced on its greedy tokens")
+    print("| run | checkpoint | positions | top-1 agreement | mean abs log-prob difference |")
+    print("|---|---|---|---|---|")
+    for label, test, side in (
+        ("bfloat16 products (default, after)", {}, "after"),
+        ("int8 (after)", PATHS["int8"], "after"),
+    ):
+        for name, path in checkpoints.items():
+            print(f"| {label} " + agreement(args, path, image, name, test, side), flush=True)
 
 
 if __name__ == "__main__":

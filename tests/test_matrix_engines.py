@@ -13,6 +13,7 @@ import torch
 from conftest import SAMPLES
 
 from mmcli.kernels import cpu, cpu_features, cpu_ops, matrix, measure
+from mmcli.kernels import experts as experts_module
 from mmcli.kernels.plan import INT8_OURS, ONEDNN_INT8, RunShape, choose
 from mmcli.models.layers.quantized import int4_linear, int8_reference
 from mmcli.weights.int4 import int4_values, quantize_int4
@@ -179,6 +180,30 @@ def test_int4_tiles_dequantize_torchs_layout_and_match_its_kernel():
     y, reference = matrix.int4_tiles_linear(x, packed, None), int4_linear(x, packed, None)
     assert (y - reference).abs().max() <= 2e-2 * reference.abs().max()
     assert matrix.int4_matmul(above=512)(x, packed, None) is None  # few rows: torch's kernel
+
+
+@needs_kernels
+def test_int4_tiles_c_dequantizer_gives_the_torch_operations_bits(monkeypatch):
+    packed = quantize_int4(torch.randn(384, 96).bfloat16())
+    ours = matrix.int4_dequantized(packed, 128, 384)
+    monkeypatch.setattr(cpu, "eager", lambda: False)
+    assert torch.equal(ours, matrix.int4_dequantized(packed, 128, 384))
+
+
+@needs_kernels
+def test_moe_experts_multiply_their_bfloat16_weights_as_held(monkeypatch):
+    experts, hidden, inner = 4, 32, 48
+    gate_up = torch.randn(experts, 2 * inner, hidden).bfloat16()
+    down = torch.randn(experts, hidden, inner).bfloat16()
+    x, chosen = torch.randn(40, hidden), torch.randint(0, experts, (40, 2))
+    weights = torch.rand(40, 2)
+    kernel = matrix.bf16_grouped_experts(above=8)
+    y = kernel(x, chosen, weights, gate_up, down)
+    reference = experts_module.grouped_experts(x, chosen, weights, gate_up, down)
+    assert (y - reference).abs().max() <= 3e-2 * reference.abs().max()
+    assert kernel(x.double(), chosen, weights, gate_up, down) is None
+    plan = choose(shape_on(AMX, sparse=True, fusable_decode=False))
+    assert plan.experts.kernel == "grouped loop, oneDNN bfloat16 above 16 rows"
 
 
 def test_bf16_attention_is_float32s_to_bfloat16_rounding():

@@ -39,7 +39,7 @@ SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in (
         *("bf16_linear.c", "attention.c", "rms_norm.c"),
-        *("pointwise.c", "decode_layer.c", "int8_linear.c", "int8_weights.c"),
+        *("pointwise.c", "decode_layer.c", "int8_linear.c", "int8_weights.c", "int4_tiles.c"),
     )
 ]
 HEADERS = [Path(__file__).parent / "csrc" / "float_tiles.h"]
@@ -190,6 +190,9 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     library.quantize_weights.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
     library.quantize_weights.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_int]
     library.quantize_weights.restype = None
+    library.int4_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5
+    library.int4_dequantize.argtypes += [ctypes.c_void_p, ctypes.c_int]
+    library.int4_dequantize.restype = None
     return library, ""
 
 
@@ -330,6 +333,28 @@ def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(reason)
     library.silu_times(gate.data_ptr(), up.data_ptr(), gate.numel(), torch.get_num_threads())
     return gate
+
+
+def int4_dequantize(weight, group: int, start: int, stop: int) -> torch.Tensor:
+    """Output channels [start, stop) (multiples of 64) of an Int4Weight as bfloat16 [in, stop -
+    start] (int4_tiles.c)."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    out_features, inner = weight.shape
+    dest = torch.empty(inner, stop - start, dtype=torch.bfloat16)
+    library.int4_dequantize(
+        weight.packed.data_ptr(),
+        weight.scales_zeros.data_ptr(),
+        inner,
+        out_features,
+        group,
+        start // 64,
+        (stop - start) // 64,
+        dest.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return dest
 
 
 def decode_scratch(layer: DecodeLayer, rows: int, context: int) -> torch.Tensor:

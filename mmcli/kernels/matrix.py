@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mmcli.kernels import cpu_ops
+from mmcli.kernels import cpu, cpu_ops
 from mmcli.kernels.attention import sdpa_attention
+from mmcli.kernels.experts import grouped_loop
 from mmcli.kernels.weight_forms import GROUP, X_MAX, Int4Weight, Int8Weight
 
 INT4_TILE = 256  # output channels dequantized at a time: 1 MB of bfloat16 for 2048 inputs
@@ -80,6 +81,8 @@ def int4_dequantized(weight: Int4Weight, start: int, stop: int) -> torch.Tensor:
     """Output channels [start, stop) of an Int4Weight as bfloat16 [in, stop - start] (torch's CPU
     int4 layout: blocks of 64 output channels, each input channel's 64 values in 32 bytes, low
     nibbles the block's first 32), value = (q - 8) * scale + zero per GROUP inputs."""
+    if cpu.eager() and weight.scales_zeros.is_contiguous():
+        return cpu.int4_dequantize(weight, GROUP, start, stop)
     inner = weight.shape[1]
     packed = weight.packed.view(-1, inner, 32)[start // 64 : stop // 64]
     q = torch.cat([packed & 0xF, packed >> 4], -1)  # [blocks, in, 64]
@@ -126,3 +129,28 @@ def bf16_attention(
         return None
     out = sdpa_attention(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), causal)
     return out.float()
+
+
+def bf16_grouped_experts(above: int):
+    """The `experts` kernel of a run with bfloat16 products: each chosen expert's bfloat16
+    weights multiplied as held, on its rows (more than `above`: oneDNN's bfloat16 GEMM; fewer:
+    bf16_linear.c), where torch's loop converts each expert's weights to float32 per call."""
+    matmul = bf16_products(above)
+
+    def linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        y = matmul(rows, weight, None, None)
+        return y if y is not None else F.linear(rows, weight.float())
+
+    def experts(x, chosen, weights, gate_up_proj, down_proj):
+        if x.dtype != torch.float32 or gate_up_proj.dtype != torch.bfloat16:
+            return None
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
+            return None
+
+        def ffn(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            gate, up = linear(rows, gate_up_proj[expert]).chunk(2, dim=-1)
+            return linear(F.silu(gate) * up, down_proj[expert])
+
+        return grouped_loop(x, chosen, weights, len(gate_up_proj), ffn)
+
+    return experts

@@ -1,5 +1,5 @@
 """Where two kernels are close on this machine, which one wins at which row count: measured once
-per machine (its CPU model, cores, units and torch version: cpu_features.CpuFeatures.key) and
+per machine (its CPU model, cores, units, torch version and the kernels' code: `machine_key`) and
 cached in ~/.cache/mmcli/kernels/measured.json, so a run pays nothing for it after the first.
 
 Each comparison times both kernels on a representative layer at a few row counts (best of
@@ -9,11 +9,14 @@ against the machine's peak for each unit (`peaks`: the library's own GEMM at 204
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +28,7 @@ REPEATS = 3
 STORE = "measured.json"
 SHAPE = (2048, 6144)  # a 2B model's fused q/k/v and gate/up widths: in -> out
 BF16_ROWS = (1, 4, 8, 16, 32, 64)
-INT4_ROWS = (64, 128, 256, 512, 1024)
+INT4_ROWS = (16, 32, 64, 128, 256, 1024)
 VISION_ROWS = 784  # a 448x448 image's patches
 
 
@@ -191,8 +194,17 @@ def _write(store: dict) -> None:
     os.replace(tmp, path)
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of the kernels compared (ours in C and their callers, the library's callers): a
+    new mmcli measures again."""
+    here = Path(__file__).parent
+    sources = [*cpu.SOURCES, *cpu.HEADERS, here / "cpu_ops.py", here / "matrix.py"]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
+
+
 def machine_key() -> str:
-    return cpu_features.detect().key(torch.__version__)
+    return f"{cpu_features.detect().key(torch.__version__)}|kernels {code_digest()}"
 
 
 def measured(name: str, again: bool = False) -> dict:

@@ -183,18 +183,22 @@ def _head(shape: RunShape, upcast: Choice) -> Choice:
     return Choice(ours.kernel, "float32 products for the logits", ours.install)
 
 
-def _bf16_products(shape: RunShape) -> Choice | None:
-    """oneDNN's bfloat16 GEMM above the rows where it beats ours: KERNEL_ROWS on AMX (three
-    times ours there), measured on AVX-512 BF16 and Arm's BF16; None where ours wins at every
-    measured row count."""
-    unit = shape.cpu().engine()
+def _bf16_crossover(shape: RunShape) -> tuple[int | None, str]:
+    """The rows above which oneDNN's bfloat16 GEMM beats ours, and why: KERNEL_ROWS on AMX
+    (three times ours there), measured on AVX-512 BF16 and Arm's BF16; None where ours wins at
+    every measured row count."""
     if "amx_bf16" in shape.cpu().units:
-        above, why = cpu_ops.KERNEL_ROWS, "AMX-BF16: the matrix engine above the few-rows kernel"
-    else:
-        above, why = _measured("bf16_gemm", shape)
+        return cpu_ops.KERNEL_ROWS, "AMX-BF16: the matrix engine above the few-rows kernel"
+    return _measured("bf16_gemm", shape)
+
+
+def _bf16_products(shape: RunShape) -> Choice | None:
+    above, why = _bf16_crossover(shape)
     if above is None:
         return None
-    kernel = f"oneDNN bfloat16 ({unit}) above {above} rows, bf16_linear.c to {above}"
+    kernel = (
+        f"oneDNN bfloat16 ({shape.cpu().engine()}) above {above} rows, bf16_linear.c to {above}"
+    )
     return Choice(kernel, why, _function(matrix.bf16_products(above)))
 
 
@@ -286,6 +290,12 @@ def _experts(shape: RunShape) -> Choice:
             "torch's, offsets on the device",
             _function(experts.grouped_gemm_where_it_fits),
         )
+    if shape.bf16_products() and shape.eager_cpu():
+        above, _ = _bf16_crossover(shape)
+        if above is not None:
+            kernel = f"grouped loop, oneDNN bfloat16 above {above} rows"
+            why = "each chosen expert's bfloat16 weights as held"
+            return Choice(kernel, why, _function(matrix.bf16_grouped_experts(above)))
     return Choice("grouped loop", "each chosen expert once, on its rows")
 
 
