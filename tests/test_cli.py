@@ -1,6 +1,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from mmcli.cli.app import app
@@ -103,3 +104,24 @@ def test_bad_sampling_value_is_a_usage_error(tiny_dir):
 def test_caption_help_shows_the_install_extra():
     result = CliRunner().invoke(app, ["caption", "--help"], terminal_width=100)
     assert result.exit_code == 0 and "pip install 'mmcli[ray]'" in result.output
+
+
+@pytest.mark.parametrize(
+    ("units", "upcast"),
+    [({"avx2", "fma"}, "bf16_linear.c"), ({"avx2", "fma", "amx_bf16"}, "oneDNN bfloat16 (AMX)")],
+)
+def test_doctor_prints_the_units_the_peaks_and_the_plan(monkeypatch, units, upcast):
+    import dataclasses
+
+    from mmcli.kernels import cpu, cpu_features
+
+    forced = dataclasses.replace(cpu_features.detect(), units=frozenset(units), overridden=True)
+    monkeypatch.setattr(cpu_features, "detect", lambda: forced)
+    monkeypatch.setenv("COLUMNS", "250")  # Rich's table, unwrapped
+    # the default model, not downloaded: a dense model's plan (nothing is fetched)
+    result = CliRunner().invoke(app, ["doctor"])
+    assert result.exit_code == 0, result.output
+    assert "CPU: " in result.output and "from MMCLI_CPU_FEATURES" in result.output
+    assert "library peaks: float32" in result.output and "kernel plan" in result.output
+    if cpu.why_unavailable() is None:
+        assert upcast in result.output and "measured kernels" in result.output

@@ -132,7 +132,7 @@ def _c_kernel(work: str, shape: RunShape, install: Install) -> Choice:
 
 def _linears(shape: RunShape) -> Choice:
     if shape.quantize == "int4":
-        return Choice("int4 (torch's int4 CPU kernel)", "quantize int4: quantized as read")
+        return Choice("int4", "quantize int4: quantized as read, in torch's int4 CPU layout")
     if shape.quantize == "int8":
         return Choice(INT8, "quantize int8: norms folded, a scale per output channel")
     if shape.backend != "eager":
