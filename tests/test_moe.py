@@ -305,7 +305,7 @@ def test_caption_runs_an_moe_checkpoint_with_tasks_at_int4(moe_dir, tmp_path):
     command += ["--task", "caption", "--task", "tags", "--max-new-tokens", "6"]
     result = CliRunner().invoke(app, command)
     assert result.exit_code == 0, result.output
-    assert "int4 (" in result.output  # the load line names the kernels
+    assert "linears int4" in result.output  # the load line names the kernels
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 4 and all(r["status"] == "ok" for r in records)
     assert {r["precision"]["weights"] for r in records} == {"int4"}

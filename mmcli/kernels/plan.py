@@ -19,6 +19,7 @@ two kernels are close (AVX-512 BF16, VNNI's int8 against oneDNN's), by this mach
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -146,7 +147,11 @@ def _linears(shape: RunShape) -> Choice:
 
 def _measured(name: str, shape: RunShape) -> tuple[int | None, str]:
     """(rows above which the library's kernel wins, why) from this machine's measurement (of
-    the library's alone where our C kernels are not built here)."""
+    the library's alone where our C kernels are not built here); MMCLI_CPU_PREFER=library or
+    ours stands in for every measurement (tests and benches force each path so)."""
+    prefer = os.environ.get("MMCLI_CPU_PREFER")
+    if prefer in ("library", "ours"):
+        return (0 if prefer == "library" else None), f"MMCLI_CPU_PREFER={prefer}"
     if name != "int4_tiles" and cpu.load()[0] is None:
         return 0, f"ours not built here ({cpu.load()[1]})"
     result = measure.measured(name)
