@@ -438,6 +438,7 @@ def main() -> None:
         args.cache_dir = compare_hf.ROOT / (".bench_cache/smoke" if args.smoke else ".bench_cache")
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     ckpt, images, lengths = compare_hf.make_inputs(args.cache_dir, args.smoke)
+    ask_image = images[ASK_IMAGE % len(images)]  # the 448x448 one, whatever --images keeps
     images, lengths = images[: args.images], lengths[: args.images]
     limits = compare_hf.machine_limits()
     print(
@@ -447,7 +448,7 @@ def main() -> None:
         flush=True,
     )
     if args.only_ask:
-        ask_part(args, ckpt, images[ASK_IMAGE % len(images)])
+        ask_part(args, ckpt, ask_image)
         return
     rate_args = argparse.Namespace(
         cache_dir=args.cache_dir,
@@ -473,8 +474,8 @@ def main() -> None:
         hf_part(args, rate_args, rates)
         print("\nstart-up, no model:")
         start_times()
-        ask_part(args, ckpt, images[ASK_IMAGE % len(images)])
-    ask_sides(args, ckpt, images[ASK_IMAGE % len(images)])
+        ask_part(args, ckpt, ask_image)
+    ask_sides(args, ckpt, ask_image)
     agreements(args, ckpt, images[0])
 
 

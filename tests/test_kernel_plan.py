@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from mmcli.kernels import cpu, cpu_ops
+from mmcli.kernels import cpu, cpu_features, cpu_ops
 from mmcli.kernels.attention import bounded_attention
 from mmcli.kernels.fused_decode import FusedDecode
 from mmcli.kernels.plan import NONE, RunShape, choose
@@ -45,7 +45,10 @@ def test_compiled_graphs_trace_torch_operations(backend):
 
 @needs_kernels
 def test_quantized_runs_keep_the_upcast_kernel_for_the_matrices_left_as_loaded():
-    int8 = choose(RunShape("cpu", "eager", "float32", "bfloat16", "int8", hybrid=True))
+    vector = dataclasses.replace(cpu_features.detect(), units=frozenset({"avx2", "fma"}))
+    int8 = choose(
+        RunShape("cpu", "eager", "float32", "bfloat16", "int8", hybrid=True, features=vector)
+    )
     assert int8.int8.install(None) is cpu_ops.int8_matmul and int8.upcast.install is not None
     assert int8.linears.kernel == "int8" and int8.delta_rule.kernel == "PyTorch"
     int4 = choose(RunShape("cpu", "eager", "float32", "bfloat16", "int4", sparse=True))

@@ -107,7 +107,8 @@ def test_amx_takes_onednn_above_the_few_rows_kernel_without_measuring(monkeypatc
     monkeypatch.setattr(measure, "measured", measured)
     plan = choose(shape_on(AMX, quantize="int8"))
     assert plan.upcast.kernel.startswith("oneDNN bfloat16 (AMX) above 16 rows")
-    assert plan.vision_int8.kernel == ONEDNN_INT8 and plan.int8.kernel == INT8_OURS
+    assert plan.vision_int8.kernel == ONEDNN_INT8
+    assert plan.int8.kernel == f"oneDNN int8 above 64 rows, {INT8_OURS} to 64"
     assert plan.attention.kernel == "attention.c"  # measured (faked): ours wins
 
 
@@ -125,11 +126,12 @@ def test_avx512_bf16_chooses_by_this_machines_measurement(monkeypatch, ours):
     plan = choose(shape_on(AVX512_BF16, quantize="int8"))
     if ours:
         assert plan.upcast.kernel == "bf16_linear.c" and plan.attention.kernel == "attention.c"
-        assert plan.vision_int8.kernel == INT8_OURS
+        assert plan.vision_int8.kernel == INT8_OURS and plan.int8.kernel == INT8_OURS
     else:
         assert plan.upcast.kernel.startswith("oneDNN bfloat16 (AVX-512 BF16) above 8 rows")
         assert plan.attention.install(None) is matrix.bf16_attention
         assert plan.vision_int8.kernel == ONEDNN_INT8
+        assert plan.int8.kernel == f"oneDNN int8 above 8 rows, {INT8_OURS} to 8"
     assert "measured here" in plan.upcast.why or ours
 
 
@@ -175,9 +177,10 @@ def test_bf16_products_are_float32s_to_bfloat16_rounding_and_few_rows_stay_exact
 def test_int8_on_onednn_is_int8_references_arithmetic_exactly():
     weight = quantize_int8(torch.randn(40, 52))
     x = torch.randn(33, 52)
-    y = matrix.int8_rows_matmul(x, as_rows(weight))
-    assert torch.equal(y, int8_reference(x, weight, per_token=True))
+    reference = int8_reference(x, weight, per_token=True)
+    assert torch.equal(matrix.int8_rows_matmul(x, as_rows(weight)), reference)
     assert matrix.int8_rows_matmul(x, weight) is None  # not the rows layout
+    assert torch.equal(matrix.int8_products(above=16)(x, weight), reference)  # copied to rows
 
 
 def test_int4_tiles_dequantize_torchs_layout_and_match_its_kernel():

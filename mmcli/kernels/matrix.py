@@ -8,6 +8,8 @@ and the KV cache stay float32 (`products: bfloat16` in the records)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -75,6 +77,35 @@ def int8_rows_matmul(x2: torch.Tensor, weight: Int8Weight) -> torch.Tensor | Non
         values = F.pad(values, (0, padded))
     sums = torch._int_mm(values, weight.values.t())
     return sums.float().mul_(scale).mul_(weight.scale).add_(weight.bias)
+
+
+_row_copies: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def rows_copy(weight: Int8Weight) -> Int8Weight:
+    """The weight in rows layout, copied from int8_linear.c's into a buffer reused per shape:
+    the decoder's weights are stored in ours, which decode reads."""
+    n, k = weight.values.shape
+    buffer = _row_copies.get((n, k))
+    if buffer is None:
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of it
+            buffer = _row_copies[n, k] = torch.empty(n, k, dtype=torch.int8)
+    interleaved = weight.values.view(n // 16, k // 4, 16, 4).permute(0, 2, 1, 3)
+    buffer.view(n // 16, 16, k // 4, 4).copy_(interleaved)
+    return dataclasses.replace(weight, values=buffer, layout="rows")
+
+
+def int8_products(above: int):
+    """The decoder's `int8` kernel where oneDNN's int8 GEMM wins at many rows: above `above`
+    rows the weights copied to rows layout for the call (one pass over them, which the rows
+    amortize) and multiplied by oneDNN, fewer rows on int8_linear.c."""
+
+    def matmul(x2: torch.Tensor, weight: Int8Weight) -> torch.Tensor | None:
+        if weight.layout == "interleaved" and _library_rows(x2, above):
+            return int8_rows_matmul(x2, rows_copy(weight))
+        return cpu_ops.int8_matmul(x2, weight)
+
+    return matmul
 
 
 def int4_dequantized(weight: Int4Weight, start: int, stop: int) -> torch.Tensor:

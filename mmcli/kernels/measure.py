@@ -29,6 +29,7 @@ STORE = "measured.json"
 SHAPE = (2048, 6144)  # a 2B model's fused q/k/v and gate/up widths: in -> out
 BF16_ROWS = (1, 4, 8, 16, 32, 64)
 INT4_ROWS = (16, 32, 64, 128, 256, 1024)
+INT8_ROWS = (64, 256, 1024)
 VISION_ROWS = 784  # a 448x448 image's patches
 
 
@@ -115,6 +116,22 @@ def _int8_vision() -> dict:
     return {"kernels": ["int8_linear.c", "oneDNN int8"], "units": ["int8", "int8"], "rates": rates}
 
 
+def _int8_prefill() -> dict:
+    inner, outer = SHAPE
+    weight, _ = random_int8(outer, inner)
+    above = matrix.int8_products(0)
+    rates = {}
+    for rows in INT8_ROWS:
+        x = torch.randn(rows, inner)
+        ops = 2 * rows * inner * outer
+        rates[rows] = (
+            _rate(lambda x=x: cpu_ops.int8_matmul(x, weight), ops),
+            _rate(lambda x=x: above(x, weight), ops),
+        )
+    kernels = ["int8_linear.c", "oneDNN int8, weights copied to rows"]
+    return {"kernels": kernels, "units": ["int8", "int8"], "rates": rates}
+
+
 def _int4_tiles() -> dict:
     inner = outer = 2048
     weight = random_int4(outer, inner)
@@ -167,6 +184,7 @@ def peaks() -> dict:
 COMPARISONS: dict[str, Callable[[], dict]] = {
     "bf16_gemm": _bf16_gemm,
     "int8_vision": _int8_vision,
+    "int8_prefill": _int8_prefill,
     "int4_tiles": _int4_tiles,
     "attention": _attention,
     "peaks": peaks,

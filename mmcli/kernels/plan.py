@@ -208,9 +208,19 @@ def _bf16_products(shape: RunShape) -> Choice | None:
 
 
 def _int8(shape: RunShape) -> Choice:
+    """The decoder's int8: stored in int8_linear.c's layout (decode reads it, bound by memory);
+    at many rows on oneDNN's int8 GEMM where that wins (above 64 rows on AMX-INT8, else
+    measured), the weights copied to its layout for the call."""
     if shape.quantize != "int8":
         return NONE
     library, reason = cpu.load()
+    if shape.cpu().int8_matrix():
+        above, why = 64, "AMX-INT8 above 64 rows: the copy to its layout amortized"
+    else:
+        above, why = _measured("int8_prefill", shape)
+    if above is not None and shape.eager_cpu():
+        kernel = f"oneDNN int8 above {above} rows, {INT8_OURS} to {above}"
+        return Choice(kernel, why, _function(matrix.int8_products(above)))
     if library is None:
         return Choice("int8 in float32", reason)
     why = f"weights stored in its layout ({cpu.name()} build); decode reads them"
