@@ -44,7 +44,8 @@ def test_compiled_graphs_trace_torch_operations(backend):
 
 
 @needs_kernels
-def test_quantized_runs_keep_the_upcast_kernel_for_the_matrices_left_as_loaded():
+def test_quantized_runs_keep_the_upcast_kernel_for_the_matrices_left_as_loaded(monkeypatch):
+    monkeypatch.setenv("MMCLI_CPU_PREFER", "ours")  # whatever this machine measured
     vector = dataclasses.replace(cpu_features.detect(), units=frozenset({"avx2", "fma"}))
     int8 = choose(
         RunShape("cpu", "eager", "float32", "bfloat16", "int8", hybrid=True, features=vector)
