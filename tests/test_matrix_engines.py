@@ -274,6 +274,8 @@ def _greedy(path, units: cpu_features.CpuFeatures, monkeypatch, **settings):
 def test_bfloat16_products_keep_the_float32_products_greedy_tokens(
     bf16_checkpoint, monkeypatch, quantize
 ):
+    # each side's units are a measurement key of their own: the measured choices kept alike
+    monkeypatch.setenv("MMCLI_CPU_PREFER", "ours")
     settings = {"quantize": quantize, "weights_cache": False}
     matrix_run, tokens = _greedy(bf16_checkpoint, AMX, monkeypatch, **settings)
     vector_run, reference = _greedy(bf16_checkpoint, AVX2, monkeypatch, **settings)
