@@ -13,14 +13,6 @@
    and the BLAS then packs them again. */
 #include "float_tiles.h"
 
-static inline float bf16_to_float(uint16_t h) {
-    union {
-        uint32_t u;
-        float f;
-    } c = {(uint32_t)h << 16};
-    return c.f;
-}
-
 /* y[m, n0:n0+NB] for rows m0..m0+MB: NB weight rows widened once per GL columns, used by MB rows.
    The next group's first row is fetched ahead: a new row starts a new page, where the hardware's
    prefetcher stops. */

@@ -7,6 +7,15 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+/* A bfloat16 is the top half of a float32: widening it is exact. */
+static inline float bf16_to_float(uint16_t h) {
+    union {
+        uint32_t u;
+        float f;
+    } c = {(uint32_t)h << 16};
+    return c.f;
+}
+
 #define GR 6 /* rows per tile */
 
 #if defined(__AVX512F__)

@@ -3,15 +3,7 @@
    output channels, each input's 64 values in 32 bytes, the low nibbles the block's first 32),
    value = (q - 8) * scale + zero per group of inputs, [inputs][channels] out (the GEMM's B
    operand), rounded to nearest even as torch's conversion rounds. */
-#include <stdint.h>
-
-static inline float bf16_value(uint16_t h) {
-    union {
-        uint32_t u;
-        float f;
-    } v = {(uint32_t)h << 16};
-    return v.f;
-}
+#include "float_tiles.h"
 
 static inline uint16_t bf16_rounded(float f) {
     union {
@@ -27,9 +19,10 @@ static void dequantize_block(const uint8_t *bytes, const uint16_t *pairs, int64_
     for (int j = 0; j < 32; j++) {
         const int64_t lo = first + j, hi = lo + 32;
         const float low = (float)((bytes[j] & 15) - 8), high = (float)((bytes[j] >> 4) - 8);
-        row[j] = bf16_rounded(low * bf16_value(pairs[2 * lo]) + bf16_value(pairs[2 * lo + 1]));
+        row[j] =
+            bf16_rounded(low * bf16_to_float(pairs[2 * lo]) + bf16_to_float(pairs[2 * lo + 1]));
         row[j + 32] =
-            bf16_rounded(high * bf16_value(pairs[2 * hi]) + bf16_value(pairs[2 * hi + 1]));
+            bf16_rounded(high * bf16_to_float(pairs[2 * hi]) + bf16_to_float(pairs[2 * hi + 1]));
     }
 }
 
