@@ -325,3 +325,44 @@ def reference_greedy(model, inputs, tokens: int = 16) -> list[int]:
     )
     out = model.generate(**inputs, generation_config=gen)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+# Comparing two kernels (or products, or units) of one run: along the same tokens, with a margin
+
+
+def forced_logits(labeler, requests, tokens: list[list[int]]):
+    """Teacher forcing: each request's logits [len(tokens), V] (float32) at every step of decoding
+    its `tokens`, the sequences prefilled together and decoded in one batched step each, as the
+    engine runs them (the prefill's last logits, then one decode step a token)."""
+    import torch
+
+    from mmcli.engine.batch import DecodeItem
+
+    runner, steps = labeler.runner, len(tokens[0])
+    items = [
+        prefill_item(req, slot=i, max_tokens=len(req.input_ids) + steps)
+        for i, req in enumerate(requests)
+    ]
+    with torch.inference_mode():
+        logits = [runner.prefill(items)]
+        for step in range(steps - 1):
+            rows = [
+                DecodeItem(i, ts[step], len(req.input_ids) + step, req.rope_delta)
+                for i, (req, ts) in enumerate(zip(requests, tokens))
+            ]
+            logits.append(runner.decode(rows))
+    return list(torch.stack(logits, dim=1).float().unbind(0))
+
+
+def assert_same_choices(logits, reference, margin: float) -> int:
+    """Two kernels' teacher-forced logits along the reference's tokens: within `margin` at every
+    step, so that each step whose reference top-2 gap exceeds twice the margin picks the
+    reference's token (a step within it is a near-tie either kernel may take). Returns the number
+    of such decided steps."""
+    error = (logits - reference).abs().max().item()
+    print(f"logits apart by {error:.2e} at most (margin {margin:.2e})")
+    assert error <= margin
+    top2 = reference.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 2 * margin
+    assert (logits.argmax(-1) == reference.argmax(-1))[decided].all()
+    return int(decided.sum())
