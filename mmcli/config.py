@@ -31,6 +31,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_new_tokens: int = 128
     seed: int = 0
+    # OpenAI's penalties, over the tokens generated so far (vLLM's reading): each logit minus
+    # presence_penalty where its token was generated and frequency_penalty times its count
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely one
 
     def __post_init__(self):
         _refuse(
@@ -42,11 +47,29 @@ class SamplingParams:
                 ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
                 ("top_k", self.top_k >= 0, "0 or more"),
                 ("repetition_penalty", self.repetition_penalty > 0, "above 0"),
+                ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+                ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+                ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
             ],
         )
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a token's choice reads the sequence's history."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The settings as records and resume keys hold them: the penalties and min_p only where
+        set, so that records written before they existed stay current."""
+        kept = dataclasses.asdict(self)
+        for name in ("presence_penalty", "frequency_penalty", "min_p"):
+            if kept[name] == 0.0:
+                del kept[name]
+        return kept
 
 
 PLACEHOLDERS = ("filename", "stem", "folder", "sidecar")  # filled per input in a task prompt

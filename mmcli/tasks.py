@@ -32,7 +32,8 @@ class Task:
     @property
     def definition(self) -> dict:
         """What the task's labels depend on (its part of the resume key)."""
-        return {k: v for k, v in asdict(self).items() if k != "sidecar"}
+        kept = {k: v for k, v in asdict(self).items() if k != "sidecar"}
+        return {**kept, "sampling": self.sampling.as_dict()}
 
 
 def decide_sampling(base: SamplingParams, own: dict, given: dict | None) -> SamplingParams:

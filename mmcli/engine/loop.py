@@ -86,11 +86,9 @@ class Engine:
             )
             for s in seqs
         ]
-        # Only the repetition penalty reads the history: skip building it otherwise.
+        # Only the penalties read the history: none is built otherwise.
         histories = [
-            s.request.input_ids + s.token_ids
-            if s.request.sampling.repetition_penalty != 1.0
-            else []
+            (s.request.input_ids, s.token_ids) if s.request.sampling.penalized else None
             for s in seqs
         ]
         constraints = [s.request.constraint for s in seqs]

@@ -1,9 +1,10 @@
-"""Next-token choice per sequence: repetition penalty, temperature, top-k, top-p, seeded per
-(seed, key, step)."""
+"""Next-token choice per sequence: the repetition, presence and frequency penalties, temperature,
+top-k, top-p, min-p, seeded per (seed, key, step)."""
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,23 +19,49 @@ def step_seed(seed: int, key: str, task: str, step: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _filter_top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k).values[-1]
+# A sequence's (prompt ids, generated ids): what the penalties read
+History = tuple[list[int], list[int]]
+
+
+def _filter(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The scores (temperature applied) with the tokens top-k, top-p and min-p rule out at
+    -inf; the most likely token always stays."""
+    if p.top_k > 0 and p.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, p.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
+    if p.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=False)
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
-        remove = cumulative <= (1 - top_p)
+        remove = cumulative <= (1 - p.top_p)
         remove[-1] = False  # always keep the most likely token
         scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    if p.min_p > 0.0:  # p(token) < min_p * p(top)  <=>  score < top + log(min_p)
+        scores = scores.masked_fill(scores < scores.max() + math.log(p.min_p), float("-inf"))
+    return scores
+
+
+def penalized(scores: torch.Tensor, p: SamplingParams, history: History) -> torch.Tensor:
+    """A row's scores with its penalties: repetition over the prompt and the tokens generated
+    (CTRL's, as transformers applies it), presence and frequency over the tokens generated
+    (OpenAI's, as vLLM applies them)."""
+    prompt, generated = history
+    scores = scores.clone()
+    if p.repetition_penalty != 1.0 and (prompt or generated):
+        seen = torch.tensor(sorted(set(prompt) | set(generated)), device=scores.device)
+        picked = scores[seen]
+        scores[seen] = torch.where(
+            picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty
+        )
+    if (p.presence_penalty or p.frequency_penalty) and generated:
+        ids, counts = torch.tensor(generated, device=scores.device).unique(return_counts=True)
+        scores[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(scores.dtype)
     return scores
 
 
 def choose_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    histories: list[list[int]],
+    histories: list[History | None],
     seeds: list[int],
     model_logits: torch.Tensor | None = None,
 ) -> tuple[list[int], list[float]]:
@@ -42,27 +69,20 @@ def choose_tokens(
     (`model_logits`, default `logits`: unprocessed by penalties, temperature or a grammar's
     mask). Greedy rows without a penalty are chosen together on the device; the tokens and
     log-probabilities come back to the host in one copy (on CUDA, the decode loop's one
-    synchronisation)."""
+    synchronisation). A row's history is needed only where its sampling is `penalized`."""
     logits = logits.float()
     logprobs = torch.log_softmax(
         model_logits.float() if model_logits is not None else logits, dim=-1
     )
     chosen = logits.argmax(-1)
     for i, (row, p, history, seed) in enumerate(zip(logits, params, histories, seeds)):
-        if p.temperature == 0.0 and (p.repetition_penalty == 1.0 or not history):
+        if p.temperature == 0.0 and not p.penalized:
             continue
-        scores = row
-        if p.repetition_penalty != 1.0 and history:
-            seen = torch.tensor(sorted(set(history)), device=row.device)
-            picked = scores[seen]
-            scores = scores.clone()
-            scores[seen] = torch.where(
-                picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty
-            )
+        scores = penalized(row, p, history) if p.penalized else row
         if p.temperature == 0.0:
             chosen[i] = torch.argmax(scores)
             continue
-        scores = _filter_top_k_top_p(scores / p.temperature, p.top_k, p.top_p)
+        scores = _filter(scores / p.temperature, p)
         generator = torch.Generator(device="cpu").manual_seed(seed)
         probs = scores.softmax(-1).cpu()
         chosen[i] = int(torch.multinomial(probs, 1, generator=generator))
@@ -80,7 +100,7 @@ class Choice:
 def choose(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    histories: list[list[int]],
+    histories: list[History | None],
     seeds: list[int],
     constraints: list | None = None,
 ) -> list[Choice]:
