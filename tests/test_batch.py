@@ -35,7 +35,7 @@ def test_a_batch_file_gives_the_batch_apis_lines_resumes_and_reports_bad_lines(t
         _line("b", "Say something.", max_tokens=6, temperature=0.7, seed=3),
         _line("e", _image("coffee.jpg"), max_tokens=8),  # a path: beside the requests file
         _line("c", _image(f"file://{SAMPLES / 'chelsea.jpg'}"), max_tokens=8),  # outside
-        _line("d", "hi", frequency_penalty=1.0),
+        _line("d", "hi", logit_bias={"5": 1}),
     ]
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(map(json.dumps, lines)) + "\n{not json\n")
@@ -52,7 +52,7 @@ def test_a_batch_file_gives_the_batch_apis_lines_resumes_and_reports_bad_lines(t
     assert results["e"]["response"]["body"]["choices"] == answer["body"]["choices"]
     sampled = cap.ask([], "Say something.", max_new_tokens=6, temperature=0.7, seed=3)
     assert results["b"]["response"]["body"]["choices"][0]["message"]["content"] == sampled.text
-    for custom_id, says in (("c", "inside the allowed"), ("d", "frequency_penalty")):
+    for custom_id, says in (("c", "inside the allowed"), ("d", "logit_bias")):
         response = results[custom_id]["response"]
         assert response["status_code"] == 400 and says in response["body"]["error"]["message"]
     assert "line 6: not JSON" in results[None]["error"]["message"]

@@ -370,6 +370,10 @@ def serve_cmd(
     max_images: o.MaxImages = 16,
     max_body_mb: o.MaxBodyMB = 64,
     max_queue: o.MaxQueue = 64,
+    max_videos: o.MaxVideos = 2,
+    max_preparing: o.MaxPreparing = 4,
+    max_media_mb: o.MaxMediaMB = 2048,
+    request_timeout: o.RequestTimeout = 600.0,
     dtype: o.Dtype = None,
     device: o.Device = None,
     backend: o.Backend = None,
@@ -383,6 +387,7 @@ def serve_cmd(
     Examples:
       mmcli serve --model Qwen/Qwen3-VL-2B-Instruct --port 8000
       mmcli serve --api-key secret --allowed-media-dir ./images
+      mmcli serve --host 0.0.0.0 --api-key secret   # behind a load balancer
     """
     from mmcli.cli.serve import ServeOptions, serve
 
@@ -408,8 +413,14 @@ def serve_cmd(
             max_images=max_images,
             max_body_mb=max_body_mb,
             max_queue=max_queue,
+            max_videos=max_videos,
+            max_preparing=max_preparing,
+            max_media_mb=max_media_mb,
+            request_timeout=request_timeout,
         )
-        serve(cfg, options)
+        code = serve(cfg, options)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command("batch")

@@ -12,14 +12,14 @@ from mmcli.config import Config
 def run_batch(cfg: Config, requests: Path, output: Path, progress) -> int:
     """Returns the exit code: 0, 1 when a line failed, 130 interrupted."""
     from mmcli.jobs.records import JsonlOutput
-    from mmcli.serve.batch import output_line, read_batch
+    from mmcli.serve.batch import Answered, batch_lines, output_line, scan_batch
 
-    lines = read_batch(requests)  # a repeated custom_id: refused here, before loading
     out = JsonlOutput(output).open()
     try:
-        todo = still_to_answer(lines, list(out.records()))
-        progress.total = len(todo)
-        if not todo:
+        answered = Answered.of(out.records())
+        scan = scan_batch(requests, answered)  # a repeated custom_id: refused before loading
+        progress.total = scan.todo
+        if not scan.todo:
             progress.say(f"{output}: every custom_id of {requests} is answered")
             return 0
 
@@ -27,32 +27,15 @@ def run_batch(cfg: Config, requests: Path, output: Path, progress) -> int:
             out.append(output_line(line, status, body))
             progress.update(progress_record(line, status, body))
 
-        for line in [line for line in todo if line.body is None]:  # no model needed for these
-            write(line, None, None)
-        runnable = [line for line in todo if line.body is not None]
-        if not runnable:
+        todo = (line for line in batch_lines(requests) if answered.wants(line))
+        if not scan.runnable:  # no model needed for these
+            for line in todo:
+                write(line, None, None)
             progress.finish()
             return 1 if progress.failed else 0
-        return _answer(cfg, requests, runnable, write, progress)
+        return _answer(cfg, requests, todo, write, progress)
     finally:
         out.close()
-
-
-def still_to_answer(lines: list, records: list) -> list:
-    """The lines whose request has no answer yet (an answer that is an error is redone); a line
-    that is no request (no custom_id) is reported once."""
-    answered = {
-        r.get("custom_id")
-        for r in records
-        if isinstance(r, dict) and (r.get("response") or {}).get("status_code") == 200
-    }
-    reported = {r.get("id") for r in records if isinstance(r, dict) and not r.get("custom_id")}
-    return [
-        line
-        for line in lines
-        if (line.custom_id is not None and line.custom_id not in answered)
-        or (line.custom_id is None and f"batch_req_{line.number:06d}" not in reported)
-    ]
 
 
 def progress_record(line, status: int | None, body: dict | None) -> dict:
@@ -68,9 +51,10 @@ def progress_record(line, status: int | None, body: dict | None) -> dict:
     }
 
 
-def _answer(cfg: Config, requests: Path, todo: list, write, progress) -> int:
+def _answer(cfg: Config, requests: Path, todo, write, progress) -> int:
     from mmcli.api.labeler import Labeler
     from mmcli.api.loader import load_description, resolve_run
+    from mmcli.inputs.prefetch import default_workers
     from mmcli.serve.batch import run_lines
     from mmcli.serve.media import MediaPolicy
     from mmcli.serve.service import EngineService
@@ -81,8 +65,10 @@ def _answer(cfg: Config, requests: Path, todo: list, write, progress) -> int:
         loaded["kernels"] = labeler.kernels
     service = EngineService(labeler, max_queue=1 << 30).start()
     policy = MediaPolicy(allowed_dir=requests.resolve().parent)
+    # as caption's inputs ahead: the engine's next wave prepared while this one runs
+    window = max(cfg.engine.max_seqs, cfg.vision.lookahead) + default_workers(cfg.inputs.workers)
     try:
-        asyncio.run(run_lines(labeler, service, todo, policy, write))
+        asyncio.run(run_lines(labeler, service, todo, policy, write, window))
         progress.finish()
         return 1 if progress.failed else 0
     except KeyboardInterrupt:

@@ -128,7 +128,19 @@ AllowedHost = _option(
 )
 MaxImages = _option(int, "--max-images", help="Most images in one request.")
 MaxBodyMB = _option(int, "--max-body-mb", help="Largest request body, in MB.")
-MaxQueue = _option(int, "--max-queue", help="Requests that may wait; more are answered 429.")
+MaxQueue = _option(
+    int, "--max-queue", help="Requests admitted and not yet started; more are answered 429."
+)
+MaxVideos = _option(int, "--max-videos", help="Most videos in one request.")
+MaxPreparing = _option(
+    int, "--max-preparing", help="Requests whose media are fetched and decoded at once."
+)
+MaxMediaMB = _option(
+    int, "--max-media-mb", help="Memory the media of requests being prepared may take, in MB."
+)
+RequestTimeout = _option(
+    float, "--request-timeout", help="Seconds a request may take, admission to last token."
+)
 BatchOutput = _option(
     Path, "--output", "-o", help="The Batch API's output file (JSONL) to append to."
 )

@@ -205,7 +205,7 @@ def _facts(sha256: str, stat: os.stat_result) -> dict:
 def open_source(source: Source) -> Path | BinaryIO:
     """A readable file's path, or the input's bytes (read now, from its shard or Parquet file);
     raises ImageError naming what cannot be read."""
-    if isinstance(source, (TarMember, ParquetCell, Broken)):
+    if isinstance(source, (TarMember, ParquetCell, Broken, Received)):
         return io.BytesIO(source.read())
     check_readable(Path(source))
     return Path(source)

@@ -1,18 +1,20 @@
 """`mmcli batch`: an OpenAI Batch API input file (lines of custom_id, method, url, body) run offline
 through the same engine and rules as `serve`, each answer a line of the Batch API's output format
-appended through the locked, fsynced writer. A rerun skips the custom_ids already answered; a bad
-line is that line's error; a repeated custom_id is refused before the model loads."""
+appended through the locked, fsynced writer. The file is read as a stream, twice: once to refuse
+a repeated custom_id before the model loads (only the ids are kept), once to run it, a bounded
+window of lines in flight. A rerun skips the custom_ids already answered; a bad line, and any
+failure of one, is that line's error."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from mmcli.errors import ConfigError
+from mmcli.errors import ConfigError, OutputError
 from mmcli.serve.chat import Limits, build_job, response_of
 from mmcli.serve.media import MediaPolicy
 from mmcli.serve.protocol import APIError, ChatCompletionRequest
@@ -28,25 +30,69 @@ class BatchLine:
     error: str | None = None  # why the line cannot run
 
 
-def read_batch(path: Path) -> list[BatchLine]:
-    """Every non-empty line, parsed and checked; ConfigError for a custom_id given twice."""
-    lines, seen = [], {}
+@dataclass
+class BatchScan:
+    """What the first pass over a batch file found: the lines still to answer, and how many of
+    them are requests the model must answer."""
+
+    todo: int = 0
+    runnable: int = 0
+
+
+def batch_lines(path: Path):
+    """The file's non-empty lines, parsed one at a time; ConfigError when it cannot be read."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as f:
+            for number, raw in enumerate(f, 1):
+                if raw.strip():
+                    yield parse_line(number, raw)
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read ({e})") from None
-    for number, raw in enumerate(text.splitlines(), 1):
-        if raw.strip():
-            line = parse_line(number, raw)
-            if line.custom_id in seen:
-                raise ConfigError(
-                    f"{path}: custom_id {line.custom_id!r} is on line "
-                    f"{seen[line.custom_id]} and line {number}; each must be unique"
-                )
-            if line.custom_id is not None:
-                seen[line.custom_id] = number
-            lines.append(line)
-    return lines
+
+
+def scan_batch(path: Path, answered: Answered) -> BatchScan:
+    """One pass over the file, keeping only its custom_ids: ConfigError for one given twice."""
+    seen, scan = {}, BatchScan()
+    for line in batch_lines(path):
+        if line.custom_id in seen:
+            raise ConfigError(
+                f"{path}: custom_id {line.custom_id!r} is on line "
+                f"{seen[line.custom_id]} and line {line.number}; each must be unique"
+            )
+        if line.custom_id is not None:
+            seen[line.custom_id] = line.number
+        if answered.wants(line):
+            scan.todo += 1
+            scan.runnable += line.body is not None
+    return scan
+
+
+@dataclass
+class Answered:
+    """What an output file already holds: the custom_ids answered (status 200), and the lines
+    that are no request already reported."""
+
+    ids: set = field(default_factory=set)
+    reported: set = field(default_factory=set)
+
+    @classmethod
+    def of(cls, records) -> Answered:
+        done = cls()
+        for r in records:
+            if not isinstance(r, dict):
+                continue
+            if not r.get("custom_id"):
+                done.reported.add(r.get("id"))
+            elif (r.get("response") or {}).get("status_code") == 200:
+                done.ids.add(r["custom_id"])
+        return done
+
+    def wants(self, line: BatchLine) -> bool:
+        """The line has no answer yet (an answer that is an error is redone); a line that is
+        no request (no custom_id) is reported once."""
+        if line.custom_id is not None:
+            return line.custom_id not in self.ids
+        return f"batch_req_{line.number:06d}" not in self.reported
 
 
 def parse_line(number: int, raw: str) -> BatchLine:
@@ -88,14 +134,14 @@ def output_line(line: BatchLine, status: int | None, body: dict | None) -> dict:
     }
 
 
-async def run_lines(labeler, service, lines: list[BatchLine], policy: MediaPolicy, write) -> None:
-    """Every line through the engine at once (it batches them), each written as it finishes."""
+async def run_lines(labeler, service, lines, policy: MediaPolicy, write, window: int) -> None:
+    """The lines through the engine (it batches them), at most `window` in flight, each written
+    as it finishes; whatever fails a line is that line's answer."""
     loop = asyncio.get_running_loop()
     limits = Limits(max_images=labeler.config.engine.max_seqs * 16, max_queue=1 << 30)
+    room, running = asyncio.Semaphore(window), set()
 
     async def one(line: BatchLine) -> None:
-        if line.body is None:
-            return write(line, None, None)
         try:
             key = f"batch-{line.number}"
             job = await asyncio.to_thread(
@@ -106,8 +152,22 @@ async def run_lines(labeler, service, lines: list[BatchLine], policy: MediaPolic
             write(line, 200, response_of(labeler, job, finished))
         except APIError as e:
             write(line, e.status, e.body())
+        except OutputError:  # the output cannot be written: the run stops (exit 3)
+            raise
+        except Exception as e:  # noqa: BLE001 - one line's failure, whatever it is, is its own
+            write(line, 500, APIError(500, f"{type(e).__name__}: {e}").body())
+        finally:
+            room.release()
 
-    await asyncio.gather(*(one(line) for line in lines))
+    for line in lines:
+        if line.body is None:
+            write(line, None, None)
+            continue
+        await room.acquire()
+        task = asyncio.create_task(one(line))
+        running.add(task)
+        task.add_done_callback(running.discard)
+    await asyncio.gather(*running)
 
 
 async def _finished(handle):

@@ -5,13 +5,19 @@ the log-probabilities."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import secrets
 import time
 from dataclasses import dataclass, field, replace
+
+from jinja2 import TemplateError
 
 from mmcli.config import SamplingParams
 from mmcli.errors import ConfigError, ImageError, ItemError
 from mmcli.inputs.prompt import PromptBuilder
+from mmcli.inputs.video import probe_video
+from mmcli.serve.admission import DECODE_BYTES_PER_PIXEL, Hold, image_pixels
 from mmcli.serve.media import MediaPolicy
 from mmcli.serve.protocol import APIError, ChatCompletionRequest
 from mmcli.tasks import QUESTION_TASK
@@ -20,8 +26,12 @@ from mmcli.tasks import QUESTION_TASK
 @dataclass
 class Limits:
     max_images: int = 16
+    max_videos: int = 2
     max_body_bytes: int = 64 << 20
-    max_queue: int = 64
+    max_queue: int = 64  # requests admitted and not yet started
+    max_preparing: int = 4  # requests whose media are fetched and decoded at once
+    max_media_bytes: int = 2 << 30  # what the requests being prepared may hold at once
+    request_timeout: float = 600.0  # seconds from admission to the last token
 
 
 @dataclass
@@ -35,21 +45,29 @@ class ChatJob:
     stops: list[str] = field(default_factory=list)
     logprobs: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    images: int = 0
+    video_frames: int = 0
 
 
 def build_job(
-    labeler, body: ChatCompletionRequest, policy: MediaPolicy, limits: Limits, key: str, served: str
+    labeler,
+    body: ChatCompletionRequest,
+    policy: MediaPolicy,
+    limits: Limits,
+    key: str,
+    served: str,
+    hold: Hold | None = None,
+    fresh_seed: bool = False,
 ) -> ChatJob:
-    """The engine requests of `body`; APIError(400) naming what cannot run."""
+    """The engine requests of `body`, its media reserved in `hold` before they are read;
+    APIError(400) naming what cannot run. `fresh_seed`: a sampled request without a seed draws
+    its own (a server's: two such requests may differ)."""
     check_supported(body)
     job = ChatJob(key, served, _prompts(labeler, body), stops=body.stops, logprobs=body.logprobs)
-    messages, media = conversation(body, policy, limits)
-    try:
-        prepared = labeler.requests.prepare_in_order(media)
-    except ImageError as e:
-        raise APIError(400, str(e), "messages") from None
+    messages, refs = conversation(body, limits)
     grammar = _grammar(labeler, body, job.prompts.reasoning_end)
-    sampling = sampling_of(labeler.config.generation, body)
+    sampling = sampling_of(labeler.config.generation, body, fresh_seed)
+    prepared = _prepared(labeler, refs, policy, hold, job)
     for choice in range(body.n):
         try:
             request = labeler.requests.build_messages(
@@ -66,8 +84,49 @@ def build_job(
             )
         except ItemError as e:
             raise APIError(400, str(e), "messages", "context_length_exceeded") from None
+        except TemplateError as e:  # the template's raise_exception: a conversation it refuses
+            raise APIError(
+                400, f"messages: the chat template refuses them ({e})", "messages"
+            ) from None
         job.requests.append(request)
     return job
+
+
+def _prepared(labeler, refs: list[MediaRef], policy: MediaPolicy, hold, job: ChatJob):
+    """The media fetched and decoded in order, each reserving its bytes and its decoded size
+    (from its header) in `hold` first."""
+    media = []
+    with hold or contextlib.nullcontext():
+        for ref in refs:
+            received = policy.fetch(ref.url, ref.where, hold)
+            if ref.kind == "video":
+                frames, height, width = _probe(labeler, received, ref.where)
+                job.video_frames += frames
+                if hold is not None:
+                    hold.reserve(_video_bytes(labeler, height, width), ref.where)
+            else:
+                job.images += 1
+                if hold is not None:
+                    hold.reserve(image_pixels(received.data) * DECODE_BYTES_PER_PIXEL, ref.where)
+            media.append((ref.kind, received))
+        try:
+            return labeler.requests.prepare_in_order(media)
+        except ImageError as e:
+            raise APIError(400, str(e), "messages") from None
+
+
+def _probe(labeler, received, where: str) -> tuple[int, int, int]:
+    try:
+        return probe_video(received, labeler.requests.video_sampling)
+    except ImageError as e:
+        raise APIError(400, f"{where}: {received.name}: {e}", where) from None
+
+
+def _video_bytes(labeler, height: int, width: int) -> int:
+    """A video's decoding holds one full-size frame at a time and its frames resized to the
+    run's budget over all of them (inputs/video.py)."""
+    resized = labeler.requests.video_sampling.max_pixels * 4
+    return height * width * DECODE_BYTES_PER_PIXEL + resized
 
 
 def check_supported(body: ChatCompletionRequest) -> None:
@@ -80,36 +139,34 @@ def check_supported(body: ChatCompletionRequest) -> None:
 
 
 def _prompts(labeler, body: ChatCompletionRequest):
-    """The run's prompt builder, thinking as the request's chat_template_kwargs say (the
-    server's --thinking by default)."""
-    kwargs = body.chat_template_kwargs
-    if kwargs is None:
+    """The run's prompt builder, thinking as the request's chat_template_kwargs or
+    reasoning_effort say (the server's --thinking by default)."""
+    if body.thinking is None:
         return labeler.prompts
     try:
-        return labeler.prompts.with_thinking(kwargs.enable_thinking)
+        return labeler.prompts.with_thinking(body.thinking)
     except ConfigError as e:
-        raise APIError(
-            400, f"chat_template_kwargs.enable_thinking: {e}", "chat_template_kwargs"
-        ) from None
+        name = "reasoning_effort" if body.chat_template_kwargs is None else "chat_template_kwargs"
+        raise APIError(400, f"{name}: {e}", name) from None
 
 
-def conversation(body: ChatCompletionRequest, policy: MediaPolicy, limits: Limits):
-    """(the template's messages, the media in their order as ("image" | "video", source)); the
-    image count is checked before anything is fetched."""
-    images = sum(
-        part.type == "image_url"
-        for message in body.messages
-        if isinstance(message.content, list)
-        for part in message.content
-    )
-    if images > limits.max_images:
-        raise APIError(
-            400, f"messages: {images} images, over --max-images {limits.max_images}", "messages"
-        )
-    messages, media = [], []
+@dataclass(frozen=True)
+class MediaRef:
+    """A medium a message names, not yet fetched."""
+
+    kind: str  # "image" or "video"
+    url: str
+    where: str  # the part's place, for errors
+
+
+def conversation(body: ChatCompletionRequest, limits: Limits) -> tuple[list, list[MediaRef]]:
+    """(the template's messages, the media in their order); the counts are checked before
+    anything is fetched."""
+    messages, refs = [], []
     for m, message in enumerate(body.messages):
+        role = "system" if message.role == "developer" else message.role
         if message.content is None or isinstance(message.content, str):
-            messages.append({"role": message.role, "content": message.content or ""})
+            messages.append({"role": role, "content": message.content or ""})
             continue
         parts = []
         for p, part in enumerate(message.content):
@@ -118,22 +175,36 @@ def conversation(body: ChatCompletionRequest, policy: MediaPolicy, limits: Limit
                 parts.append({"type": "text", "text": part.text})
                 continue
             kind = "image" if part.type == "image_url" else "video"
-            if message.role != "user":
+            if role != "user":
                 raise APIError(400, f"{where}: media only in user messages", where)
-            media.append((kind, policy.fetch(getattr(part, part.type).url, where)))
+            refs.append(MediaRef(kind, getattr(part, part.type).url, where))
             parts.append({"type": kind})
-        messages.append({"role": message.role, "content": parts})
-    return messages, media
+        messages.append({"role": role, "content": parts})
+    for kind, most, flag in (("image", limits.max_images, "--max-images"),
+                             ("video", limits.max_videos, "--max-videos")):  # fmt: skip
+        count = sum(ref.kind == kind for ref in refs)
+        if count > most:
+            raise APIError(400, f"messages: {count} {kind}s, over {flag} {most}", "messages")
+    return messages, refs
 
 
-def sampling_of(base: SamplingParams, body: ChatCompletionRequest) -> SamplingParams:
-    """The server's generation settings with the request's values."""
+def sampling_of(
+    base: SamplingParams, body: ChatCompletionRequest, fresh_seed: bool = False
+) -> SamplingParams:
+    """The server's generation settings with the request's values; without a seed, a fresh
+    one where `fresh_seed` asks (else the settings' generation.seed)."""
+    seed = body.seed
+    if seed is None and fresh_seed:
+        seed = secrets.randbits(63)
     given = {
         "temperature": body.temperature,
         "top_p": body.top_p,
         "top_k": body.top_k,
+        "min_p": body.min_p,
         "repetition_penalty": body.repetition_penalty,
-        "seed": body.seed,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "seed": seed,
         "max_new_tokens": body.max_completion_tokens or body.max_tokens,
     }
     return replace(base, **{k: v for k, v in given.items() if v is not None})

@@ -1,12 +1,14 @@
 """The OpenAI chat-completions request as mmcli serves it, declared with pydantic: what a body may
 hold, checked before any work. Fields OpenAI defines that mmcli does not implement are refused
-with a 400 naming them (`UNSUPPORTED`), never ignored."""
+with a 400 naming them (`UNSUPPORTED`); a top-level field nobody defines is ignored and named in
+the log, as vLLM does (clients send their own extensions); within a message, nothing unknown
+passes."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 
@@ -15,10 +17,16 @@ class APIError(Exception):
     """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with `status`."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}  # Retry-After on a 429 or 503
 
     @property
     def kind(self) -> str:
@@ -61,7 +69,8 @@ class ContentPart(Strict):
 
 
 class Message(Strict):
-    role: Literal["system", "user", "assistant"]
+    # `developer` is OpenAI's newer name for `system`; the template sees `system`
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -88,8 +97,6 @@ class ChatTemplateKwargs(Strict):
 
 # OpenAI's fields mmcli does not implement: given with a value other than this one, a 400
 UNSUPPORTED = {
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
     "logit_bias": None,
     "tools": None,
     "tool_choice": None,
@@ -104,7 +111,8 @@ UNSUPPORTED = {
 
 
 class ChatCompletionRequest(Strict):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    _ignored: list[str] = PrivateAttr(default_factory=list)
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -114,6 +122,11 @@ class ChatCompletionRequest(Strict):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     repetition_penalty: float | None = Field(default=None, gt=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    # Qwen3.5's thinking: "none" or "minimal" off, "low", "medium" or "high" on
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     seed: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
@@ -126,8 +139,6 @@ class ChatCompletionRequest(Strict):
     user: str | None = None  # an end-user id: accepted, not used
     store: bool | None = None
     metadata: dict | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
     logit_bias: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -138,6 +149,32 @@ class ChatCompletionRequest(Strict):
     prediction: dict | None = None
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored(cls, data, handler):
+        request = handler(data)
+        if isinstance(data, dict):
+            known = {f.alias or name for name, f in cls.model_fields.items()} | set(
+                cls.model_fields
+            )
+            request._ignored = sorted(k for k in data if k not in known)
+        return request
+
+    @property
+    def ignored(self) -> list[str]:
+        """The top-level fields the body held that no one defines (ignored, as vLLM does)."""
+        return self._ignored
+
+    @property
+    def thinking(self) -> bool | None:
+        """Thinking as the request asks it (chat_template_kwargs wins over reasoning_effort);
+        None: the server's setting."""
+        if self.chat_template_kwargs is not None:
+            return self.chat_template_kwargs.enable_thinking
+        if self.reasoning_effort is not None:
+            return self.reasoning_effort not in ("none", "minimal")
+        return None
 
     def unsupported(self) -> str | None:
         """The first field given that mmcli does not implement, if any."""
