@@ -687,7 +687,8 @@ def live_server(labeler, service, model: str = "tiny", **settings):
 
     port = free_port()
     settings.setdefault("hosts", accepted_hosts("127.0.0.1", port, []))
-    app = create_app(labeler, service, ServeSettings(served_model=model, **settings))
+    log = settings.pop("log", None)  # the access log's lines: stderr unless given
+    app = create_app(labeler, service, ServeSettings(served_model=model, **settings), log)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -698,3 +699,52 @@ def live_server(labeler, service, model: str = "tiny", **settings):
     finally:
         server.should_exit = True
         thread.join()
+
+
+@contextlib.contextmanager
+def served_process(model, *flags: str, port: int | None = None, timeout: float = 120):
+    """`mmcli serve --model MODEL FLAGS` as its own process on a free loopback port (unless
+    given), float32 on the CPU, model name `tiny`; yields (base URL, the process) once it
+    answers, its stderr collected in `process.log` (a list of lines)."""
+    import subprocess
+    import threading
+    import time
+    import urllib.request
+
+    port = port or free_port()
+    command = [installed_command("mmcli"), "serve", "--model", str(model), "--port", str(port)]
+    command += ["--dtype", "float32", "--device", "cpu", "--served-model-name", "tiny", *flags]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    process.log = []
+    reader = threading.Thread(target=lambda: process.log.extend(process.stderr), daemon=True)
+    reader.start()
+    host = next((flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--host"), "127.0.0.1")
+    url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=5).close()
+                break
+            except OSError as e:
+                if process.poll() is not None or time.time() > deadline:
+                    log = "".join(process.log)
+                    raise RuntimeError(f"mmcli serve did not start:\n{log}") from e
+                time.sleep(0.2)
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        reader.join(5)
+
+
+def peak_rss_mb(pid: int) -> float:
+    """A process's peak resident memory so far (Linux's VmHWM), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM for process {pid}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +25,8 @@ from mmcli.models.registry import family_of
 from mmcli.tasks import Task, decide_sampling, finish, question_task, resolve_tasks
 from mmcli.weights.hub import snapshot_revision
 
+JSON_GRAMMARS_KEPT = 64  # compiled schemas a labeler keeps (least recently used dropped)
+
 
 class Labeler:
     """A loaded checkpoint that answers questions about images and videos and labels items with
@@ -39,7 +42,8 @@ class Labeler:
         self.kernel_plan, self.prepared = loaded.kernel_plan, loaded.prepared
         self.precision = {k: v for k, v in loaded.precision.items() if k != "loaded"}
         self.engine = Engine(self.runner, self.config)
-        self._json_grammars: dict = {}  # schema text -> JsonGrammar (a server's response formats)
+        # (schema text, reasoning end) -> JsonGrammar: a server's response formats, the latest kept
+        self._json_grammars: OrderedDict = OrderedDict()
         visual_ids = (self.model.cfg.image_token_id, self.model.cfg.video_token_id)
         self.requests = RequestBuilder(
             self.prompts,
@@ -134,13 +138,16 @@ class Labeler:
         reasoning end (thinking: the schema constrains what follows it): each `start()` of it
         constrains one sequence; a ConfigError naming `where` if it cannot."""
         key = (schema, reasoning_end)
-        if key not in self._json_grammars:
-            eos = min(self.stop_ids) if self.stop_ids else 0
-            tokenizer = self.prompts.tokenizer.to_str()
-            self._json_grammars[key] = JsonGrammar(
-                "", json.loads(schema), tokenizer, eos, reasoning_end, where
-            )
-        return self._json_grammars[key]
+        if key in self._json_grammars:
+            self._json_grammars.move_to_end(key)
+            return self._json_grammars[key]
+        eos = min(self.stop_ids) if self.stop_ids else 0
+        tokenizer = self.prompts.tokenizer.to_str()
+        grammar = JsonGrammar("", json.loads(schema), tokenizer, eos, reasoning_end, where)
+        self._json_grammars[key] = grammar
+        if len(self._json_grammars) > JSON_GRAMMARS_KEPT:  # a server's clients send any number
+            self._json_grammars.popitem(last=False)
+        return grammar
 
     def grammars(self, tasks: list[Task]) -> dict:
         return compile_grammars(

@@ -38,6 +38,11 @@ class PreparedInputs:
     # per input: an image's token count, or a video's [(seconds, tokens)]
     layout: list = field(default_factory=list)
 
+    def extend(self, other: PreparedInputs) -> None:
+        """`other`'s inputs after these (a conversation's media prepared one at a time)."""
+        for name in ("pixels", "grids", "infos", "hashes", "layout"):
+            getattr(self, name).extend(getattr(other, name))
+
     def add(self, pixels, grid: tuple[int, int, int]) -> None:
         self.pixels.append(pixels)
         self.grids.append(grid)

@@ -147,7 +147,8 @@ class Preparing:
                 settings.limits,
                 key,
                 settings.served_model,
-                self.budget.hold(watch.deadline),
+                self.budget,
+                watch.deadline,
                 True,  # a sampled request without a seed draws its own
             )
         finally:
@@ -159,6 +160,7 @@ class Preparing:
 
 
 RETRY = {"Retry-After": "1"}
+CHECK_EVERY = 0.2  # seconds between looks at a request's deadline, client and engine
 
 
 class ClientGone(Exception):
@@ -174,12 +176,17 @@ class Watch:
     timeout: float
     deadline: float = 0.0
     request: Request | None = None
+    checked: float = 0.0  # when it last looked
 
     def __post_init__(self):
         self.deadline = self.deadline or time.monotonic() + self.timeout
 
     async def check(self) -> None:
-        if time.monotonic() > self.deadline:
+        now = time.monotonic()
+        if now - self.checked < CHECK_EVERY:
+            return
+        self.checked = now
+        if now > self.deadline:
             raise APIError(
                 504, f"the request took over --request-timeout {self.timeout:g} s", code="timeout"
             )
@@ -251,10 +258,10 @@ async def choice_pieces(job, handle, service, watch: Watch):
     text, the usage and the logprobs); a tail that may begin a stop string waits."""
     stream, sent, kept, made = TextStream(job.prompts), "", None, 0
     while True:
+        await watch.check()  # at most every CHECK_EVERY seconds
         try:
-            kind, value = await asyncio.wait_for(handle.events.get(), timeout=0.25)
+            kind, value = await asyncio.wait_for(handle.events.get(), timeout=CHECK_EVERY)
         except TimeoutError:
-            await watch.check()
             continue
         if kind == "error":
             raise APIError(500, value)

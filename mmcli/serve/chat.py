@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import secrets
 import time
 from dataclasses import dataclass, field, replace
@@ -16,8 +17,9 @@ from jinja2 import TemplateError
 from mmcli.config import SamplingParams
 from mmcli.errors import ConfigError, ImageError, ItemError
 from mmcli.inputs.prompt import PromptBuilder
+from mmcli.inputs.requests import PreparedInputs
 from mmcli.inputs.video import probe_video
-from mmcli.serve.admission import DECODE_BYTES_PER_PIXEL, Hold, image_pixels
+from mmcli.serve.admission import DECODE_BYTES_PER_PIXEL, MediaBudget, image_pixels
 from mmcli.serve.media import MediaPolicy
 from mmcli.serve.protocol import APIError, ChatCompletionRequest
 from mmcli.tasks import QUESTION_TASK
@@ -47,6 +49,7 @@ class ChatJob:
     created: int = field(default_factory=lambda: int(time.time()))
     images: int = 0
     video_frames: int = 0
+    deadline: float = math.inf  # what its media may wait for room in the budget until
 
 
 def build_job(
@@ -56,18 +59,20 @@ def build_job(
     limits: Limits,
     key: str,
     served: str,
-    hold: Hold | None = None,
+    budget: MediaBudget | None = None,
+    deadline: float = math.inf,
     fresh_seed: bool = False,
 ) -> ChatJob:
-    """The engine requests of `body`, its media reserved in `hold` before they are read;
-    APIError(400) naming what cannot run. `fresh_seed`: a sampled request without a seed draws
-    its own (a server's: two such requests may differ)."""
+    """The engine requests of `body`, each medium reserved in `budget` (waiting for room until
+    `deadline`) before it is read; APIError(400) naming what cannot run. `fresh_seed`: a sampled
+    request without a seed draws its own (a server's: two such requests may differ)."""
     check_supported(body)
     job = ChatJob(key, served, _prompts(labeler, body), stops=body.stops, logprobs=body.logprobs)
+    job.deadline = deadline
     messages, refs = conversation(body, limits)
     grammar = _grammar(labeler, body, job.prompts.reasoning_end)
     sampling = sampling_of(labeler.config.generation, body, fresh_seed)
-    prepared = _prepared(labeler, refs, policy, hold, job)
+    prepared = _prepared(labeler, refs, policy, budget, job)
     for choice in range(body.n):
         try:
             request = labeler.requests.build_messages(
@@ -92,27 +97,28 @@ def build_job(
     return job
 
 
-def _prepared(labeler, refs: list[MediaRef], policy: MediaPolicy, hold, job: ChatJob):
-    """The media fetched and decoded in order, each reserving its bytes and its decoded size
-    (from its header) in `hold` first."""
-    media = []
-    with hold or contextlib.nullcontext():
-        for ref in refs:
+def _prepared(labeler, refs: list[MediaRef], policy: MediaPolicy, budget, job: ChatJob):
+    """The media fetched and decoded one at a time, in order, each reserving its bytes and its
+    decoded size (from its header) in the media budget first and giving them back once it is
+    patchified: a request holds one medium's reservation at a time, so none waits on itself."""
+    prepared = PreparedInputs([], [], [], [])
+    for ref in refs:
+        with budget.hold(job.deadline) if budget else contextlib.nullcontext() as hold:
             received = policy.fetch(ref.url, ref.where, hold)
             if ref.kind == "video":
                 frames, height, width = _probe(labeler, received, ref.where)
                 job.video_frames += frames
-                if hold is not None:
-                    hold.reserve(_video_bytes(labeler, height, width), ref.where)
+                decoded = _video_bytes(labeler, height, width)
             else:
                 job.images += 1
-                if hold is not None:
-                    hold.reserve(image_pixels(received.data) * DECODE_BYTES_PER_PIXEL, ref.where)
-            media.append((ref.kind, received))
-        try:
-            return labeler.requests.prepare_in_order(media)
-        except ImageError as e:
-            raise APIError(400, str(e), "messages") from None
+                decoded = image_pixels(received.data) * DECODE_BYTES_PER_PIXEL
+            if hold is not None:
+                hold.reserve(decoded, ref.where)
+            try:
+                prepared.extend(labeler.requests.prepare_in_order([(ref.kind, received)]))
+            except ImageError as e:
+                raise APIError(400, str(e), "messages") from None
+    return prepared
 
 
 def _probe(labeler, received, where: str) -> tuple[int, int, int]:

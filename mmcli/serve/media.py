@@ -125,6 +125,8 @@ class MediaPolicy:
                     param,
                 )
             body = self._body(response, param)
+            if connection.expired:  # the timer cut the body short
+                raise TimeoutError
             hold.shrink(self.max_bytes, len(body))
             return body
         except (OSError, http.client.HTTPException) as e:  # refused, reset, TLS, a timeout
