@@ -748,3 +748,37 @@ def peak_rss_mb(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmHWM for process {pid}")
+
+
+def padded_batch_file(path: Path, count: int) -> Path:
+    """A Batch API file of `count` lines of 2 KB each (a `metadata` pad): every 1000th a
+    question for one token, the rest naming an image that is not there (that line's error)."""
+    pad = "p" * 2000
+    with open(path, "w") as f:
+        for i in range(count):
+            text = {"type": "text", "text": "Describe."}
+            image = {"type": "image_url", "image_url": {"url": f"missing-{i}.png"}}
+            content = "hi" if i % 1000 == 0 else [image, text]
+            body = {"model": "any", "messages": [{"role": "user", "content": content}]}
+            body.update(max_tokens=1, metadata={"pad": pad})
+            line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions"}
+            f.write(json.dumps({**line, "body": body}) + "\n")
+    return path
+
+
+def batch_peak_rss_mb(model, requests: Path, output: Path) -> float:
+    """`mmcli batch REQUESTS -o OUTPUT` (float32, CPU) in its own process: its peak resident
+    memory (ru_maxrss), in MB; a RuntimeError unless it exits 0 or 1 (lines failed)."""
+    import subprocess
+
+    argv = ["mmcli", "batch", str(requests), "-o", str(output), "--model", str(model), "-q"]
+    argv += ["--dtype", "float32", "--device", "cpu"]
+    code = (
+        "import atexit, resource, sys; atexit.register(lambda: print('PEAK', "
+        "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)); "
+        f"sys.argv = {argv!r}; from mmcli.cli.app import app; app()"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if run.returncode not in (0, 1):
+        raise RuntimeError(f"mmcli batch exited {run.returncode}:\n{run.stderr}")
+    return int(run.stderr.rsplit("PEAK", 1)[1].split()[0]) / 1024

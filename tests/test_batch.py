@@ -8,6 +8,7 @@ from conftest import SAMPLES, read_records
 from typer.testing import CliRunner
 
 from mmcli.cli.app import app
+from mmcli.testing import batch_peak_rss_mb, padded_batch_file
 
 pytest.importorskip("fastapi")
 
@@ -75,3 +76,47 @@ def test_a_repeated_custom_id_is_refused_before_loading(tiny_dir, tmp_path, monk
     requests.write_text("\n".join(map(json.dumps, lines)) + "\n")
     result = _batch(tiny_dir, requests, tmp_path / "out.jsonl")
     assert result.exit_code == 2 and "custom_id 'x' is on line 1 and line 3" in result.output
+
+
+def test_a_failure_of_one_line_is_that_lines_error(tiny_dir, tmp_path, monkeypatch):
+    import mmcli.serve.batch as batch
+
+    real = batch.build_job
+
+    def build_job(labeler, body, *args, **kwargs):
+        if body.messages[0].content == "break":
+            raise RuntimeError("the tokenizer broke")
+        return real(labeler, body, *args, **kwargs)
+
+    monkeypatch.setattr(batch, "build_job", build_job)
+    requests = tmp_path / "requests.jsonl"
+    lines = [
+        _line("ok", "hi", max_tokens=2),
+        _line("bad", "break"),
+        _line("ok2", "hi", max_tokens=2),
+    ]
+    requests.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert _batch(tiny_dir, requests, out).exit_code == 1
+    results = {r["custom_id"]: r["response"] for r in read_records(out)}
+    assert results["ok"]["status_code"] == results["ok2"]["status_code"] == 200
+    error = results["bad"]["body"]["error"]
+    assert results["bad"]["status_code"] == 500 and error["type"] == "server_error"
+    assert "RuntimeError: the tokenizer broke" in error["message"]
+
+
+@pytest.mark.slow
+def test_a_large_file_runs_in_bounded_memory(tiny_dir, tmp_path):
+    """The file is read as a stream with a bounded window in flight: 20,000 lines of 2 KB peak
+    within 40 MB of what 1,000 lines do (bench/serve.py runs 100,000); every line is answered
+    once."""
+    small, large = tmp_path / "small.jsonl", tmp_path / "large.jsonl"
+    padded_batch_file(small, 1_000)
+    padded_batch_file(large, 20_000)
+    base = batch_peak_rss_mb(tiny_dir, small, tmp_path / "small-out.jsonl")
+    peak = batch_peak_rss_mb(tiny_dir, large, tmp_path / "large-out.jsonl")
+    print(f"peak RSS: 1,000 lines {base:.0f} MB, 20,000 lines {peak:.0f} MB")
+    with open(tmp_path / "large-out.jsonl") as f:
+        statuses = [json.loads(line)["response"]["status_code"] for line in f]
+    assert len(statuses) == 20_000 and statuses.count(200) == 20
+    assert peak - base < 40

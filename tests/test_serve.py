@@ -450,3 +450,142 @@ def test_a_chunked_body_over_the_limit_is_a_413(labeler, service):
             response.status == 413
             and "max-body-mb" in json.loads(response.read())["error"]["message"]
         )
+
+
+# What clients send
+
+
+def test_penalties_and_min_p_are_asks_and_developer_is_system(client, reference):
+    for fields in (
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 0.8, "presence_penalty": -0.5},
+        {"temperature": 0.9, "min_p": 0.2, "seed": 5},
+    ):
+        sdk = {k: v for k, v in fields.items() if k != "min_p"}  # the SDK's own arguments
+        extra = {"min_p": fields["min_p"]} if "min_p" in fields else None
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=user(data_url("coffee.jpg")),
+            max_tokens=12,
+            extra_body=extra,
+            **sdk,
+        )
+        expected = ask(reference, ["coffee.jpg"], max_new_tokens=12, **fields)
+        assert reply.choices[0].message.content == expected.text, fields
+    turns = [{"role": "system", "content": "Be brief."}, *user()]
+    as_developer = [{"role": "developer", "content": "Be brief."}, *user()]
+    answers = [
+        client.chat.completions.create(model=MODEL, messages=m, max_tokens=8, logprobs=True)
+        for m in (turns, as_developer)
+    ]
+    assert answers[0].usage == answers[1].usage
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+
+
+def test_sampled_requests_without_a_seed_differ_and_unknown_fields_are_ignored(client):
+    def sampled(**extra):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=user(), max_tokens=16, temperature=1.0, **extra
+        )
+        return reply.choices[0].message.content
+
+    assert len({sampled() for _ in range(3)}) > 1  # a fresh seed each
+    assert sampled(seed=11) == sampled(seed=11)
+    assert sampled(seed=11, extra_body={"guided_choice": None, "ignore_eos": False})
+
+
+def test_reasoning_effort_needs_a_model_that_thinks(client):
+    code, body = _status(
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=user(), max_tokens=4, reasoning_effort="high"
+        )
+    )
+    assert code == 400 and body["param"] == "reasoning_effort" and "<think>" in body["message"]
+    reply = client.chat.completions.create(  # "none": thinking off, as this model already is
+        model=MODEL, messages=user(), max_tokens=4, reasoning_effort="none"
+    )
+    assert reply.choices[0].finish_reason == "length"
+
+
+# Every error in OpenAI's shape
+
+
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("http://127.0.0.1:99999/x.jpg", "not a URL mmcli can read"),
+        ("file:///tmp/a%00b.jpg", "not a URL mmcli can read"),
+        ("https://127.0.0.1:1/x.jpg", "cannot fetch the media URL"),
+    ],
+)
+def test_bad_urls_are_400s_not_500s(client, monkeypatch, url, says):
+    import mmcli.serve.media as media
+
+    monkeypatch.setattr(media, "public_address", lambda host, port, param: "127.0.0.1")
+    code, body = _status(
+        lambda: client.chat.completions.create(model=MODEL, messages=user(url), max_tokens=2)
+    )
+    assert code == 400 and says in body["message"], body
+
+
+def test_an_unreadable_file_and_a_template_refusal_are_400s(
+    client, labeler, monkeypatch, tmp_path_factory
+):
+    from pathlib import Path
+
+    from jinja2 import TemplateError
+
+    media = next(p for p in tmp_path_factory.getbasetemp().glob("media*"))
+
+    def unreadable(self):
+        raise PermissionError(13, "Permission denied")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Path, "read_bytes", unreadable)
+        code, body = _status(
+            lambda: client.chat.completions.create(
+                model=MODEL, messages=user(f"file://{media / 'coffee.jpg'}"), max_tokens=2
+            )
+        )
+    assert code == 400 and "cannot read the file (Permission denied)" in body["message"]
+
+    def refuse(*args, **kwargs):
+        raise TemplateError("Unexpected message role.")
+
+    monkeypatch.setattr(labeler.requests, "build_messages", refuse)
+    code, body = _status(
+        lambda: client.chat.completions.create(model=MODEL, messages=user(), max_tokens=2)
+    )
+    assert (
+        code == 400
+        and "the chat template refuses them (Unexpected message role.)" in (body["message"])
+    )
+
+
+def test_unknown_routes_and_methods_and_failures_answer_in_openais_shape(
+    base, labeler, monkeypatch
+):
+    import urllib.error
+    import urllib.request
+
+    def call(path, method="GET"):
+        request = urllib.request.Request(f"{base}{path}", method=method)
+        try:
+            with urllib.request.urlopen(request) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    for path, method, status in (("/v1/embeddings", "POST", 404), ("/v1/models", "POST", 405)):
+        code, body = call(path, method)
+        assert code == status and set(body["error"]) == {"message", "type", "param", "code"}
+
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(labeler.requests, "build_messages", broken)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    code, body = _status(
+        lambda: client.chat.completions.create(model=MODEL, messages=user(), max_tokens=2)
+    )
+    assert code == 500 and body["type"] == "server_error" and "KeyError" in body["message"]
