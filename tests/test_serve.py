@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 from conftest import SAMPLES, encoded, photo
 
-from mmcli.testing import free_port, live_server
+from mmcli.testing import live_server
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -382,36 +382,11 @@ def test_a_video_as_a_data_url_is_asks_answer(client, reference, tmp_path):
 def test_sigterm_stops_admitting_finishes_in_flight_and_exits_0(tiny_dir):
     """A streaming answer in flight when SIGTERM comes is finished; then the process exits 0."""
     import signal
-    import subprocess
 
-    from mmcli.testing import installed_command
+    from mmcli.testing import served_process
 
-    port = free_port()
-    command = [
-        installed_command("mmcli"),
-        "serve",
-        "--model",
-        str(tiny_dir),
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--served-model-name",
-        MODEL,
-    ]
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}/v1"
-        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                time.sleep(0.2)
+    with served_process(tiny_dir) as (base, server):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(
             model=MODEL, messages=user(), max_tokens=400, stream=True
         )
@@ -424,10 +399,7 @@ def test_sigterm_stops_admitting_finishes_in_flight_and_exits_0(tiny_dir):
         rest = list(chunks)
         assert first.choices[0].delta.role == "assistant"
         assert rest[-1].choices[0].finish_reason == "length"  # every token asked for came
-        assert server.wait(timeout=60) == 0, server.stderr.read()
-    finally:
-        if server.poll() is None:
-            server.kill()
+        assert server.wait(timeout=60) == 0, "".join(server.log)
 
 
 def test_a_chunked_body_over_the_limit_is_a_413(labeler, service):
@@ -589,3 +561,35 @@ def test_unknown_routes_and_methods_and_failures_answer_in_openais_shape(
         lambda: client.chat.completions.create(model=MODEL, messages=user(), max_tokens=2)
     )
     assert code == 500 and body["type"] == "server_error" and "KeyError" in body["message"]
+
+
+def test_reasoning_effort_maps_to_thinking_and_chat_template_kwargs_win():
+    from mmcli.serve.protocol import ChatCompletionRequest
+
+    def thinking(**fields):
+        return ChatCompletionRequest(model=MODEL, messages=user(), **fields).thinking
+
+    assert thinking() is None  # the server's --thinking
+    assert [thinking(reasoning_effort=e) for e in ("none", "minimal", "low", "medium", "high")] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
+    kwargs = {"enable_thinking": False}
+    assert thinking(reasoning_effort="high", chat_template_kwargs=kwargs) is False
+
+
+def test_the_compiled_schemas_kept_are_bounded(labeler, monkeypatch):
+    import mmcli.api.labeler as labeler_module
+
+    monkeypatch.setattr(labeler_module, "JSON_GRAMMARS_KEPT", 2)
+    monkeypatch.setattr(labeler, "_json_grammars", type(labeler._json_grammars)())
+    schemas = [json.dumps({"type": "object", "properties": {f"k{i}": {"type": "integer"}}})
+               for i in range(3)]  # fmt: skip
+    first = labeler.json_grammar(schemas[0], None)
+    for schema in schemas[1:]:
+        labeler.json_grammar(schema, None)
+    assert len(labeler._json_grammars) == 2
+    assert labeler.json_grammar(schemas[0], None) is not first  # dropped, compiled again
