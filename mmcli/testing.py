@@ -768,17 +768,18 @@ def padded_batch_file(path: Path, count: int) -> Path:
 
 def batch_peak_rss_mb(model, requests: Path, output: Path) -> float:
     """`mmcli batch REQUESTS -o OUTPUT` (float32, CPU) in its own process: its peak resident
-    memory (ru_maxrss), in MB; a RuntimeError unless it exits 0 or 1 (lines failed)."""
+    memory (VmHWM at its exit: ru_maxrss would keep its parent's across exec), in MB; a
+    RuntimeError unless it exits 0 or 1 (lines failed)."""
     import subprocess
 
     argv = ["mmcli", "batch", str(requests), "-o", str(output), "--model", str(model), "-q"]
     argv += ["--dtype", "float32", "--device", "cpu"]
     code = (
-        "import atexit, resource, sys; atexit.register(lambda: print('PEAK', "
-        "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)); "
+        "import atexit, os, sys; from mmcli.testing import peak_rss_mb; "
+        "atexit.register(lambda: print('PEAK', peak_rss_mb(os.getpid()), file=sys.stderr)); "
         f"sys.argv = {argv!r}; from mmcli.cli.app import app; app()"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if run.returncode not in (0, 1):
         raise RuntimeError(f"mmcli batch exited {run.returncode}:\n{run.stderr}")
-    return int(run.stderr.rsplit("PEAK", 1)[1].split()[0]) / 1024
+    return float(run.stderr.rsplit("PEAK", 1)[1].split()[0])
