@@ -115,5 +115,7 @@ def test_float_kernels_bench_smoke():
 @pytest.mark.slow
 def test_serve_bench_smoke(tmp_path):
     stdout = _smoke("serve.py", "--cache-dir", str(tmp_path))
-    assert "8 concurrent clients:" in stdout and "x ask's" in stdout.splitlines()[-1]
+    assert "8 concurrent clients:" in stdout and "x ask's (target <= 1.1)" in stdout
     assert "8 of 8 answers as caption's" in stdout
+    assert "8 concurrent clients, 448x448 images:" in stdout and "answered 429" in stdout
+    assert "mmcli batch peak RSS: 2,000 lines" in stdout.splitlines()[-1]

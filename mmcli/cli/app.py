@@ -385,9 +385,7 @@ def serve_cmd(
 
     \b
     Examples:
-      mmcli serve --model Qwen/Qwen3-VL-2B-Instruct --port 8000
-      mmcli serve --api-key secret --allowed-media-dir ./images
-      mmcli serve --host 0.0.0.0 --api-key secret   # behind a load balancer
+      mmcli serve --model Qwen/Qwen3-VL-2B-Instruct --api-key secret --allowed-media-dir ./images
     """
     from mmcli.cli.serve import ServeOptions, serve
 
@@ -418,9 +416,7 @@ def serve_cmd(
             max_media_mb=max_media_mb,
             request_timeout=request_timeout,
         )
-        code = serve(cfg, options)
-    if code:
-        raise typer.Exit(code)
+        serve(cfg, options)
 
 
 @app.command("batch")

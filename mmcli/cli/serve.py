@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmcli.config import Config
-from mmcli.errors import ConfigError
+from mmcli.errors import ConfigError, MmcliError
 from mmcli.hosts import is_loopback, serving_hosts
 
 
@@ -46,8 +46,13 @@ class ServeOptions:
         )
 
 
-def serve(cfg: Config, options: ServeOptions) -> int:
-    """Serve until stopped; returns the exit code (0 stopped, 1 the engine gave up)."""
+class EngineGaveUp(MmcliError):
+    """The engine failed again and again: the server stops (exit 1) for a supervisor to restart
+    it."""
+
+
+def serve(cfg: Config, options: ServeOptions) -> None:
+    """Serve until stopped; EngineGaveUp once the engine gave up."""
     try:
         import uvicorn
 
@@ -87,9 +92,7 @@ def serve(cfg: Config, options: ServeOptions) -> int:
         service.close()
         labeler.prepared_weights_report()
     if service.failure is not None:
-        print(f"mmcli: stopping: {service.failure}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+        raise EngineGaveUp(f"stopping: {service.failure}")
 
 
 def _announce(labeler, settings, options: ServeOptions) -> None:
