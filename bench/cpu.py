@@ -128,6 +128,74 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
     }
 
 
+STEP_ROWS = (1, 8, 32)
+STEP_CONTEXT = 300  # cache columns each sequence attends over (a 448x448 image and its prompt)
+
+
+def step_bytes(model) -> int:
+    """The bytes a decode step reads of the weights: the decoder's and the lm_head's, in their
+    form (quantized weights' own tensors), not the vision tower's nor the embedding table's (a
+    row a token)."""
+    from mmcli.kernels.weight_forms import Int4Weight, Int8Weight
+
+    seen, total = set(), 0
+    decoder = model.language_model
+    tensors = [t for n, t in decoder.named_parameters() if "embed_tokens" not in n]
+    tensors += [model.lm_head.weight]
+    for module in decoder.modules():
+        for value in vars(module).values():
+            if isinstance(value, Int8Weight):
+                tensors += value.tensors().values()
+            elif isinstance(value, Int4Weight):
+                tensors += [value.packed, value.scales_zeros]
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def step_worker(ckpt: Path, settings: dict) -> dict:
+    """Decode steps of 1, 8 and 32 sequences at STEP_CONTEXT, each the best of 5, with what
+    the step reads (weights, the KV cache) and multiplies."""
+    from mmcli.api.labeler import Labeler
+    from mmcli.config import load_config
+    from mmcli.engine.batch import DecodeItem
+
+    engine = {"max_seqs": max(STEP_ROWS), "max_len": 512}
+    cfg = load_config(None, {"device": "cpu", "engine": engine, **settings})
+    cap = Labeler.from_pretrained(str(ckpt), config=cfg)
+    runner, text = cap.runner, cap.model.cfg.text
+    runner.cache.grow(max(STEP_ROWS) + 1, 512)
+    weights = step_bytes(cap.model)
+    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 4
+    steps = {}
+    for rows in STEP_ROWS:
+        items = [DecodeItem(i, 100 + i, STEP_CONTEXT, 0) for i in range(rows)]
+        with torch.inference_mode():
+            runner.decode(items)
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                runner.decode(items)
+                times.append(time.perf_counter() - start)
+        steps[rows] = {"seconds": min(times), "kv_bytes": rows * (STEP_CONTEXT + 1) * per_token}
+    from mmcli.weights.checkpoint import expected_shapes
+
+    shapes = expected_shapes(cap.model.cfg)
+    matrices = sum(
+        math.prod(s) for n, s in shapes.items()
+        if "visual" not in n and "embed_tokens" not in n and n != "lm_head.weight" and len(s) == 2
+    )  # fmt: skip
+    plan = cap.kernel_plan
+    return {
+        "weights": weights,
+        "flops_per_row": 2 * (matrices + text.vocab_size * text.hidden_size),
+        "steps": steps,
+        "kernels": {"decode_step": plan.decode_step.kernel, "head": plan.head.kernel},
+    }
+
+
 def teacher_forced(
     ckpt: Path, image: Path, settings: dict, tokens: list[int] | None, count: int
 ) -> dict:
@@ -409,7 +477,10 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=None, help="the first N images only")
     parser.add_argument("--rounds", type=int, default=1, help="(a)'s rounds, sides alternating")
     parser.add_argument("--repeats", type=int, default=None, help="runs of each ask (3; smoke 1)")
-    parser.add_argument("--worker", choices=["ask", "forced"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--decode-only", action="store_true", help="only (e): decode steps against their floors"
+    )
+    parser.add_argument("--worker", choices=["ask", "forced", "step"], help=argparse.SUPPRESS)
     for name in ("--ckpt", "--image", "--settings", "--tokens"):
         parser.add_argument(name, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=32, help=argparse.SUPPRESS)
@@ -421,6 +492,9 @@ def main() -> None:
                 ask_worker(Path(args.ckpt), Path(args.image), json.loads(args.settings), started)
             )
         )
+        return
+    if args.worker == "step":
+        print(json.dumps(step_worker(Path(args.ckpt), json.loads(args.settings))))
         return
     if args.worker == "forced":
         tokens = json.loads(args.tokens) if args.tokens else None
@@ -469,6 +543,9 @@ def main() -> None:
         if not (n == "lm_head.weight" and cfg.tie_word_embeddings)
     )
     print_units(ckpt)
+    decode_floors(args, ckpt)
+    if args.decode_only:
+        return
     rates = batched(args, rate_args, parameters)
     if not args.matrix_only:
         hf_part(args, rate_args, rates)
@@ -477,6 +554,39 @@ def main() -> None:
         ask_part(args, ckpt, ask_image)
     ask_sides(args, ckpt, ask_image)
     agreements(args, ckpt, images[0])
+
+
+def decode_floors(args, ckpt: Path) -> None:
+    """(e) each path's decode step at 1, 8 and 32 sequences, before (vector units) and after,
+    against its floor: the larger of the bytes it reads (weights in their form, the KV cache)
+    over the measured read bandwidth and its FLOPs over the peak of the unit it can use."""
+    from mmcli.kernels import measure
+
+    read = measure.floors()["read_gb_s"] * 1e9
+    peaks = BENCH["peaks"]
+    print(f"\n(e) decode steps at {STEP_CONTEXT} columns; read bandwidth {read / 1e9:.1f} GB/s")
+    print("path | side | rows | step ms | bytes read | floor ms (bound) | step / floor | kernels")
+    for name, settings in PATHS.items():
+        if name == "float32":
+            continue
+        for side in SIDES:
+            with side_env(side):
+                r, _ = run(args, "--worker", "step", "--ckpt", str(ckpt),
+                           "--settings", json.dumps(settings))  # fmt: skip
+            unit = "int8" if name == "int8" else "bfloat16"
+            peak = peaks[unit] if side == "after" else peaks["float32"]
+            for rows, step in r["steps"].items():
+                read_bytes = r["weights"] + step["kv_bytes"]
+                memory, compute = read_bytes / read, r["flops_per_row"] * int(rows) / peak / 1e9
+                floor = max(memory, compute)
+                bound = "memory" if memory >= compute else f"{unit if side == 'after' else 'FMA'}"
+                print(
+                    f"{name} | {side} | {rows} | {step['seconds'] * 1e3:.0f} | "
+                    f"{read_bytes / 1e9:.2f} GB | {floor * 1e3:.0f} ({bound}) | "
+                    f"{step['seconds'] / floor:.2f}x | {r['kernels']['decode_step']}; head "
+                    f"{r['kernels']['head']}",
+                    flush=True,
+                )
 
 
 def print_units(ckpt: Path) -> None:

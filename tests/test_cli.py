@@ -122,6 +122,6 @@ def test_doctor_prints_the_units_the_peaks_and_the_plan(monkeypatch, units, upca
     result = CliRunner().invoke(app, ["doctor"])
     assert result.exit_code == 0, result.output
     assert "CPU: " in result.output and "from MMCLI_CPU_FEATURES" in result.output
-    assert "library peaks: float32" in result.output and "kernel plan" in result.output
+    assert "floors: read bandwidth" in result.output and "kernel plan" in result.output
     if cpu.why_unavailable() is None:
         assert upcast in result.output and "measured kernels" in result.output

@@ -105,11 +105,27 @@ def test_amx_takes_onednn_above_the_few_rows_kernel_without_measuring(monkeypatc
         return fake(name, ours=True)
 
     monkeypatch.setattr(measure, "measured", measured)
+    monkeypatch.setattr(cpu, "name", lambda: "AVX-512 VNNI")  # a build without amx.c
     plan = choose(shape_on(AMX, quantize="int8"))
-    assert plan.upcast.kernel.startswith("oneDNN bfloat16 (AMX) above 16 rows")
+    assert plan.upcast.kernel.startswith("oneDNN bfloat16 (AMX) above 16 rows, bf16_linear.c")
     assert plan.vision_int8.kernel == ONEDNN_INT8
     assert plan.int8.kernel == f"oneDNN int8 above 64 rows, {INT8_OURS} to 64"
     assert plan.attention.kernel == "attention.c"  # measured (faked): ours wins
+
+
+@needs_kernels
+def test_our_amx_build_puts_the_few_rows_the_logits_and_int8_on_the_tiles(monkeypatch):
+    monkeypatch.setattr(measure, "measured", lambda name, again=False: fake(name, ours=True))
+    monkeypatch.setattr(cpu, "name", lambda: "AMX")
+    plan = choose(shape_on(AMX, quantize="int8"))
+    assert plan.upcast.kernel == "oneDNN bfloat16 (AMX) above 16 rows, AMX tiles to 16"
+    assert plan.head.kernel.startswith("AMX tiles, 4 to 32 rows")
+    assert plan.int8.kernel == plan.vision_int8.kernel == f"{INT8_OURS} on AMX tiles"
+    assert choose(shape_on(AMX, fusable_decode=True)).decode_step.kernel == (
+        "decode_layer.c on AMX tiles"
+    )
+    # units without AMX (as MMCLI_CPU_FEATURES masks them) keep the vector kernels
+    assert choose(shape_on(AVX2, quantize="int8")).int8.kernel == INT8_OURS
 
 
 def fake(name: str, ours: bool) -> dict:
@@ -295,8 +311,14 @@ def test_bfloat16_products_keep_the_float32_products_choices(
     assert matrix_run.kernel_plan.upcast.kernel.startswith("oneDNN bfloat16 (AMX)")
     if quantize == "int8":
         layers = [m for m in matrix_run.model.visual.modules() if hasattr(m, "per_token")]
-        assert layers and all(m.weight.layout == "rows" for m in layers)
-        assert all(m.kernel is matrix.int8_rows_matmul for m in layers)
+        # our AMX build reads the weights as stored; elsewhere oneDNN's int8 reads rows
+        layout, kernel = (
+            ("interleaved", cpu_ops.int8_matmul)
+            if cpu.name() == "AMX"
+            else ("rows", matrix.int8_rows_matmul)
+        )
+        assert layers and all(m.weight.layout == layout for m in layers)
+        assert all(m.kernel is kernel for m in layers)
     (expected,) = forced_logits(vector_run, [vector_req], [reference])
     assert expected.argmax(-1).tolist() == reference  # the forced steps are the engine's
     (logits,) = forced_logits(matrix_run, [matrix_req], [reference])

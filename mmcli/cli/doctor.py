@@ -31,7 +31,7 @@ def rates_table(peaks: dict, again: bool) -> Table:
     for column in ("comparison", "rows", "kernel", "G(FL)OP/s", "of the peak"):
         table.add_column(column, justify="right" if column in ("rows", "G(FL)OP/s") else "left")
     for name in measure.COMPARISONS:
-        if name == "peaks" or (name != "int4_tiles" and cpu.load()[0] is None):
+        if name in ("peaks", "floors") or (name != "int4_tiles" and cpu.load()[0] is None):
             continue
         result = measure.measured(name, again)
         for rows, pair in result["rates"].items():
@@ -49,8 +49,9 @@ def doctor(cfg: Config, again: bool) -> None:
         f"bfloat16 products: {features.engine()}; C kernels: {cpu.name() or cpu.load()[1]}"
     )
     peaks = measure.measured("peaks", again)
+    read = measure.measured("floors", again)["read_gb_s"]
     console.print(
-        "library peaks: "
+        f"floors: read bandwidth {read:.1f} GB/s; peaks: "
         + ", ".join(f"{unit} {rate:.0f} G(FL)OP/s" for unit, rate in peaks.items())
         + f" (measured once, cached in {measure.store_path()})"
     )

@@ -43,8 +43,12 @@ SOURCES = [
     )
 ]
 HEADERS = [Path(__file__).parent / "csrc" / "float_tiles.h"]
+# the tiles' kernels, in the AMX build only (their instructions exist nowhere else)
+AMX_SOURCES = [Path(__file__).parent / "csrc" / "amx.c"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+AMX_FLAGS = [*VNNI_FLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
+AMX_UNITS = frozenset({"amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni"})
 
 
 def has_vnni() -> bool:
@@ -63,6 +67,12 @@ def has_vnni() -> bool:
     return {"avx512_vnni", "avx512bw", "avx512vl"} <= set(flags)
 
 
+def has_amx() -> bool:
+    """AMX-BF16 and AMX-INT8 (with AVX-512 BF16 and VNNI) among the CPU's real units and the
+    units the plan sees: MMCLI_CPU_FEATURES can take them out of our build, never put them in."""
+    return AMX_UNITS <= cpu_features.real_units() & cpu_features.detect().units and has_vnni()
+
+
 def cache_dir() -> Path:
     return mmcli_cache() / "kernels"
 
@@ -78,23 +88,23 @@ def why_unavailable() -> str | None:
     return None
 
 
-def _build(compiler: str, torch_lib: Path, extra: list[str]) -> Path:
+def _build(compiler: str, torch_lib: Path, extra: list[str], sources: list[Path]) -> Path:
     compile_flags, libraries = [*FLAGS, *extra], []
     # torch's own OpenMP runtime, already loaded: one thread pool
     if (torch_lib / "libgomp.so.1").exists():
         libraries = [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
-    sources = b"".join(source.read_bytes() for source in [*SOURCES, *HEADERS])
+    code = b"".join(source.read_bytes() for source in [*sources, *HEADERS])
     flags = " ".join([compiler, *compile_flags, *libraries]).encode()
-    digest = hashlib.sha256(sources + flags).hexdigest()[:16]
+    digest = hashlib.sha256(code + flags).hexdigest()[:16]
     target = cache_dir() / f"linear-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # built aside, renamed: concurrent runs are safe
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            objects = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
+            objects = [str(Path(tmp) / f"{source.stem}.o") for source in sources]
             _run_together(
                 [compiler, *compile_flags, "-c", str(source), "-o", obj]
-                for source, obj in zip(SOURCES, objects)
+                for source, obj in zip(sources, objects)
             )
             built = Path(tmp) / target.name
             link = [compiler, "-shared", "-fopenmp", *objects, *libraries, "-o", str(built)]
@@ -134,7 +144,7 @@ class DecodeLayer(ctypes.Structure):
     _fields_ += [
         (name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "d", "intermediate")
     ]
-    _fields_ += [("eps", ctypes.c_float)]
+    _fields_ += [("eps", ctypes.c_float), ("tiles", ctypes.c_int32)]
 
 
 @functools.cache
@@ -143,12 +153,15 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     reason = why_unavailable()
     if reason:
         return None, reason
-    # the VNNI build where the CPU has it; if the compiler cannot make it, the AVX2 one
-    builds = [("AVX-512 VNNI", VNNI_FLAGS)] if has_vnni() else []
-    for build, extra in [*builds, ("AVX2", [])]:
+    # the AMX build, else the VNNI one where the CPU has them; what the compiler cannot make, the
+    # next (AVX2 last)
+    builds = [("AMX", AMX_FLAGS, [*SOURCES, *AMX_SOURCES])] if has_amx() else []
+    builds += [("AVX-512 VNNI", VNNI_FLAGS, SOURCES)] if has_vnni() else []
+    for build, extra, sources in [*builds, ("AVX2", [], SOURCES)]:
         try:
             torch_lib = Path(torch.__file__).parent / "lib"
-            library = ctypes.CDLL(str(_build(os.environ.get("CC", "cc"), torch_lib, extra)))
+            path = _build(os.environ.get("CC", "cc"), torch_lib, extra, sources)
+            library = ctypes.CDLL(str(path))
             library.build = build
             break
         except (OSError, subprocess.SubprocessError) as error:
@@ -159,6 +172,12 @@ def load() -> tuple[ctypes.CDLL | None, str]:
             )
     else:
         return None, reason
+    _declare(library)
+    return library, ""
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    """The C functions' argument and result types."""
     library.bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     library.bf16_linear.restype = None
     library.bf16_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
@@ -193,7 +212,10 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     library.int4_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5
     library.int4_dequantize.argtypes += [ctypes.c_void_p, ctypes.c_int]
     library.int4_dequantize.restype = None
-    return library, ""
+    if library.build == "AMX":
+        library.amx_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        library.amx_bf16_linear.argtypes += [ctypes.c_int] * 2
+        library.amx_int8_linear.argtypes = list(library.int8_linear.argtypes)
 
 
 def eager() -> bool:
@@ -226,6 +248,32 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out
+
+
+# the rows amx_bf16_linear takes (64 columns of B: 32 rows split in two)
+AMX_ROWS = 32
+
+
+def amx_bf16_linear(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch.Tensor | None:
+    """x (rows, K) float32 @ weight.T (N, K) bfloat16 on the AMX tiles (amx.c), float32 out: x
+    rounded to bfloat16, or with `split` as two bfloat16 (16 bits of each value); None where
+    this build, the shapes or the kernel's row limit do not fit it."""
+    library = load()[0]
+    if library is None or library.build != "AMX":
+        return None
+    rows, width = x.shape
+    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    status = library.amx_bf16_linear(
+        x.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        weight.shape[0],
+        width,
+        int(split),
+        torch.get_num_threads(),
+    )
+    return None if status else out
 
 
 # bf16_gemm's activations (bf16_linear.c's enum activation)

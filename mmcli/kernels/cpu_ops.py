@@ -11,6 +11,8 @@ from mmcli.kernels import cpu
 
 # the few-rows kernel up to here, the GEMM above: their crossover (bench/float_kernels.py)
 KERNEL_ROWS = 16
+# the AMX tiles from here (fewer rows: the float32 FMAs keep up with the memory)
+TILE_ROWS = 4
 
 
 def _float32_on_cpu(*tensors: torch.Tensor) -> bool:
@@ -97,6 +99,32 @@ def bf16_matmul(
         if activation is not None:
             y = torch.nn.functional.gelu(y, approximate="tanh")
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def tiles_matmul(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch.Tensor | None:
+    """x (float32) @ weight.T (bfloat16) on the AMX tiles (amx.c), from TILE_ROWS to
+    cpu.AMX_ROWS rows: x rounded to bfloat16, or with `split` to 16 bits of each value (the
+    logits' products at the memory's rate where float32 FMAs fall behind); bf16_matmul's
+    float32 FMAs for other rows, shapes or builds."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if (
+        x.dtype == torch.float32
+        and weight.dtype == torch.bfloat16
+        and weight.is_contiguous()
+        and TILE_ROWS <= x2.shape[0] <= cpu.AMX_ROWS
+        and cpu.eager()
+    ):
+        y = cpu.amx_bf16_linear(x2.contiguous(), weight, split)
+        if y is not None:
+            return y.reshape(*x.shape[:-1], weight.shape[0])
+    return bf16_matmul(x, weight, None, None)
+
+
+def split_tiles_matmul(x, weight, bias, activation) -> torch.Tensor | None:
+    """The head's kernel (bias-free, no activation): tiles_matmul with each activation split."""
+    if bias is not None or activation is not None:
+        return bf16_matmul(x, weight, bias, activation)
+    return tiles_matmul(x, weight, split=True)
 
 
 def int8_matmul(x2: torch.Tensor, weight) -> torch.Tensor | None:

@@ -46,9 +46,11 @@ def _fusable(layer, rotary_dim: int) -> bool:
 
 
 class FusedDecode:
-    """The decoder's layers as decode_layer.c's structs."""
+    """The decoder's layers as decode_layer.c's structs; `tiles`: their products in bfloat16 on
+    the AMX tiles (up to cpu.AMX_ROWS rows), else float32 FMAs (up to KERNEL_ROWS)."""
 
-    def __init__(self, layers, eps: float):
+    def __init__(self, layers, eps: float, tiles: bool = False):
+        self.max_rows = cpu.AMX_ROWS if tiles else KERNEL_ROWS
         self.layers, self._weights = [], []  # the structs, and the tensors they point into
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -70,27 +72,28 @@ class FusedDecode:
                     d=attn.head_dim,
                     intermediate=mlp.gate_proj.out_features,
                     eps=eps,
+                    tiles=int(tiles),
                 )
             )
 
     @classmethod
-    def for_decoder(cls, decoder, cfg=None) -> FusedDecode | None:
+    def for_decoder(cls, decoder, cfg=None, tiles: bool = False) -> FusedDecode | None:
         """The fused step for `decoder` (a TextDecoder with its weights in their form; `cfg` its
         TextConfig, the decoder's own by default), or None where a layer, its weights or this
-        machine do not fit it."""
+        machine do not fit it. `tiles`: as the class's."""
         cfg = cfg or decoder.cfg
         if cpu.load()[0] is None or decoder.norm.weight.device.type != "cpu":
             return None
         if not all(_fusable(layer, cfg.rotary_dim) for layer in decoder.layers):
             return None
-        return cls(decoder.layers, cfg.rms_norm_eps)
+        return cls(decoder.layers, cfg.rms_norm_eps, tiles and cpu.name() == "AMX")
 
     def fits(self, hidden: torch.Tensor, batch, deepstack) -> bool:
-        """A decode step of the few-rows kernel's rows, eager, in float32 on the CPU."""
+        """A decode step of the kernels' few rows, eager, in float32 on the CPU."""
         return (
             batch.seqlens is None
             and not batch.fixed_shapes
-            and 1 <= batch.slots.shape[0] <= KERNEL_ROWS
+            and 1 <= batch.slots.shape[0] <= self.max_rows
             and batch.slots.device.type == "cpu"
             and deepstack is None
             and hidden.dtype == torch.float32

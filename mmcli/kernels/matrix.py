@@ -44,14 +44,17 @@ def bf16_linear(
     return y if activation is None else F.gelu(y, approximate="tanh")
 
 
-def bf16_products(above: int):
+def bf16_products(above: int, tiles: bool = False):
     """The `upcast` kernel of a run with bfloat16 products: more than `above` rows on oneDNN's
-    bfloat16 GEMM, fewer on bf16_linear.c (decode reads each weight once: bound by memory, where
-    our kernel's float32 arithmetic costs nothing)."""
+    bfloat16 GEMM, fewer on bf16_linear.c (a few rows: decode reads each weight once, bound by
+    memory) or, with `tiles`, from cpu_ops.TILE_ROWS rows on amx.c's tiles (where bf16_linear.c's
+    float32 FMAs fall behind the memory)."""
 
     def matmul(x, weight, bias, activation):
         if weight.dtype == torch.bfloat16 and _library_rows(x, above):
             return bf16_linear(x, weight, bias, activation)
+        if tiles and bias is None and activation is None:
+            return cpu_ops.tiles_matmul(x, weight, split=False)
         return cpu_ops.bf16_matmul(x, weight, bias, activation)
 
     return matmul

@@ -168,17 +168,33 @@ def _attention() -> dict:
 
 
 def peaks() -> dict:
-    """The library's rate on each unit: float32 FMA (MKL/oneDNN), bfloat16 and int8 (oneDNN:
-    the matrix engine where there is one), on 2048-cubed products."""
+    """Each unit's peak, the best rate measured on it, on 2048-cubed products: float32 FMA
+    (MKL/oneDNN), bfloat16 (oneDNN: the matrix engine where there is one) and int8 (oneDNN's,
+    or int8_linear.c's where its AMX build outruns it: the unit at its int8 rate, with the
+    weights as the kernel reads them)."""
     a = torch.randn(2048, 2048)
     b16 = a.bfloat16()
     i8 = torch.randint(-63, 64, (2048, 2048), dtype=torch.int8)
     ops = 2 * 2048**3
+    int8 = _rate(lambda: torch._int_mm(i8, i8), ops)
+    if cpu.name() == "AMX":
+        weight, _ = random_int8(2048, 2048)
+        int8 = max(int8, _rate(lambda: cpu_ops.int8_matmul(a, weight), ops))
     return {
         "float32": _rate(lambda: F.linear(a, a), ops),
         "bfloat16": _rate(lambda: F.linear(b16, b16), ops),
-        "int8": _rate(lambda: torch._int_mm(i8, i8), ops),
+        "int8": int8,
     }
+
+
+BANDWIDTH_BYTES = 1 << 30  # read once a pass: far past any cache, as a decode step's weights
+
+
+def floors() -> dict:
+    """What bounds a decode step from below: the read bandwidth (GB/s) both cores see
+    streaming a GiB once (the best of REPEATS passes)."""
+    stream = torch.ones(BANDWIDTH_BYTES // 4)
+    return {"read_gb_s": BANDWIDTH_BYTES / _seconds(stream.sum) / 1e9}
 
 
 COMPARISONS: dict[str, Callable[[], dict]] = {
@@ -188,6 +204,7 @@ COMPARISONS: dict[str, Callable[[], dict]] = {
     "int4_tiles": _int4_tiles,
     "attention": _attention,
     "peaks": peaks,
+    "floors": floors,
 }
 
 
@@ -217,7 +234,13 @@ def code_digest() -> str:
     """A digest of the kernels compared (ours in C and their callers, the library's callers): a
     new mmcli measures again."""
     here = Path(__file__).parent
-    sources = [*cpu.SOURCES, *cpu.HEADERS, here / "cpu_ops.py", here / "matrix.py"]
+    sources = [
+        *cpu.SOURCES,
+        *cpu.AMX_SOURCES,
+        *cpu.HEADERS,
+        here / "cpu_ops.py",
+        here / "matrix.py",
+    ]
     return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
 
 

@@ -161,6 +161,13 @@ def _measured(name: str, shape: RunShape) -> tuple[int | None, str]:
     return above, f"measured here: {ours} vs {library}, G(FL)OP/s by rows: {rates}"
 
 
+def _tiles(shape: RunShape) -> bool:
+    """Whether amx.c's kernels run this shape: eager on a CPU whose units (as the shape sees
+    them) include AMX, with our AMX build loaded."""
+    units = shape.cpu().units
+    return shape.eager_cpu() and {"amx_bf16", "amx_int8"} <= units and cpu.name() == "AMX"
+
+
 def _upcast(shape: RunShape) -> Choice:
     # quantized runs keep some matrices as loaded too: a tied lm_head, int4's vision tower
     if shape.loaded == shape.compute:
@@ -185,6 +192,10 @@ def _head(shape: RunShape, upcast: Choice) -> Choice:
     ours = _c_kernel("bf16_linear.c", shape, _function(cpu_ops.bf16_matmul))
     if ours.install is None:
         return Choice("chunks", f"{ours.why}: float32 logits")
+    if _tiles(shape):
+        kernel = f"AMX tiles, {cpu_ops.TILE_ROWS} to {cpu.AMX_ROWS} rows; bf16_linear.c"
+        why = "each activation as two bfloat16 (16 bits) for the logits"
+        return Choice(kernel, why, _function(cpu_ops.split_tiles_matmul))
     return Choice(ours.kernel, "float32 products for the logits", ours.install)
 
 
@@ -201,6 +212,9 @@ def _bf16_products(shape: RunShape) -> Choice | None:
     above, why = _bf16_crossover(shape)
     if above is None:
         return None
+    if _tiles(shape):
+        kernel = f"oneDNN bfloat16 (AMX) above {above} rows, AMX tiles to {above}"
+        return Choice(kernel, why, _function(matrix.bf16_products(above, tiles=True)))
     kernel = (
         f"oneDNN bfloat16 ({shape.cpu().engine()}) above {above} rows, bf16_linear.c to {above}"
     )
@@ -214,6 +228,8 @@ def _int8(shape: RunShape) -> Choice:
     if shape.quantize != "int8":
         return NONE
     library, reason = cpu.load()
+    if _tiles(shape):
+        return _int8_tiles()
     if shape.cpu().int8_matrix():
         above, why = 64, "AMX-INT8 above 64 rows: the copy to its layout amortized"
     else:
@@ -227,11 +243,20 @@ def _int8(shape: RunShape) -> Choice:
     return Choice(INT8_OURS, why, _function(cpu_ops.int8_matmul))
 
 
+def _int8_tiles() -> Choice:
+    """int8_linear.c's AMX build: the tiles read its layout as stored, at every row count (no
+    copy to oneDNN's, which the tiles outrun 2.5x at 256 rows: docs/performance.md)."""
+    why = "AMX-INT8 on the weights as stored, at every row count"
+    return Choice(f"{INT8_OURS} on AMX tiles", why, _function(cpu_ops.int8_matmul))
+
+
 def _vision_int8(shape: RunShape) -> Choice:
     """The vision tower's int8 (it never decodes: every product has hundreds of rows) on
     oneDNN's int8 GEMM in rows layout where that wins: AMX-INT8, else measured."""
     if shape.quantize != "int8" or not shape.eager_cpu():
         return NONE
+    if _tiles(shape):
+        return _int8_tiles()
     if shape.cpu().int8_matrix():
         why = "the matrix engine's int8; rows layout made at load"
     else:
@@ -292,6 +317,10 @@ def _with_fallback(kernel: Callable) -> Callable:
 def _decode_step(shape: RunShape) -> Choice:
     if not shape.fusable_decode or shape.quantize != "none" or shape.loaded != "bfloat16":
         return Choice("layer by layer", "decode_layer.c takes dense bfloat16 layers only")
+    if shape.bf16_products() and _tiles(shape):
+        install = functools.partial(fused_decode.FusedDecode.for_decoder, tiles=True)
+        why = f"bfloat16 products, float32 sums, to {cpu.AMX_ROWS} rows"
+        return Choice("decode_layer.c on AMX tiles", why, install)
     choice = _c_kernel("decode_layer.c", shape, fused_decode.FusedDecode.for_decoder)
     return choice if choice.install is not None else Choice("layer by layer", choice.why)
 

@@ -16,6 +16,8 @@ void rms_norm(const float *x, int64_t ld, const float *w, float *out, int64_t ro
 void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t rows, int64_t heads,
             int64_t d, const float *cos, const float *sin, int64_t rot, int threads);
 void silu_times(float *gate, const float *up, int64_t n, int threads);
+int amx_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
+                    int split, int threads);
 
 /* A layer's weights (bfloat16 bits for the matrices, float32 for the norms) and sizes, set once
    by cpu.DecodeLayer. */
@@ -24,7 +26,20 @@ struct decode_layer {
     const uint16_t *q, *k, *v, *o, *gate, *up, *down;
     int64_t hidden, heads, kv_heads, d, intermediate;
     float eps;
+    int32_t tiles; /* bfloat16 products on the AMX tiles (the run's precision has them) */
 };
+
+#define TILE_ROWS 4 /* cpu_ops.TILE_ROWS: fewer rows keep the float32 FMAs at the memory's rate */
+
+/* The step's products: on the AMX tiles where the layer asks for them and this build has them,
+   else bf16_linear's float32 FMAs. */
+static void linear(const struct decode_layer *l, const float *x, const uint16_t *w, float *y,
+                   int64_t M, int64_t N, int64_t K, int threads) {
+#ifdef __AMX_BF16__
+    if (l->tiles && M >= TILE_ROWS && !amx_bf16_linear(x, w, y, M, N, K, 0, threads)) return;
+#endif
+    bf16_linear(x, w, y, M, N, K, threads);
+}
 
 static float dot(const float *a, const float *b, int64_t d) {
     vec sum = vzero();
@@ -106,9 +121,9 @@ void decode_layer(const struct decode_layer *l, float *x, int64_t rows, float *k
     float *attn = v + rows * KV, *out = attn + rows * Q, *gate = out + rows * H;
     float *up = gate + rows * I, *scores = up + rows * I;
     rms_norm(x, H, l->input_norm, normed, rows, H, l->eps, 1);
-    bf16_linear(normed, l->q, q, rows, Q, H, threads);
-    bf16_linear(normed, l->k, k, rows, KV, H, threads);
-    bf16_linear(normed, l->v, v, rows, KV, H, threads);
+    linear(l, normed, l->q, q, rows, Q, H, threads);
+    linear(l, normed, l->k, k, rows, KV, H, threads);
+    linear(l, normed, l->v, v, rows, KV, H, threads);
     rms_norm(q, d, l->q_norm, q, rows * l->heads, d, l->eps, 1);
     rms_norm(k, d, l->k_norm, k, rows * l->kv_heads, d, l->eps, 1);
     rotary(q, Q, d, q, rows, l->heads, d, cos, sin, d, threads);
@@ -123,12 +138,12 @@ void decode_layer(const struct decode_layer *l, float *x, int64_t rows, float *k
         attend_row(l, q + r * Q, k_row, v_row, head_stride, positions[r] + 1, scores, attn + r * Q,
                    threads);
     }
-    bf16_linear(attn, l->o, out, rows, H, Q, threads);
+    linear(l, attn, l->o, out, rows, H, Q, threads);
     add_into(x, out, rows * H);
     rms_norm(x, H, l->post_norm, normed, rows, H, l->eps, 1);
-    bf16_linear(normed, l->gate, gate, rows, I, H, threads);
-    bf16_linear(normed, l->up, up, rows, I, H, threads);
+    linear(l, normed, l->gate, gate, rows, I, H, threads);
+    linear(l, normed, l->up, up, rows, I, H, threads);
     silu_times(gate, up, rows * I, threads);
-    bf16_linear(gate, l->down, out, rows, H, I, threads);
+    linear(l, gate, l->down, out, rows, H, I, threads);
     add_into(x, out, rows * H);
 }

@@ -1,0 +1,106 @@
+"""amx.c's kernels on the AMX tiles, where this CPU has them: bfloat16 products against float64
+with each activation rounded as the kernel rounds it, the split products within 16 bits of each
+activation, int8 the very integers of the VNNI build, and the fused decode step on the tiles
+against the decoder's modules."""
+
+import pytest
+import torch
+from conftest import assert_same_choices, forced_logits, photo
+
+from mmcli.api.labeler import Labeler
+from mmcli.config import load_config
+from mmcli.kernels import cpu, cpu_features, cpu_ops, measure
+from mmcli.testing import make_tiny_checkpoint
+
+AMX_HERE = cpu.AMX_UNITS <= cpu_features.real_units() and cpu.why_unavailable() is None
+pytestmark = pytest.mark.skipif(not AMX_HERE, reason="this CPU has no AMX tiles")
+
+
+@pytest.fixture
+def amx_build():
+    cpu.load.cache_clear()
+    assert cpu.name() == "AMX", cpu.load()[1]
+    yield
+    cpu.load.cache_clear()
+
+
+# rows across the 16 columns of a B tile and past them; channels in 1 and 4-block passes;
+# inputs of one and of many 32-input steps
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
+@pytest.mark.parametrize("channels,inputs", [(16, 32), (80, 96), (1024, 2048)])
+def test_tile_products_are_bfloat16_products_summed_in_float32(amx_build, rows, channels, inputs):
+    generator = torch.Generator().manual_seed(rows * channels)
+    x = torch.randn(rows, inputs, generator=generator)
+    weight = torch.randn(channels, inputs, generator=generator).bfloat16()
+    magnitude = x.abs().double() @ weight.abs().double().t()  # what the errors scale with
+    summed = 2e-6 * magnitude + 1e-6  # float32 sums of `inputs` terms
+    rounded = x.bfloat16().double() @ weight.double().t()
+    assert ((cpu.amx_bf16_linear(x, weight, False).double() - rounded).abs() <= summed).all()
+    # split: x as two bfloat16 of 8 bits each, 2^-16 of each value at most
+    exact = x.double() @ weight.double().t()
+    error = (cpu.amx_bf16_linear(x, weight, True).double() - exact).abs()
+    assert (error <= 2**-16 * magnitude + summed).all()
+
+
+def test_shapes_off_the_tiles_are_refused_and_the_callers_fall_back(amx_build):
+    x, weight = torch.randn(4, 64), torch.randn(48, 64).bfloat16()
+    assert cpu.amx_bf16_linear(torch.randn(4, 40), torch.randn(48, 40).bfloat16(), False) is None
+    assert cpu.amx_bf16_linear(x, torch.randn(40, 64).bfloat16(), False) is None
+    assert cpu.amx_bf16_linear(torch.randn(33, 64), weight, True) is None  # 66 columns
+    assert cpu.amx_bf16_linear(torch.randn(64, 64), weight, False) is not None
+    # the callers take bf16_linear.c's float32 products where the tiles do not
+    few = torch.randn(2, 64)
+    torch.testing.assert_close(
+        cpu_ops.tiles_matmul(few, weight, split=True), cpu_ops.bf16_matmul(few, weight, None, None)
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 300])
+@pytest.mark.parametrize("channels,inputs", [(64, 64), (192, 1024)])
+def test_int8_on_the_tiles_gives_the_vnni_builds_very_values(monkeypatch, rows, channels, inputs):
+    generator = torch.Generator().manual_seed(rows)
+    weight, _ = measure.random_int8(channels, inputs)
+    weight.bias.normal_(generator=generator)
+    x = torch.randn(rows, inputs, generator=generator)
+    cpu.load.cache_clear()
+    tiles = cpu_ops.int8_matmul(x, weight)
+    monkeypatch.setattr(cpu, "has_amx", lambda: False)
+    cpu.load.cache_clear()
+    assert cpu.name() == "AVX-512 VNNI"
+    vectors = cpu_ops.int8_matmul(x, weight)
+    monkeypatch.undo()
+    cpu.load.cache_clear()
+    assert torch.equal(tiles, vectors)
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiles") / "m", dtype="bfloat16")
+
+
+# bfloat16 products on both sides, rounded at different places (the modules' oneDNN GEMM rounds
+# its outputs past 16 rows), of the logits' spread: measured up to 0.08 of it at 20 sequences; a
+# wrong layout or scale moves them by all of it
+TILES_MARGIN = 0.2
+
+
+@pytest.mark.parametrize("batch", [6, 20])
+def test_the_fused_step_on_the_tiles_keeps_the_modules_choices(amx_build, bf16_dir, batch):
+    """`batch` sequences decoded together (the tiles from cpu_ops.TILE_ROWS rows; at 20, past
+    KERNEL_ROWS, the modules on oneDNN's GEMM) against the decoder's modules, teacher-forced on
+    the modules' tokens."""
+    cfg = load_config(None, {"engine": {"max_seqs": 32}})
+    labeler = Labeler.from_pretrained(str(bf16_dir), device="cpu", config=cfg)
+    assert "decode_step decode_layer.c on AMX tiles" in labeler.kernels
+    requests = [
+        labeler.request(f"k{i}", [photo("chelsea.jpg")], f"Describe image {i}.",
+                        labeler.sampling(max_new_tokens=6))[0]
+        for i in range(batch)
+    ]  # fmt: skip
+    decoder = labeler.model.language_model
+    fused, decoder.kernel = decoder.kernel, None
+    tokens = [[3 + i, 7, 11, 5, 2, 9] for i in range(batch)]
+    reference = forced_logits(labeler, requests, tokens)
+    decoder.kernel = fused
+    for logits, expected in zip(forced_logits(labeler, requests, tokens), reference):
+        assert_same_choices(logits, expected, TILES_MARGIN * expected.std().item())
