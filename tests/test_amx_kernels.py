@@ -9,8 +9,9 @@ from conftest import assert_same_choices, forced_logits, photo
 
 from mmcli.api.labeler import Labeler
 from mmcli.config import load_config
-from mmcli.kernels import cpu, cpu_features, cpu_ops, measure
+from mmcli.kernels import cpu, cpu_features, cpu_ops, matrix, measure
 from mmcli.testing import make_tiny_checkpoint
+from mmcli.weights.int4 import quantize_int4
 
 AMX_HERE = cpu.AMX_UNITS <= cpu_features.real_units() and cpu.why_unavailable() is None
 pytestmark = pytest.mark.skipif(not AMX_HERE, reason="this CPU has no AMX tiles")
@@ -49,10 +50,27 @@ def test_shapes_off_the_tiles_are_refused_and_the_callers_fall_back(amx_build):
     assert cpu.amx_bf16_linear(torch.randn(33, 64), weight, True) is None  # 66 columns
     assert cpu.amx_bf16_linear(torch.randn(64, 64), weight, False) is not None
     # the callers take bf16_linear.c's float32 products where the tiles do not
-    few = torch.randn(2, 64)
+    many = torch.randn(40, 64)
     torch.testing.assert_close(
-        cpu_ops.tiles_matmul(few, weight, split=True), cpu_ops.bf16_matmul(few, weight, None, None)
+        cpu_ops.tiles_matmul(many, weight, split=True),
+        cpu_ops.bf16_matmul(many, weight, None, None),
     )
+
+
+@pytest.mark.parametrize("rows", [16, 17, 32, 33, 600])
+@pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024)])
+def test_int4_panels_multiply_the_weights_dequantized_to_bfloat16(
+    amx_build, rows, channels, inputs
+):
+    generator = torch.Generator().manual_seed(rows)
+    weight = quantize_int4(torch.randn(channels, inputs, generator=generator).bfloat16())
+    x, bias = torch.randn(rows, inputs, generator=generator), torch.randn(channels)
+    dequantized = matrix.int4_dequantized(weight, 0, channels).double()  # [inputs, channels]
+    exact = x.bfloat16().double() @ dequantized + bias.double()
+    magnitude = x.abs().double() @ dequantized.abs()
+    got = cpu_ops.int4_tiles_matmul(x, weight, bias).double()
+    assert ((got - exact).abs() <= 2e-6 * magnitude + 1e-5).all()
+    assert cpu_ops.int4_tiles_matmul(x[:15], weight, bias) is None  # torch's kernel there
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 300])
@@ -86,7 +104,7 @@ TILES_MARGIN = 0.2
 
 @pytest.mark.parametrize("batch", [6, 20])
 def test_the_fused_step_on_the_tiles_keeps_the_modules_choices(amx_build, bf16_dir, batch):
-    """`batch` sequences decoded together (the tiles from cpu_ops.TILE_ROWS rows; at 20, past
+    """`batch` sequences decoded together (the fused step on the tiles; at 20, past
     KERNEL_ROWS, the modules on oneDNN's GEMM) against the decoder's modules, teacher-forced on
     the modules' tokens."""
     cfg = load_config(None, {"engine": {"max_seqs": 32}})

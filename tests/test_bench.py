@@ -76,6 +76,7 @@ def test_cpu_bench_smoke(tmp_path):
         and "int8: the first ask" in stdout
         and "cold (the checkpoint's pages dropped" in stdout
         and "outlier channels x30" in stdout
+        and "(e) decode steps" in stdout
     )
 
 

@@ -11,8 +11,6 @@ from mmcli.kernels import cpu
 
 # the few-rows kernel up to here, the GEMM above: their crossover (bench/float_kernels.py)
 KERNEL_ROWS = 16
-# the AMX tiles from here (fewer rows: the float32 FMAs keep up with the memory)
-TILE_ROWS = 4
 
 
 def _float32_on_cpu(*tensors: torch.Tensor) -> bool:
@@ -102,8 +100,8 @@ def bf16_matmul(
 
 
 def tiles_matmul(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch.Tensor | None:
-    """x (float32) @ weight.T (bfloat16) on the AMX tiles (amx.c), from TILE_ROWS to
-    cpu.AMX_ROWS rows: x rounded to bfloat16, or with `split` to 16 bits of each value (the
+    """x (float32) @ weight.T (bfloat16) on the AMX tiles (amx.c), up to cpu.AMX_ROWS rows: x
+    rounded to bfloat16, or with `split` to 16 bits of each value (the
     logits' products at the memory's rate where float32 FMAs fall behind); bf16_matmul's
     float32 FMAs for other rows, shapes or builds."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -111,7 +109,7 @@ def tiles_matmul(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch.Te
         x.dtype == torch.float32
         and weight.dtype == torch.bfloat16
         and weight.is_contiguous()
-        and TILE_ROWS <= x2.shape[0] <= cpu.AMX_ROWS
+        and 1 <= x2.shape[0] <= cpu.AMX_ROWS
         and cpu.eager()
     ):
         y = cpu.amx_bf16_linear(x2.contiguous(), weight, split)
@@ -125,6 +123,24 @@ def split_tiles_matmul(x, weight, bias, activation) -> torch.Tensor | None:
     if bias is not None or activation is not None:
         return bf16_matmul(x, weight, bias, activation)
     return tiles_matmul(x, weight, split=True)
+
+
+# int4 on the tiles from here: fewer rows, torch's int4 kernel outruns the panels' dequantizing
+INT4_TILE_ROWS = 16
+
+
+def int4_tiles_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ W.T (+ bias) for an Int4Weight on the AMX tiles (amx.c's int4 panels) from
+    INT4_TILE_ROWS rows; None (torch's int4 kernel) for fewer rows or shapes off the panels."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] < INT4_TILE_ROWS or x.device.type != "cpu" or not cpu.eager():
+        return None
+    y = cpu.amx_int4_gemm(x2, weight)
+    if y is None:
+        return None
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def int8_matmul(x2: torch.Tensor, weight) -> torch.Tensor | None:

@@ -47,8 +47,9 @@ def bf16_linear(
 def bf16_products(above: int, tiles: bool = False):
     """The `upcast` kernel of a run with bfloat16 products: more than `above` rows on oneDNN's
     bfloat16 GEMM, fewer on bf16_linear.c (a few rows: decode reads each weight once, bound by
-    memory) or, with `tiles`, from cpu_ops.TILE_ROWS rows on amx.c's tiles (where bf16_linear.c's
-    float32 FMAs fall behind the memory)."""
+    memory) or, with `tiles`, on amx.c's tiles (where bf16_linear.c's float32 FMAs fall behind
+    the memory from 4 rows; at every row count, so that a row's products do not depend on how
+    many share its step)."""
 
     def matmul(x, weight, bias, activation):
         if weight.dtype == torch.bfloat16 and _library_rows(x, above):

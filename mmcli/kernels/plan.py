@@ -193,7 +193,7 @@ def _head(shape: RunShape, upcast: Choice) -> Choice:
     if ours.install is None:
         return Choice("chunks", f"{ours.why}: float32 logits")
     if _tiles(shape):
-        kernel = f"AMX tiles, {cpu_ops.TILE_ROWS} to {cpu.AMX_ROWS} rows; bf16_linear.c"
+        kernel = f"AMX tiles to {cpu.AMX_ROWS} rows, bf16_linear.c above"
         why = "each activation as two bfloat16 (16 bits) for the logits"
         return Choice(kernel, why, _function(cpu_ops.split_tiles_matmul))
     return Choice(ours.kernel, "float32 products for the logits", ours.install)
@@ -269,6 +269,11 @@ def _vision_int8(shape: RunShape) -> Choice:
 def _int4(shape: RunShape) -> Choice:
     if shape.quantize != "int4":
         return NONE
+    if _tiles(shape):
+        rows = cpu_ops.INT4_TILE_ROWS
+        kernel = f"AMX tiles from {rows} rows, torch int4 below"
+        why = "dequantized to bfloat16 a 64-channel panel at a time, on AMX-BF16"
+        return Choice(kernel, why, _function(cpu_ops.int4_tiles_matmul))
     above, why = _measured("int4_tiles", shape) if shape.eager_cpu() else (None, "")
     if above is None:
         return Choice("torch int4", why or "torch's int4 kernel")

@@ -29,14 +29,13 @@ struct decode_layer {
     int32_t tiles; /* bfloat16 products on the AMX tiles (the run's precision has them) */
 };
 
-#define TILE_ROWS 4 /* cpu_ops.TILE_ROWS: fewer rows keep the float32 FMAs at the memory's rate */
-
-/* The step's products: on the AMX tiles where the layer asks for them and this build has them,
-   else bf16_linear's float32 FMAs. */
+/* The step's products: on the AMX tiles where the layer asks for them and this build has them
+   (at every row count: a tile product sums each row alone, so a sequence's logits do not depend
+   on how many share its step), else bf16_linear's float32 FMAs. */
 static void linear(const struct decode_layer *l, const float *x, const uint16_t *w, float *y,
                    int64_t M, int64_t N, int64_t K, int threads) {
 #ifdef __AMX_BF16__
-    if (l->tiles && M >= TILE_ROWS && !amx_bf16_linear(x, w, y, M, N, K, 0, threads)) return;
+    if (l->tiles && !amx_bf16_linear(x, w, y, M, N, K, 0, threads)) return;
 #endif
     bf16_linear(x, w, y, M, N, K, threads);
 }
