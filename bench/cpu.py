@@ -61,6 +61,21 @@ def vector_units() -> str:
 SIDES = {"before": lambda: {"MMCLI_CPU_FEATURES": vector_units()}, "after": dict}
 
 
+def against_tree(commit: str, cache_dir: Path) -> str:
+    """--against COMMIT: that commit's tree as a third side, its workers importing its mmcli (a
+    git worktree, made once in the bench cache): ratios against it are measured in this run."""
+    tree = cache_dir / f"tree-{commit}"
+    if not (tree / "mmcli").is_dir():
+        command = ["git", "-C", str(compare_hf.ROOT), "worktree", "add", "--detach", str(tree)]
+        subprocess.run([*command, commit], check=True, capture_output=True)
+    SIDES[commit] = lambda: {"PYTHONPATH": str(tree)}
+    return commit
+
+
+def third_side() -> str | None:
+    return next((side for side in SIDES if side not in ("before", "after")), None)
+
+
 @contextlib.contextmanager
 def side_env(side: str):
     """The environment of one side for the workers started inside."""
@@ -480,6 +495,7 @@ def main() -> None:
     parser.add_argument(
         "--decode-only", action="store_true", help="only (e): decode steps against their floors"
     )
+    parser.add_argument("--against", metavar="COMMIT", help="that tree as a third side, beside")
     parser.add_argument("--worker", choices=["ask", "forced", "step"], help=argparse.SUPPRESS)
     for name in ("--ckpt", "--image", "--settings", "--tokens"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -512,6 +528,8 @@ def main() -> None:
         args.cache_dir = compare_hf.ROOT / (".bench_cache/smoke" if args.smoke else ".bench_cache")
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     ckpt, images, lengths = compare_hf.make_inputs(args.cache_dir, args.smoke)
+    if args.against:
+        against_tree(args.against, args.cache_dir)
     ask_image = images[ASK_IMAGE % len(images)]  # the 448x448 one, whatever --images keeps
     images, lengths = images[: args.images], lengths[: args.images]
     limits = compare_hf.machine_limits()
@@ -574,12 +592,12 @@ def decode_floors(args, ckpt: Path) -> None:
                 r, _ = run(args, "--worker", "step", "--ckpt", str(ckpt),
                            "--settings", json.dumps(settings))  # fmt: skip
             unit = "int8" if name == "int8" else "bfloat16"
-            peak = peaks[unit] if side == "after" else peaks["float32"]
+            peak = peaks[unit] if side != "before" else peaks["float32"]
             for rows, step in r["steps"].items():
                 read_bytes = r["weights"] + step["kv_bytes"]
                 memory, compute = read_bytes / read, r["flops_per_row"] * int(rows) / peak / 1e9
                 floor = max(memory, compute)
-                bound = "memory" if memory >= compute else f"{unit if side == 'after' else 'FMA'}"
+                bound = "memory" if memory >= compute else f"{unit if side != 'before' else 'FMA'}"
                 print(
                     f"{name} | {side} | {rows} | {step['seconds'] * 1e3:.0f} | "
                     f"{read_bytes / 1e9:.2f} GB | {floor * 1e3:.0f} ({bound}) | "
@@ -632,16 +650,31 @@ def batched(args, rate_args, parameters: int) -> dict:
     )
     base = rates["float32", "before"]["images_per_s"]
     for name in PATHS:
-        before, after = (rates[name, side] for side in SIDES)
-        phases = ", ".join(
-            f"{after['spent'][p] / before['spent'][p]:.2f}x" for p in ("vision", "text", "decode")
-        )
-        ratio = after["images_per_s"] / before["images_per_s"]
-        print(
-            f"{name} | {before['images_per_s']:.4f} | {after['images_per_s']:.4f} | "
-            f"{ratio:.2f}x | {after['images_per_s'] / base:.2f}x | {phases}"
-        )
+        print_ratios(name, rates[name, "before"], rates[name, "after"], base)
+        tree = third_side()
+        if tree is not None:
+            ratio = rates[name, "after"]["images_per_s"] / rates[name, tree]["images_per_s"]
+            print(
+                f"{name}: after {ratio:.2f}x the tree at {tree} ({phase_ratios(rates, name, tree)})"
+            )
     return rates
+
+
+def phase_ratios(rates: dict, name: str, side: str) -> str:
+    after, other = rates[name, "after"]["spent"], rates[name, side]["spent"]
+    phases = ("vision", "text", "decode")
+    return ", ".join(f"{p} {after[p] / other[p]:.2f}x" for p in phases)
+
+
+def print_ratios(name: str, before: dict, after: dict, base: float) -> None:
+    phases = ", ".join(
+        f"{after['spent'][p] / before['spent'][p]:.2f}x" for p in ("vision", "text", "decode")
+    )
+    ratio = after["images_per_s"] / before["images_per_s"]
+    print(
+        f"{name} | {before['images_per_s']:.4f} | {after['images_per_s']:.4f} | "
+        f"{ratio:.2f}x | {after['images_per_s'] / base:.2f}x | {phases}"
+    )
 
 
 def print_batched(name: str, side: str, r: dict, parameters: int) -> None:
@@ -708,7 +741,11 @@ def ask_sides(args, ckpt: Path, image: Path) -> None:
                 flush=True,
             )
     for name in PATHS:
-        print(f"{name} ask: after {walls[name, 'after'] / walls[name, 'before']:.2f}x before")
+        tree = third_side()
+        against = f", {walls[name, 'after'] / walls[name, tree]:.2f}x {tree}" if tree else ""
+        print(
+            f"{name} ask: after {walls[name, 'after'] / walls[name, 'before']:.2f}x before{against}"
+        )
 
 
 def agreements(args, ckpt: Path, image: Path) -> None:
