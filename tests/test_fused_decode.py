@@ -127,11 +127,12 @@ def bf16_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("fused") / "m", dtype="bfloat16")
 
 
-# The fused step and the modules' are float32 throughout: they differ by the sums' order alone.
+# The fused step and the modules' are float32 throughout (vector_units: float32 products; the
+# tiles' bfloat16 products are tests/test_amx_kernels.py's): they differ by the sums' order alone.
 FUSED_MARGIN = 1e-4
 
 
-def test_an_ask_decodes_the_same_logits_either_way(bf16_dir, monkeypatch):
+def test_an_ask_decodes_the_same_logits_either_way(bf16_dir, monkeypatch, vector_units):
     """Teacher-forced along the modules' greedy tokens: the fused step's logits within
     FUSED_MARGIN of the modules' at every step."""
     monkeypatch.setenv("MMCLI_CPU_PREFER", "ours")  # the modules' linears in float32 products
@@ -150,7 +151,7 @@ def test_an_ask_decodes_the_same_logits_either_way(bf16_dir, monkeypatch):
     assert_same_choices(fused, reference, FUSED_MARGIN)
 
 
-def test_sequences_decoded_together_get_the_modules_logits(bf16_dir, monkeypatch):
+def test_sequences_decoded_together_get_the_modules_logits(bf16_dir, monkeypatch, vector_units):
     """Three sequences in flight (the batched step, each row at its own position) through the
     fused step: within FUSED_MARGIN of the modules' batched step."""
     # ours whatever this machine measured: oneDNN's bfloat16 products at 3 rows would move the

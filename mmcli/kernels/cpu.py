@@ -216,8 +216,9 @@ def _declare(library: ctypes.CDLL) -> None:
         library.amx_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         library.amx_bf16_linear.argtypes += [ctypes.c_int] * 2
         library.amx_int8_linear.argtypes = list(library.int8_linear.argtypes)
-        library.amx_int4_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        library.amx_int4_gemm.argtypes += [ctypes.c_int]
+        for name in ("amx_int4_gemm", "amx_int4_rows"):
+            kernel = getattr(library, name)
+            kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
 
 def eager() -> bool:
@@ -278,17 +279,25 @@ def amx_bf16_linear(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch
     return None if status else out
 
 
+# int4 on the tiles above INT4_TORCH_ROWS (fewer: torch's int4 kernel keeps up), to
+# INT4_FEW_ROWS rows on the weights' integers (amx_int4_rows), more rows on panels dequantized
+# to bfloat16 (amx_int4_gemm): see amx.c
+INT4_TORCH_ROWS, INT4_FEW_ROWS = 4, 16
+
+
 def amx_int4_gemm(x: torch.Tensor, weight) -> torch.Tensor | None:
-    """x (rows, K) @ W.T on the AMX tiles for an Int4Weight W (torch's CPU layout, group 32),
-    dequantized to bfloat16 a 64-channel panel at a time (amx.c), x rounded to bfloat16, float32
-    out; None where this build or the shapes (N a multiple of 64, K of 32) do not fit."""
+    """x (rows, K) @ W.T on the AMX tiles for an Int4Weight W (torch's CPU layout, group 32), x
+    rounded to bfloat16, float32 out: a few rows on the weights' integers, each group's sums
+    scaled after, more rows on panels dequantized to bfloat16 (amx.c); None where this build or
+    the shapes (N a multiple of 64, K of 32) do not fit."""
     library = load()[0]
     if library is None or library.build != "AMX" or not weight.scales_zeros.is_contiguous():
         return None
     rows, width = x.shape
     x16 = x.to(torch.bfloat16).contiguous()
     out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    status = library.amx_int4_gemm(
+    kernel = library.amx_int4_rows if rows <= INT4_FEW_ROWS else library.amx_int4_gemm
+    status = kernel(
         x16.data_ptr(), weight.packed.data_ptr(), weight.scales_zeros.data_ptr(),
         out.data_ptr(), rows, weight.shape[0], width, torch.get_num_threads(),
     )  # fmt: skip

@@ -125,15 +125,11 @@ def split_tiles_matmul(x, weight, bias, activation) -> torch.Tensor | None:
     return tiles_matmul(x, weight, split=True)
 
 
-# int4 on the tiles from here: fewer rows, torch's int4 kernel outruns the panels' dequantizing
-INT4_TILE_ROWS = 16
-
-
 def int4_tiles_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x @ W.T (+ bias) for an Int4Weight on the AMX tiles (amx.c's int4 panels) from
-    INT4_TILE_ROWS rows; None (torch's int4 kernel) for fewer rows or shapes off the panels."""
+    """x @ W.T (+ bias) for an Int4Weight on the AMX tiles (cpu.amx_int4_gemm) above
+    cpu.INT4_TORCH_ROWS rows; None (torch's int4 kernel) for fewer rows or shapes off the tiles."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] < INT4_TILE_ROWS or x.device.type != "cpu" or not cpu.eager():
+    if x2.shape[0] <= cpu.INT4_TORCH_ROWS or x.device.type != "cpu" or not cpu.eager():
         return None
     y = cpu.amx_int4_gemm(x2, weight)
     if y is None:

@@ -270,9 +270,10 @@ def _int4(shape: RunShape) -> Choice:
     if shape.quantize != "int4":
         return NONE
     if _tiles(shape):
-        rows = cpu_ops.INT4_TILE_ROWS
-        kernel = f"AMX tiles from {rows} rows, torch int4 below"
-        why = "dequantized to bfloat16 a 64-channel panel at a time, on AMX-BF16"
+        torch_rows, few = cpu.INT4_TORCH_ROWS, cpu.INT4_FEW_ROWS
+        kernel = f"AMX tiles (the integers to {few} rows, dequantized panels above)"
+        kernel += f", torch int4 to {torch_rows} rows"
+        why = "the weights as stored, on AMX-BF16"
         return Choice(kernel, why, _function(cpu_ops.int4_tiles_matmul))
     above, why = _measured("int4_tiles", shape) if shape.eager_cpu() else (None, "")
     if above is None:

@@ -150,6 +150,19 @@ static void store_columns(const float *out, int blocks, int64_t n0, int64_t M, i
         }
 }
 
+/* The B operand's buffer, kept by the calling thread and grown as needed: a fresh one a call
+   (hundreds a decode step, some past malloc's mmap threshold) measured 8% slower at one row. */
+static uint32_t *column_buffer(size_t bytes) {
+    static _Thread_local uint32_t *held;
+    static _Thread_local size_t size;
+    if (bytes > size) {
+        free(held);
+        held = aligned_alloc(64, bytes);
+        size = held ? bytes : 0;
+    }
+    return held;
+}
+
 /* y (M x N, float32) = x (M x K, float32) @ w.T (N x K, bfloat16 bits). M * (split ? 2 : 1) <=
    64, N a multiple of 16, K of 32; returns nonzero (and computes nothing) otherwise or where the
    tiles are not granted. */
@@ -158,7 +171,7 @@ int amx_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int6
     const int64_t columns = M * (split ? 2 : 1);
     if (M < 1 || columns > 64 || N % 16 || K % 32 || amx_request()) return 1;
     const int nb = (int)((columns + 15) / 16);
-    uint32_t *xb = aligned_alloc(64, (size_t)nb * (K / 2) * 16 * 4);
+    uint32_t *xb = column_buffer((size_t)nb * (K / 2) * 16 * 4);
     if (!xb) return 1;
     for (int j = 0; j < nb; j++) pack_columns(x, M, K, split, j, xb + j * (K / 2) * 16);
     /* channel blocks a pass: 4 against one column block, else 1 (16 row streams: two blocks
@@ -182,7 +195,6 @@ int amx_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int6
         }
         _tile_release();
     }
-    free(xb);
     return 0;
 }
 
@@ -191,8 +203,8 @@ int amx_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int6
 /* A block of 64 output channels over all K inputs as the tiles' B operand, a "panel":
    [K / 32][4 channel tiles][16 pairs of inputs][16 channels][2] bfloat16, made once per block
    (int4_panel) and read from L2 by every row of x. Dequantizing costs about 14 vector
-   operations per 32 weights: it outruns torch's int4 kernel from 16 rows (2.6x at 32, 1.6x
-   the dequantized tiles on oneDNN at 256), not at fewer. */
+   operations per 32 weights, which many rows amortize (2.6x torch's int4 kernel at 32 rows,
+   1.6x the dequantized tiles on oneDNN at 256); amx_int4_rows takes fewer. */
 #define PANEL_CHANNELS 64
 #define PANEL_TILE 512 /* bfloat16 a B tile */
 
@@ -305,6 +317,119 @@ int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *scal
         free(panel);
     }
     return failed;
+}
+
+/* ---- amx_int4_rows: a few rows ---- */
+
+/* For a few rows, dequantizing every weight (the panels) costs more than reading it. Instead the
+   tiles multiply the weights' integers, exactly: B holds 128 + q as bfloat16 (whose bits are
+   0x4300 | q: one ternary logic operation from the nibble), and each group's sums are scaled
+   after the product: (q - 8) * scale + zero summed over a group of 32 inputs is scale * sum(x *
+   (128 + q)) + (zero - 136 * scale) * sum(x). The weights are never rounded to bfloat16. */
+
+/* B tiles of group g for a block's 4 channel tiles from torch's layout: for inputs k, k + 1 and
+   channels c, c + 32 the bytes interleaved, widened to 16 bits, each nibble or'd into 0x4300 */
+static void int4_group_tiles(const uint8_t *block, int64_t g, uint16_t *tiles) {
+    const __m512i nibble = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
+    for (int r = 0; r < 16; r++) {
+        const uint8_t *first = block + (g * 32 + 2 * r) * 32, *second = first + 32;
+        for (int half = 0; half < 2; half++) {
+            const __m128i a = _mm_loadu_si128((const __m128i *)(first + half * 16));
+            const __m128i b = _mm_loadu_si128((const __m128i *)(second + half * 16));
+            const __m256i pairs =
+                _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+            const __m512i words = _mm512_cvtepu8_epi16(pairs);
+            const __m512i low = _mm512_ternarylogic_epi32(words, nibble, exponent, 0xEA);
+            const __m512i high =
+                _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), nibble, exponent, 0xEA);
+            _mm512_storeu_si512(tiles + (half * 16 + r) * 32, low);        /* channels 16 half .. */
+            _mm512_storeu_si512(tiles + ((2 + half) * 16 + r) * 32, high); /* 32 + 16 half .. */
+        }
+    }
+}
+
+static void configure_few(int rows) {
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = (uint8_t)(t <= 4 ? rows : 16); /* sums and A: the rows; B: 16 pairs */
+    }
+    _tile_loadconfig(&c);
+}
+
+/* y rows (<= 16) x the 64 channels of `block` */
+static void int4_block_rows(const uint16_t *x, const float *x_sums, const uint8_t *packed,
+                            const uint16_t *scales_zeros, int64_t K, int64_t N, int64_t block,
+                            int rows, float *y) {
+    uint16_t tiles[4 * 512] __attribute__((aligned(64)));
+    float sums[4 * 256] __attribute__((aligned(64)));
+    __m512 acc[16][4];
+    for (int m = 0; m < rows; m++)
+        for (int t = 0; t < 4; t++) acc[m][t] = _mm512_setzero_ps();
+    const uint8_t *bytes = packed + block * K * 32;
+    for (int64_t g = 0; g < K / 32; g++) {
+        int4_group_tiles(bytes, g, tiles);
+        _tile_loadd(4, x + g * 32, K * 2);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(5, tiles, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, tiles + 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, tiles + 1024, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, tiles + 1536, 64);
+        _tile_dpbf16ps(3, 4, 5);
+        _tile_stored(0, sums, 64);
+        _tile_stored(1, sums + 256, 64);
+        _tile_stored(2, sums + 512, 64);
+        _tile_stored(3, sums + 768, 64);
+        const uint32_t *pairs = (const uint32_t *)scales_zeros + g * N + block * 64;
+        for (int t = 0; t < 4; t++) {
+            const __m512i sz = _mm512_loadu_si512(pairs + t * 16);
+            const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+            const __m512 zero =
+                _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(~0xFFFF)));
+            const __m512 shift = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), scale, zero);
+            for (int m = 0; m < rows; m++) {
+                acc[m][t] =
+                    _mm512_fmadd_ps(scale, _mm512_load_ps(sums + t * 256 + m * 16), acc[m][t]);
+                acc[m][t] =
+                    _mm512_fmadd_ps(shift, _mm512_set1_ps(x_sums[m * (K / 32) + g]), acc[m][t]);
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int t = 0; t < 4; t++) _mm512_storeu_ps(y + m * N + block * 64 + t * 16, acc[m][t]);
+}
+
+/* y (M x N, float32) = x (M x K, bfloat16) @ W.T for int4 W in torch's CPU layout (group 32),
+   M <= 16; nonzero (nothing computed) otherwise or where the tiles are not granted. */
+int amx_int4_rows(const uint16_t *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
+                  int64_t M, int64_t N, int64_t K, int threads) {
+    if (M < 1 || M > 16 || N % 64 || K % 32 || amx_request()) return 1;
+    float *x_sums = malloc((size_t)(M * (K / 32)) * sizeof(float)); /* each row's group sums */
+    if (!x_sums) return 1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < K / 32; g++) {
+            float total = 0.0f;
+            for (int k = 0; k < 32; k++) total += bf16_to_float(x[m * K + g * 32 + k]);
+            x_sums[m * (K / 32) + g] = total;
+        }
+#pragma omp parallel num_threads(threads)
+    {
+        configure_few((int)M);
+#pragma omp for schedule(static)
+        for (int64_t block = 0; block < N / 64; block++)
+            int4_block_rows(x, x_sums, packed, scales_zeros, K, N, block, (int)M, y);
+        _tile_release();
+    }
+    free(x_sums);
+    return 0;
 }
 
 /* ---- amx_int8_linear ---- */
