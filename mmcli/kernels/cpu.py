@@ -233,24 +233,22 @@ def name() -> str:
     return library.build if library is not None else ""
 
 
+def _products(kernel, x: torch.Tensor, weight: torch.Tensor, *flags: int):
+    """(y, status) of a kernel (x, w, y, M, N, K, *flags, threads) for x (M, K) and w (N, K)."""
+    rows, width = x.shape
+    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    threads = torch.get_num_threads()
+    args = (x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], width)
+    return out, kernel(*args, *flags, threads)
+
+
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (rows, K) float32 @ weight.T with weight (N, K) bfloat16, both contiguous on the CPU;
     float32 out."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
-    rows, width = x.shape
-    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    library.bf16_linear(
-        x.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        rows,
-        weight.shape[0],
-        width,
-        torch.get_num_threads(),
-    )
-    return out
+    return _products(library.bf16_linear, x, weight)[0]
 
 
 # the rows amx_bf16_linear takes (64 columns of B: 32 rows split in two)
@@ -264,18 +262,7 @@ def amx_bf16_linear(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch
     library = load()[0]
     if library is None or library.build != "AMX":
         return None
-    rows, width = x.shape
-    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    status = library.amx_bf16_linear(
-        x.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        rows,
-        weight.shape[0],
-        width,
-        int(split),
-        torch.get_num_threads(),
-    )
+    out, status = _products(library.amx_bf16_linear, x, weight, int(split))
     return None if status else out
 
 
