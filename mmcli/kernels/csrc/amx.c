@@ -12,7 +12,10 @@
 
    amx_int8_linear, int8_linear.c's operands and result: its weights' layout (16 output channels,
    4 inputs interleaved) is the tiles' B layout as it is, its activations (7 bits plus 64,
-   unsigned) the A operand, int32 sums exact (tdpbusd), the same integers. */
+   unsigned) the A operand, int32 sums exact (tdpbusd), the same integers.
+
+   amx_int4_rows and amx_int4_gemm, int4 weights in torch's CPU layout: a few rows on the
+   weights' integers, each group's sums scaled after; more rows on panels dequantized once. */
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -22,7 +25,6 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define TILE_COLUMNS 16 /* rows of activations (bfloat16: B's columns) a tile holds */
 
 /* Linux hands out the tiles' state only on request, once a process: 0 once granted. */
 int amx_request(void) {
