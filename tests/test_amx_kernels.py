@@ -52,7 +52,7 @@ def test_shapes_off_the_tiles_are_refused_and_the_callers_fall_back(amx_build):
     # the callers take bf16_linear.c's float32 products where the tiles do not
     many = torch.randn(40, 64)
     torch.testing.assert_close(
-        cpu_ops.tiles_matmul(many, weight, split=True),
+        cpu_ops.amx_matmul(many, weight, split=True),
         cpu_ops.bf16_matmul(many, weight, None, None),
     )
 
@@ -76,11 +76,11 @@ def test_int4_on_the_tiles_multiplies_its_weights(amx_build, rows, channels, inp
     dequantized = matrix.int4_dequantized(weight, 0, channels).double()  # [inputs, channels]
     exact = x.bfloat16().double() @ dequantized + bias.double()
     magnitude = x.abs().double() @ dequantized.abs()
-    got = cpu_ops.int4_tiles_matmul(x, weight, bias).double()
+    got = cpu_ops.amx_int4_matmul(x, weight, bias).double()
     if rows <= cpu.INT4_FEW_ROWS:  # the weights' exact values, not rounded to bfloat16
         exact = x.bfloat16().double() @ _int4_values(weight).t() + bias.double()
     assert ((got - exact).abs() <= 4e-6 * magnitude + 1e-5).all()
-    assert cpu_ops.int4_tiles_matmul(x[:4], weight, bias) is None  # torch's kernel there
+    assert cpu_ops.amx_int4_matmul(x[:4], weight, bias) is None  # torch's kernel there
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 300])

@@ -215,7 +215,6 @@ def _declare(library: ctypes.CDLL) -> None:
     if library.build == "AMX":
         library.amx_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         library.amx_bf16_linear.argtypes += [ctypes.c_int] * 2
-        library.amx_int8_linear.argtypes = list(library.int8_linear.argtypes)
         for name in ("amx_int4_gemm", "amx_int4_rows"):
             kernel = getattr(library, name)
             kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]

@@ -99,11 +99,11 @@ def bf16_matmul(
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def tiles_matmul(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch.Tensor | None:
+def amx_matmul(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch.Tensor | None:
     """x (float32) @ weight.T (bfloat16) on the AMX tiles (amx.c), up to cpu.AMX_ROWS rows: x
-    rounded to bfloat16, or with `split` to 16 bits of each value (the
-    logits' products at the memory's rate where float32 FMAs fall behind); bf16_matmul's
-    float32 FMAs for other rows, shapes or builds."""
+    rounded to bfloat16, or with `split` to 16 bits of each value (the logits' products at the
+    memory's rate where float32 FMAs fall behind); bf16_matmul's float32 FMAs for other rows,
+    shapes or builds."""
     x2 = x.reshape(-1, x.shape[-1])
     if (
         x.dtype == torch.float32
@@ -118,14 +118,15 @@ def tiles_matmul(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch.Te
     return bf16_matmul(x, weight, None, None)
 
 
-def split_tiles_matmul(x, weight, bias, activation) -> torch.Tensor | None:
-    """The head's kernel (bias-free, no activation): tiles_matmul with each activation split."""
+def amx_split_matmul(x, weight, bias, activation) -> torch.Tensor | None:
+    """The head's kernel on the tiles: amx_matmul with each activation split (a bias or an
+    activation: bf16_matmul's)."""
     if bias is not None or activation is not None:
         return bf16_matmul(x, weight, bias, activation)
-    return tiles_matmul(x, weight, split=True)
+    return amx_matmul(x, weight, split=True)
 
 
-def int4_tiles_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
+def amx_int4_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x @ W.T (+ bias) for an Int4Weight on the AMX tiles (cpu.amx_int4_gemm) above
     cpu.INT4_TORCH_ROWS rows; None (torch's int4 kernel) for fewer rows or shapes off the tiles."""
     x2 = x.reshape(-1, x.shape[-1])

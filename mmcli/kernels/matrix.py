@@ -55,7 +55,7 @@ def bf16_products(above: int, tiles: bool = False):
         if weight.dtype == torch.bfloat16 and _library_rows(x, above):
             return bf16_linear(x, weight, bias, activation)
         if tiles and bias is None and activation is None:
-            return cpu_ops.tiles_matmul(x, weight, split=False)
+            return cpu_ops.amx_matmul(x, weight, split=False)
         return cpu_ops.bf16_matmul(x, weight, bias, activation)
 
     return matmul

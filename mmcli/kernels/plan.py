@@ -195,7 +195,7 @@ def _head(shape: RunShape, upcast: Choice) -> Choice:
     if _tiles(shape):
         kernel = f"AMX tiles to {cpu.AMX_ROWS} rows, bf16_linear.c above"
         why = "each activation as two bfloat16 (16 bits) for the logits"
-        return Choice(kernel, why, _function(cpu_ops.split_tiles_matmul))
+        return Choice(kernel, why, _function(cpu_ops.amx_split_matmul))
     return Choice(ours.kernel, "float32 products for the logits", ours.install)
 
 
@@ -274,7 +274,7 @@ def _int4(shape: RunShape) -> Choice:
         kernel = f"AMX tiles (the integers to {few} rows, dequantized panels above)"
         kernel += f", torch int4 to {torch_rows} rows"
         why = "the weights as stored, on AMX-BF16"
-        return Choice(kernel, why, _function(cpu_ops.int4_tiles_matmul))
+        return Choice(kernel, why, _function(cpu_ops.amx_int4_matmul))
     above, why = _measured("int4_tiles", shape) if shape.eager_cpu() else (None, "")
     if above is None:
         return Choice("torch int4", why or "torch's int4 kernel")

@@ -210,6 +210,13 @@ int amx_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int6
 #define PANEL_CHANNELS 64
 #define PANEL_TILE 512 /* bfloat16 a B tile */
 
+/* scale and zero of 16 channels from their bfloat16 pairs (scale the lower half) */
+static inline void scale_zero(const uint32_t *pairs, __m512 *scale, __m512 *zero) {
+    const __m512i sz = _mm512_loadu_si512(pairs);
+    *scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+    *zero = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(~0xFFFF)));
+}
+
 /* int4 weights in torch's CPU layout (blocks of 64 channels, each input's 64 values in 32
    bytes, the low nibbles the block's first 32; scales_zeros [K / 32][N][2] bfloat16): value =
    (q - 8) * scale + zero, rounded to the nearest bfloat16 (ties to even) as int4_tiles.c. */
@@ -223,11 +230,7 @@ static void int4_panel(const uint8_t *weights, const uint16_t *scales_zeros, int
     for (int64_t g = 0; g < K / 32; g++) {
         const uint32_t *pairs = (const uint32_t *)scales_zeros + g * N + block * PANEL_CHANNELS;
         __m512 scale[4], zero[4];
-        for (int t = 0; t < 4; t++) {
-            __m512i sz = _mm512_loadu_si512(pairs + t * 16);
-            scale[t] = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-            zero[t] = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(~0xFFFF)));
-        }
+        for (int t = 0; t < 4; t++) scale_zero(pairs + t * 16, &scale[t], &zero[t]);
         for (int i = 0; i < 16; i++) {
             __m512 v[2][4];
             for (int j = 0; j < 2; j++) {
@@ -392,10 +395,8 @@ static void int4_block_rows(const uint16_t *x, const float *x_sums, const uint8_
         _tile_stored(3, sums + 768, 64);
         const uint32_t *pairs = (const uint32_t *)scales_zeros + g * N + block * 64;
         for (int t = 0; t < 4; t++) {
-            const __m512i sz = _mm512_loadu_si512(pairs + t * 16);
-            const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-            const __m512 zero =
-                _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(~0xFFFF)));
+            __m512 scale, zero;
+            scale_zero(pairs + t * 16, &scale, &zero);
             const __m512 shift = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), scale, zero);
             for (int m = 0; m < rows; m++) {
                 acc[m][t] =
