@@ -61,7 +61,7 @@ def vector_units() -> str:
 SIDES = {"before": lambda: {"MMCLI_CPU_FEATURES": vector_units()}, "after": dict}
 
 
-def against_tree(commit: str, cache_dir: Path) -> str:
+def against_tree(commit: str, cache_dir: Path) -> None:
     """--against COMMIT: that commit's tree as a third side, its workers importing its mmcli (a
     git worktree, made once in the bench cache): ratios against it are measured in this run."""
     tree = cache_dir / f"tree-{commit}"
@@ -69,7 +69,6 @@ def against_tree(commit: str, cache_dir: Path) -> str:
         command = ["git", "-C", str(compare_hf.ROOT), "worktree", "add", "--detach", str(tree)]
         subprocess.run([*command, commit], check=True, capture_output=True)
     SIDES[commit] = lambda: {"PYTHONPATH": str(tree)}
-    return commit
 
 
 def third_side() -> str | None:
@@ -176,6 +175,7 @@ def step_worker(ckpt: Path, settings: dict) -> dict:
     from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
     from mmcli.engine.batch import DecodeItem
+    from mmcli.weights.checkpoint import expected_shapes
 
     engine = {"max_seqs": max(STEP_ROWS), "max_len": 512}
     cfg = load_config(None, {"device": "cpu", "engine": engine, **settings})
@@ -183,7 +183,8 @@ def step_worker(ckpt: Path, settings: dict) -> dict:
     runner, text = cap.runner, cap.model.cfg.text
     runner.cache.grow(max(STEP_ROWS) + 1, 512)
     weights = step_bytes(cap.model)
-    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 4
+    per_token = text.num_hidden_layers * text.num_key_value_heads * text.head_dim  # k and v
+    per_token *= 2 * runner.dtype.itemsize  # the cache's dtype: the compute dtype
     steps = {}
     for rows in STEP_ROWS:
         items = [DecodeItem(i, 100 + i, STEP_CONTEXT, 0) for i in range(rows)]
@@ -195,8 +196,6 @@ def step_worker(ckpt: Path, settings: dict) -> dict:
                 runner.decode(items)
                 times.append(time.perf_counter() - start)
         steps[rows] = {"seconds": min(times), "kv_bytes": rows * (STEP_CONTEXT + 1) * per_token}
-    from mmcli.weights.checkpoint import expected_shapes
-
     shapes = expected_shapes(cap.model.cfg)
     matrices = sum(
         math.prod(s) for n, s in shapes.items()
