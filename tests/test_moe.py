@@ -34,7 +34,7 @@ from mmcli.models.layers.linear import Linear
 from mmcli.models.layers.quantized import GROUP, Int4Linear, can_int4
 from mmcli.testing import MOE_VARIANTS, make_test_video
 from mmcli.weights import int4 as int4_module
-from mmcli.weights.checkpoint import load_weights, matrix_weight_names, read_model_config
+from mmcli.weights.checkpoint import layout, load_weights, read_model_config
 from mmcli.weights.int4 import eligible, int4_values
 
 QUESTION = "Describe this image."
@@ -216,7 +216,7 @@ def _dequantized_run(path) -> Labeler:
     labeler = Labeler.from_pretrained(str(path), config=load_config(None, settings))
     model, tied = labeler.model, labeler.model.cfg.tie_word_embeddings
     stored = load_file(str(path / "model.safetensors"))
-    linears = matrix_weight_names(model.cfg)
+    linears = layout(model.cfg).int4
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, moe.Experts):

@@ -6,10 +6,9 @@ from mmcli.engine.positions import (
     decode_rotary_position_ids,
     mrope_angles,
     mrope_cos_sin,
-    mrope_slot_axes,
     text_inv_freq,
 )
-from mmcli.models.qwen3_vl.rope_index import rope_index
+from mmcli.models.qwen3_vl.rope_index import interleaved_axes, rope_index
 
 IMG = 99
 
@@ -34,7 +33,7 @@ def test_seed_001_divergence_figures():
     rotary, _ = rope_index(ids, [(1, 14, 14)], IMG, 2)
     image = rotary[:, 16:]
     flat = image[0:1].expand(3, -1)
-    axes = mrope_slot_axes([24, 20, 20], 128)
+    axes = interleaved_axes([24, 20, 20], 128)
     inv = text_inv_freq(128, 5_000_000.0)
     diff = (mrope_angles(image, inv, axes) - mrope_angles(flat, inv, axes)).abs()
     assert int((diff > 0).any(0).sum()) == 40  # slots that 3-D positions change, of 64
@@ -45,17 +44,17 @@ def test_seed_001_divergence_figures():
 
 
 def test_slot_map_is_interleaved_from_mrope_section():
-    axes = mrope_slot_axes([24, 20, 20], 128).tolist()
+    axes = interleaved_axes([24, 20, 20], 128).tolist()
     assert axes[:6] == [0, 1, 2, 0, 1, 2] and axes[57:64] == [0, 1, 2, 0, 0, 0, 0]
     assert [axes.count(a) for a in (0, 1, 2)] == [24, 20, 20]
-    small = mrope_slot_axes([6, 5, 5], 32).tolist()
+    small = interleaved_axes([6, 5, 5], 32).tolist()
     assert small == [0, 1, 2] * 5 + [0]
 
 
 def test_text_only_is_plain_rope():
     rotary, delta = rope_index(list(range(10)), [], IMG, 2)
     assert delta == 0 and rotary.tolist() == [list(range(10))] * 3
-    cos, sin = mrope_cos_sin(rotary, text_inv_freq(128, 5e6), mrope_slot_axes([24, 20, 20], 128))
+    cos, sin = mrope_cos_sin(rotary, text_inv_freq(128, 5e6), interleaved_axes([24, 20, 20], 128))
     angles = torch.arange(10.0)[:, None] * text_inv_freq(128, 5e6)
     torch.testing.assert_close(cos, torch.cat([angles, angles], -1).cos())
 

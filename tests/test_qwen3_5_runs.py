@@ -17,7 +17,7 @@ from mmcli.config import load_config
 from mmcli.engine.grammar import AfterReasoning
 from mmcli.models.layers.quantized import Int8Linear
 from mmcli.testing import EXAMPLE_SCHEMA
-from mmcli.weights.int8 import _mixer_inputs, fold_norm
+from mmcli.weights.int8 import fold_norm
 
 
 def _images(root, n=3):
@@ -202,7 +202,7 @@ def test_folding_norms_that_scale_by_one_plus_weight_is_exact(qwen3_5_dir, vecto
     )
     before = _image_logits(labeler)
     for layer in labeler.model.language_model.layers:
-        fold_norm(layer.input_layernorm, _mixer_inputs(layer))
+        fold_norm(*layer.fold_groups()[0])
         fold_norm(layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj])
         assert not layer.input_layernorm.weight.any()  # now scaling by exactly 1
     torch.testing.assert_close(_image_logits(labeler), before, atol=1e-4, rtol=0)

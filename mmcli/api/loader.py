@@ -125,17 +125,18 @@ def load(run: Run) -> Loaded:
     from mmcli.compiled.graphs import CompiledGraphs
     from mmcli.engine.runner import ModelRunner
     from mmcli.inputs.prompt import PromptBuilder
+    from mmcli.weights.precision import torch_dtype
 
     if run.path is None:  # a hub id: fetched now, and its files read once
         run = resolve_run(run.config, resolve_model(run.config.model))
     cfg, path, model_cfg = run.config, run.path, run.model_config
     check_backend(run, cfg.quantize, model_cfg)
     model, kernel_plan, prepared, device = _load_model(run)
+    compute = torch_dtype(run.precision["compute"])
     graphs = None
     if run.backend != "eager":
-        compute = model.language_model.norm.weight.dtype
         graphs = CompiledGraphs.for_run(run.backend, cfg, model_cfg, compute, device)
-    runner = ModelRunner(model, device, cfg, graphs)
+    runner = ModelRunner(model, device, cfg, compute, graphs)
     prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id, cfg.thinking)
     image_cfg = run.image_cfg
     check_vision_budget(
@@ -187,11 +188,12 @@ def _load_model(run: Run):
 
 def choose_kernels(plan: Run, model_cfg: ModelConfig | None) -> KernelPlan:
     """The kernel plan of this run (kernels/plan.py); without the model's config (not on disk
-    yet), a dense Qwen3-VL's."""
-    from mmcli.kernels import fused_decode
+    yet), a dense decoder's whose layers all fuse."""
     from mmcli.kernels.plan import RunShape, choose
+    from mmcli.models.registry import family_of
 
     text = model_cfg.text if model_cfg is not None else None
+    fam = family_of(model_cfg) if model_cfg is not None else None
     shape = RunShape(
         device=plan.device,
         backend=plan.backend,
@@ -199,9 +201,9 @@ def choose_kernels(plan: Run, model_cfg: ModelConfig | None) -> KernelPlan:
         loaded=plan.precision["loaded"],
         quantize=plan.precision["quantize"],
         products=plan.precision["products"],
-        hybrid=bool(text and text.layer_types),
-        sparse=bool(text and text.num_experts > 0),
-        fusable_decode=text is None or fused_decode.fusable_config(text),
+        hybrid=fam is not None and fam.hybrid(text),
+        sparse=fam is not None and fam.sparse(text),
+        fusable_decode=fam is None or fam.fusable_decode(text),
     )
     return choose(shape)
 
@@ -226,8 +228,7 @@ def check_family_backend(model_cfg, backend: str) -> None:
     if backend not in family.backends:
         raise ConfigError(
             f"compile.backend {backend}: {family.name} runs on {' or '.join(family.backends)} "
-            "(its experts are grouped by the routing read on the host, which a NEFF cannot call "
-            "out to)"
+            f"({family.backend_reason})"
         )
 
 

@@ -1,5 +1,6 @@
-"""M-RoPE positions (decode positions, interleaved frequency slots), as pure functions; a prompt's
-rotary ids are its family's (models/qwen3_vl/rope_index.py).
+"""M-RoPE positions (decode positions, each frequency slot turned by its position stream), as pure
+functions; a prompt's rotary ids and which stream turns each slot are its family's
+(`Family.rope_index`, `Family.rotary_axes`).
 
 Two position streams reach every forward pass: `positions` [T], sequential per sequence (KV-cache
 slots and the causal mask), and `rotary_position_ids` [3, T], the T/H/W ids that only the rotary
@@ -14,20 +15,6 @@ def decode_rotary_position_ids(positions: torch.Tensor, deltas: torch.Tensor) ->
     """Rotary ids [3, B] for generated tokens at sequential `positions` [B]: position + delta on
     every axis."""
     return (positions + deltas).unsqueeze(0).expand(3, -1)
-
-
-def mrope_slot_axes(mrope_section: tuple[int, ...] | list[int], head_dim: int) -> torch.Tensor:
-    """Which axis (0 T, 1 H, 2 W) drives each of the head_dim/2 frequency slots (interleaved
-    layout).
-
-    Slots cycle T H W T H W ... while every axis still has frequencies left; the remaining slots
-    go to T. For [24, 20, 20]: slot j is H when j % 3 == 1 and j < 60, W when j % 3 == 2 and j <
-    60, else T."""
-    half = head_dim // 2
-    axes = torch.zeros(half, dtype=torch.long)
-    for axis in (1, 2):
-        axes[axis : 3 * mrope_section[axis] : 3] = axis
-    return axes
 
 
 def text_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

@@ -17,7 +17,6 @@ from mmcli.engine.decoding import CompiledDecode, CudaGraphsDecode, EagerDecode
 from mmcli.engine.positions import (
     decode_rotary_position_ids,
     mrope_cos_sin,
-    mrope_slot_axes,
     text_inv_freq,
 )
 from mmcli.engine.prefixes import share_prefixes
@@ -34,13 +33,15 @@ class ModelRunner:
         model: torch.nn.Module,
         device: torch.device,
         config: Config,
+        compute_dtype: torch.dtype,
         graphs: CompiledGraphs | None = None,
     ):
         self.model, self.cfg, self.device, self.graphs = model, model.cfg, device, graphs
-        self.dtype = model.language_model.norm.weight.dtype  # compute dtype; matrices may be lower
+        self.family = family_of(self.cfg)
+        self.dtype = compute_dtype  # matrices may be held lower
         text = self.cfg.text
         self.inv_freq = text_inv_freq(text.rotary_dim, text.rope_theta).to(device)
-        self.slot_axes = mrope_slot_axes(text.mrope_section, text.rotary_dim).to(device)
+        self.slot_axes = self.family.rotary_axes(text).to(device)
         engine, buckets = config.engine, config.compile
         # Padding rows of a bucketed decode batch write one scratch row, past the sequences' rows.
         self.scratch_slot, self.max_len = engine.max_seqs, engine.max_len
@@ -49,7 +50,7 @@ class ModelRunner:
             device.type == "cuda"
             and graphs is None
             and buckets.cuda_graphs
-            and family_of(self.cfg).cuda_graphs
+            and self.family.cuda_graphs
         )
         # Compiled and CUDA graphs hold the cache's shape and addresses: all of it, allocated once.
         # Other runs start small and grow to what the job uses.
@@ -188,7 +189,7 @@ class ModelRunner:
         never sees it)."""
         n = hidden.shape[0]
         size = choose_bucket(n, self.prefill_buckets)
-        levels = len(self.cfg.vision.deepstack_visual_indexes)
+        levels = self.family.vision_levels(self.cfg)
         # text only: the same graph, adding zeros
         deepstack = deepstack or [torch.zeros_like(hidden)] * levels
         pad = (0, 0, 0, size - n)

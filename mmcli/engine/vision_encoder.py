@@ -13,7 +13,6 @@ import torch
 from mmcli.compiled.buckets import Bucket, choose_bucket
 from mmcli.compiled.graphs import CompiledGraphs
 from mmcli.engine.packing import block_bounds, ffd_pack, gather_index, make_layout, unpack_index
-from mmcli.models.qwen3_vl.vision import VisionTower
 
 # merged [n, out], DeepStack levels [n, out] each
 VisionFeatures = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
@@ -22,7 +21,7 @@ VisionFeatures = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
 class VisionEncoder:
     def __init__(
         self,
-        visual: VisionTower,
+        visual: torch.nn.Module,
         device: torch.device,
         block_size: int | None,
         num_blocks_buckets: tuple[int, ...],
@@ -30,9 +29,10 @@ class VisionEncoder:
         graphs: CompiledGraphs | None = None,
         cache_size: int = 64,
     ):
-        """block_size None: the per-image reference path. fixed_shapes: pad every call to its
-        configured bucket (compiled graphs need it); otherwise eager calls trim padding blocks
-        and block tails."""
+        """`visual`: the family's vision tower (`model.visual`: called on images, `forward_packed`
+        on blocks, `patch_inputs` of grids). block_size None: the per-image reference path.
+        fixed_shapes: pad every call to its configured bucket (compiled graphs need it);
+        otherwise eager calls trim padding blocks and block tails."""
         self.visual, self.device, self.graphs = visual, device, graphs
         self.block_size, self.num_blocks_buckets = block_size, tuple(sorted(num_blocks_buckets))
         self.fixed_shapes = fixed_shapes

@@ -14,7 +14,9 @@ def run_bucket(runner, bucket: Bucket) -> None:
     """Run `bucket`'s call once; writes only the scratch row of the KV cache."""
     if bucket.component == "vision":
         # one 2x2-patch image
-        pixels = torch.zeros(4, runner.model.visual.patch_embed.proj.weight[0].numel())
+        vision = runner.cfg.vision
+        patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        pixels = torch.zeros(4, patch)
         runner.encoder.encode_packed([pixels], [(1, 2, 2)], [[0]], num_blocks=bucket.shape[0])
     elif bucket.component == "prefill":
         (size,) = bucket.shape

@@ -47,29 +47,29 @@ def grouped_experts(
     x: torch.Tensor,
     chosen: torch.Tensor,
     weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
 ) -> torch.Tensor:
     def ffn(expert: int, rows: torch.Tensor) -> torch.Tensor:
-        return expert_ffn(gate_up_proj[expert], down_proj[expert], rows)
+        return expert_ffn(gate_up[expert], down[expert], rows)
 
-    return grouped_loop(x, chosen, weights, len(gate_up_proj), ffn)
+    return grouped_loop(x, chosen, weights, len(gate_up), ffn)
 
 
 @grouped_experts.register_fake
-def _(x, chosen, weights, gate_up_proj, down_proj):
+def _(x, chosen, weights, gate_up, down):
     return torch.empty_like(x)
 
 
-def grouped_gemm(x, chosen, weights, gate_up_proj, down_proj) -> torch.Tensor:
+def grouped_gemm(x, chosen, weights, gate_up, down) -> torch.Tensor:
     """The same sum by torch's grouped GEMM (one kernel over every expert's rows, offsets kept on
     the device: no host sync). For CUDA with bfloat16 weights and activations."""
     rows, scales = _grouped(chosen, weights)
-    counts = torch.bincount(chosen.flatten(), minlength=len(gate_up_proj))
+    counts = torch.bincount(chosen.flatten(), minlength=len(gate_up))
     offsets = counts.cumsum(0, dtype=torch.int32)
     grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
-    gate, up = grouped_mm(x[rows], gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    y = grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offsets)
+    gate, up = grouped_mm(x[rows], gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    y = grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
     return torch.zeros_like(x).index_add_(0, rows, y * scales[:, None])
 
 
@@ -77,8 +77,8 @@ def has_grouped_gemm() -> bool:
     return hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")
 
 
-def grouped_gemm_where_it_fits(x, chosen, weights, gate_up_proj, down_proj):
+def grouped_gemm_where_it_fits(x, chosen, weights, gate_up, down):
     """grouped_gemm for CUDA with bfloat16 weights and activations, else None."""
-    if not (x.is_cuda and x.dtype == gate_up_proj.dtype == torch.bfloat16):
+    if not (x.is_cuda and x.dtype == gate_up.dtype == torch.bfloat16):
         return None
-    return grouped_gemm(x, chosen, weights, gate_up_proj, down_proj)
+    return grouped_gemm(x, chosen, weights, gate_up, down)

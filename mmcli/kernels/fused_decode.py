@@ -1,16 +1,46 @@
 """A decode step of up to KERNEL_ROWS sequences through a dense decoder in one kernel call a layer
-(cpu.decode_layer, decode_layer.c): for Qwen3-VL's attention layers with bfloat16 weights
-computing in float32 on the CPU, the default precision there. Any other layer, batch or backend
-keeps the decoder's modules (models/qwen3_vl/text.py), which this reproduces operation for
-operation (tests/test_fused_decode.py compares the two). It reads the layers by their attributes:
-the kernels import no model."""
+(cpu.decode_layer, decode_layer.c): for attention layers with bfloat16 weights computing in
+float32 on the CPU, the default precision there. Any other layer, batch or backend keeps the
+decoder's modules, which this reproduces operation for operation (tests/test_fused_decode.py
+compares the two). The decoder hands its layers over as FusableLayer: the kernels import no
+model."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from mmcli.kernels import cpu
 from mmcli.kernels.cpu_ops import KERNEL_ROWS
+
+NORMS = ("input_norm", "post_norm", "q_norm", "k_norm")
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class FusableLayer:
+    """One decoder layer in decode_layer.c's terms: its RMSNorms (NORMS) and linears (MATRICES)
+    by the struct's names, and its attention's shape."""
+
+    norms: dict[str, torch.nn.Module]
+    linears: dict[str, torch.nn.Module]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    output_gate: bool
+
+    def fits(self, rotary_dim: int) -> bool:
+        """Whether the kernel computes this layer with its weights in their present form."""
+        return (
+            not self.output_gate
+            and rotary_dim == self.head_dim
+            and all(map(_matrix, self.linears.values()))
+            and all(map(_norm, self.norms.values()))
+        )
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {name: module.weight for name, module in {**self.norms, **self.linears}.items()}
 
 
 def _matrix(linear) -> bool:
@@ -30,47 +60,24 @@ def _norm(norm) -> bool:
     )
 
 
-def _fusable(layer, rotary_dim: int) -> bool:
-    if layer.linear or not hasattr(layer.mlp, "gate_proj"):  # Gated DeltaNet, MoE
-        return False
-    attn, mlp = layer.self_attn, layer.mlp
-    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
-    linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
-    return (
-        not attn.output_gate
-        and rotary_dim == attn.head_dim
-        and all(map(_matrix, linears))
-        and all(map(_norm, norms))
-    )
-
-
 class FusedDecode:
     """The decoder's layers as decode_layer.c's structs; `tiles`: their products in bfloat16 on
     the AMX tiles (up to cpu.AMX_ROWS rows), else float32 FMAs (up to KERNEL_ROWS)."""
 
-    def __init__(self, layers, eps: float, tiles: bool = False):
+    def __init__(self, layers: list[FusableLayer], eps: float, tiles: bool = False):
         self.max_rows = cpu.AMX_ROWS if tiles else KERNEL_ROWS
-        self.layers, self._weights = [], []  # the structs, and the tensors they point into
+        self.structs, self._weights = [], []  # the structs, and the tensors they point into
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            weights = {
-                "input_norm": layer.input_layernorm.weight,
-                "post_norm": layer.post_attention_layernorm.weight,
-                "q_norm": attn.q_norm.weight,
-                "k_norm": attn.k_norm.weight,
-                **{name: getattr(attn, f"{name}_proj").weight for name in "qkvo"},
-                **{name: getattr(mlp, f"{name}_proj").weight for name in ("gate", "up", "down")},
-            }
+            weights = layer.weights()
             self._weights.append(weights)
-            self.layers.append(
+            self.structs.append(
                 cpu.DecodeLayer(
                     **{name: tensor.data_ptr() for name, tensor in weights.items()},
-                    hidden=layer.input_layernorm.weight.shape[0],
-                    heads=attn.num_heads,
-                    kv_heads=attn.num_kv_heads,
-                    d=attn.head_dim,
-                    intermediate=mlp.gate_proj.out_features,
+                    hidden=weights["input_norm"].shape[0],
+                    heads=layer.heads,
+                    kv_heads=layer.kv_heads,
+                    d=layer.head_dim,
+                    intermediate=weights["gate"].shape[0],
                     eps=eps,
                     tiles=int(tiles),
                 )
@@ -78,15 +85,17 @@ class FusedDecode:
 
     @classmethod
     def for_decoder(cls, decoder, cfg=None, tiles: bool = False) -> FusedDecode | None:
-        """The fused step for `decoder` (a TextDecoder with its weights in their form; `cfg` its
-        TextConfig, the decoder's own by default), or None where a layer, its weights or this
-        machine do not fit it. `tiles`: as the class's."""
+        """The fused step for `decoder` (a family's `language_model`, its weights in their form;
+        `cfg` its TextConfig, the decoder's own by default), or None where a layer, its weights
+        or this machine do not fit it. `tiles`: as the class's."""
         cfg = cfg or decoder.cfg
-        if cpu.load()[0] is None or decoder.norm.weight.device.type != "cpu":
+        layers = decoder.fusable_layers()
+        if cpu.load()[0] is None or not layers:
             return None
-        if not all(_fusable(layer, cfg.rotary_dim) for layer in decoder.layers):
+        on_cpu = all(w.device.type == "cpu" for layer in layers for w in layer.weights().values())
+        if not on_cpu or not all(layer.fits(cfg.rotary_dim) for layer in layers):
             return None
-        return cls(decoder.layers, cfg.rms_norm_eps, tiles and cpu.name() == "AMX")
+        return cls(layers, cfg.rms_norm_eps, tiles and cpu.name() == "AMX")
 
     def fits(self, hidden: torch.Tensor, batch, deepstack) -> bool:
         """A decode step of the kernels' few rows, eager, in float32 on the CPU."""
@@ -114,21 +123,9 @@ class FusedDecode:
             raise IndexError(f"cache rows {slots.tolist()} outside its {cache.rows} rows")
         x = hidden.clone(memory_format=torch.contiguous_format)
         cos, sin = cos.contiguous(), sin.contiguous()  # float32, as hidden (TextDecoder casts)
-        scratch = cpu.decode_scratch(self.layers[0], x.shape[0], last + 1)
-        for i, layer in enumerate(self.layers):
+        scratch = cpu.decode_scratch(self.structs[0], x.shape[0], last + 1)
+        for i, layer in enumerate(self.structs):
             # [rows, kv_heads, columns, d], contiguous (DecoderCache)
             kv = cache.layer(i)
             cpu.decode_layer(layer, x, kv, slots, positions, cos, sin, scratch)
         return x
-
-
-def fusable_config(text) -> bool:
-    """Whether a decoder of this TextConfig has only layers decode_layer.c computes: attention
-    without an output gate, rotary over whole heads, plain RMSNorms, dense MLPs."""
-    return (
-        not text.layer_types
-        and not text.num_experts
-        and not text.attn_output_gate
-        and not text.norm_unit_offset
-        and text.rotary_dim == text.head_dim
-    )

@@ -176,16 +176,16 @@ def bf16_grouped_experts(above: int):
         y = matmul(rows, weight, None, None)
         return y if y is not None else F.linear(rows, weight.float())
 
-    def experts(x, chosen, weights, gate_up_proj, down_proj):
-        if x.dtype != torch.float32 or gate_up_proj.dtype != torch.bfloat16:
+    def experts(x, chosen, weights, gate_up, down):
+        if x.dtype != torch.float32 or gate_up.dtype != torch.bfloat16:
             return None
         if x.device.type != "cpu" or torch.compiler.is_compiling():
             return None
 
         def ffn(expert: int, rows: torch.Tensor) -> torch.Tensor:
-            gate, up = linear(rows, gate_up_proj[expert]).chunk(2, dim=-1)
-            return linear(F.silu(gate) * up, down_proj[expert])
+            gate, up = linear(rows, gate_up[expert]).chunk(2, dim=-1)
+            return linear(F.silu(gate) * up, down[expert])
 
-        return grouped_loop(x, chosen, weights, len(gate_up_proj), ffn)
+        return grouped_loop(x, chosen, weights, len(gate_up), ffn)
 
     return experts

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from mmcli.errors import CheckpointError
 from mmcli.models.config import ModelConfig
-from mmcli.models.layers.moe import EXPERTS
+from mmcli.models.layers.moe import EXPERTS, PROJECTIONS, held_name
 from mmcli.models.registry import family_of
 from mmcli.weights import int4 as int4_weights
 from mmcli.weights.hub import read_config
@@ -23,37 +23,48 @@ def read_model_config(path: Path) -> ModelConfig:
     return read_config(path)[1]
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The model's module tree as names, built once per config on the meta device (no memory),
+    so it cannot drift from the modules: every tensor's shape, the matrices (every linear layer's
+    weight, the embeddings, the patch embedding: what `weights_dtype` applies to; norms and
+    biases are held in the compute dtype) and what int4 may take (the decoder's linears but its
+    family's kept ones, the lm_head, the experts as held)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    matrices: frozenset[str]
+    int4: frozenset[str]
+
+
 @functools.lru_cache(maxsize=4)
-def _layout(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
-    """(every tensor's shape, the matrices' names) of the model's module tree, built once per
-    config on the meta device (no memory), so it cannot drift from the modules."""
+def layout(cfg: ModelConfig) -> Layout:
+    from torch import nn
+
     from mmcli.models.layers.linear import Linear
 
     with torch.device("meta"):
         model = family_of(cfg).build(cfg)
+    kept = family_of(cfg).kept_linears(model)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    names = {
-        f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Linear)
+    tables = (Linear, nn.Embedding, nn.Conv3d)
+    matrices = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, tables)}
+    experts = {n for n, _ in model.named_parameters() if n.endswith(EXPERTS)}
+    decoder = {id(m) for m in model.language_model.modules()} | {id(model.lm_head)}
+    int4 = {
+        f"{n}.weight"
+        for n, m in model.named_modules()
+        if isinstance(m, Linear) and id(m) in decoder and m not in kept
     }
-    names |= {n for n, _ in model.named_parameters() if n.endswith(EXPERTS)}
-    names |= {
-        "model.language_model.embed_tokens.weight",
-        "model.visual.pos_embed.weight",
-        "model.visual.patch_embed.proj.weight",
-    }
-    return shapes, frozenset(names)
+    return Layout(shapes, frozenset(matrices | experts), frozenset(int4 | experts))
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the released layout and its shape."""
-    return dict(_layout(cfg)[0])
+    return dict(layout(cfg).shapes)
 
 
 def matrix_weight_names(cfg: ModelConfig) -> set[str]:
-    """The matrices (every linear layer's weight, the token and vision position embeddings, the
-    patch embedding): what `weights_dtype` applies to. Norms and biases are held in the compute
-    dtype."""
-    return set(_layout(cfg)[1])
+    return set(layout(cfg).matrices)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -77,7 +88,7 @@ def _weight_files(path: Path) -> list[Path]:
 @dataclass
 class Weights:
     """A checkpoint as read: tensors by name, and with `quantize: int4` the 4-bit matrices (by
-    name) and MoE experts (by `...mlp.experts` prefix) quantized as they were read."""
+    name) and MoE experts (by their prefix) quantized as they were read."""
 
     tensors: dict[str, torch.Tensor]
     int4: dict = field(default_factory=dict)
@@ -94,14 +105,14 @@ def load_weights(
     """All tensors, checked by name and shape against the config (safetensors only): the matrices
     in `weights_dtype` (default `dtype`), the rest in `dtype`; with `int4`, the matrices int4
     takes quantized as read. A tensor already in its dtype is not copied again."""
-    expected = expected_shapes(cfg)
-    matrices = matrix_weight_names(cfg) if weights_dtype not in (None, dtype) or int4 else set()
+    expected, names, family = expected_shapes(cfg), layout(cfg), family_of(cfg)
+    matrices = names.matrices if weights_dtype not in (None, dtype) or int4 else frozenset()
     weights = Weights({})
     slab = int4_weights.Slab()
 
     def keep(name: str, tensor: torch.Tensor) -> None:
         if int4 and int4_weights.eligible(
-            name, tuple(tensor.shape), matrices, cfg.tie_word_embeddings
+            name, tuple(tensor.shape), names.int4, cfg.tie_word_embeddings
         ):
             weights.int4[name] = int4_weights.quantize_read(name, tensor, expected.get(name), slab)
         else:
@@ -112,7 +123,7 @@ def load_weights(
             weights.tensors[name] = held.clone() if int4 and held is tensor else held
 
     for file in _weight_files(path):
-        _read_file(file, keep)
+        _read_file(file, keep, family.unused_tensor)
     try:
         if int4:
             weights.experts_int4 = int4_weights.experts_int4(weights.int4, expected)
@@ -121,22 +132,22 @@ def load_weights(
         raise CheckpointError(f"{path}: {e}") from None
     tensors = weights.tensors
     if "lm_head.weight" not in tensors and cfg.tie_word_embeddings:
-        tensors["lm_head.weight"] = tensors.get("model.language_model.embed_tokens.weight")
+        tensors["lm_head.weight"] = tensors.get(family.token_embedding)
     shapes = {n: tuple(t.shape) for n, t in tensors.items() if t is not None}
     shapes.update({n: tuple(w.shape) for n, w in weights.int4.items()})
     for prefix in weights.experts_int4:
-        for held in ("gate_up_proj", "down_proj"):
-            shapes[f"{prefix}.{held}"] = expected[f"{prefix}.{held}"]
+        for projection in PROJECTIONS:
+            shapes[held_name(prefix, projection)] = expected[held_name(prefix, projection)]
     _check(path, expected, shapes)
     return weights
 
 
-def _read_file(file: Path, keep) -> None:
-    """Every tensor of one safetensors file to `keep(name, tensor)`."""
+def _read_file(file: Path, keep, unused) -> None:
+    """Every tensor of one safetensors file to `keep(name, tensor)`, but those `unused(name)`
+    (left unread)."""
     try:
         with safe_open(str(file), framework="pt") as f:
-            # released Qwen3.5 checkpoints carry a multi-token-prediction head, unused here
-            names = [n for n in f.keys() if not n.startswith("mtp.")]
+            names = [n for n in f.keys() if not unused(n)]
         while names:
             # Reopen every ~512 MB: closing unmaps the file, so its pages stop counting as
             # resident memory while the copies are made (the peak stays near the weights as

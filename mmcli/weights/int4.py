@@ -9,11 +9,11 @@ embeddings, the norms, the MoE routers and a tied lm_head."""
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
 from mmcli.errors import CheckpointError
+from mmcli.models.layers.moe import held_experts, held_name, is_per_expert, per_expert_names
 from mmcli.models.layers.quantized import GROUP, Int4Linear, Int4Weight
 
 
@@ -63,59 +63,55 @@ def quantize_int4(weight: torch.Tensor, slab: Slab | None = None) -> Int4Weight:
     return Int4Weight(packed, pairs, (out, inner))
 
 
-_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-_FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up|down)_proj$")
-
-
-def eligible(name: str, shape: tuple[int, ...], linear_weights: set[str], tied: bool) -> bool:
-    """Whether int4 takes this tensor: a linear layer's or an expert's [out, in] matrix whose
-    sides the kernel takes (out a multiple of 16, in of GROUP), not a router or a tied head."""
-    if name.endswith(".mlp.gate.weight") or (tied and name == "lm_head.weight"):
+def eligible(name: str, shape: tuple[int, ...], int4_names: frozenset[str], tied: bool) -> bool:
+    """Whether int4 takes this tensor: one of `int4_names` (the decoder's linears but its
+    family's kept ones, an untied lm_head, the experts as held) or one expert's projection, whose
+    sides the kernel takes (out a multiple of 16, in of GROUP). The vision tower stays as stored
+    (llama.cpp keeps its mmproj in 16 bits too): a few percent of the parameters, and its many
+    rows a call run faster in float32 than in torch's int4 kernel."""
+    if tied and name == "lm_head.weight":
         return False
-    # The vision tower stays as stored (llama.cpp keeps its mmproj in 16 bits too): a few percent
-    # of the parameters, and its many rows a call run faster in float32 than in torch's int4 kernel.
-    if name.startswith("model.visual."):
-        return False
-    if "embed" in name:  # embed_tokens, the vision patch and position embeddings
-        return False
-    if not (_PER_EXPERT.match(name) or _FUSED.match(name) or name in linear_weights):
+    if name not in int4_names and not is_per_expert(name):
         return False
     out, inner = shape[-2:]
-    if (fused := _FUSED.match(name)) and fused.group(2) == "gate_up":
+    if (held := held_experts(name)) and held[1] == "gate_up":
         out = min(out, inner) // 2  # each of gate and up, whichever way the tensor is laid out
     return out % 16 == 0 and min(shape[-2:]) % GROUP == 0 and max(shape[-2:]) % GROUP == 0
 
 
 def quantize_read(name: str, tensor: torch.Tensor, expected: tuple[int, ...] | None, slab: Slab):
-    """The int4 form of one tensor as read, held in `slab`: an Int4Weight, or for a fused experts
+    """The int4 form of one tensor as read, held in `slab`: an Int4Weight, or for a held experts
     tensor (either orientation) a list per expert of (gate, up) or (down,) Int4Weights."""
-    fused = _FUSED.match(name)
-    if fused is None:
+    held = held_experts(name)
+    if held is None:
         return quantize_int4(tensor, slab)
     if expected is not None and tuple(tensor.shape) != expected:
         tensor = tensor.transpose(1, 2)  # the released [E, in, out] layout
-    if fused.group(2) == "down":
+    if held[1] == "down":
         return [(quantize_int4(e, slab),) for e in tensor]
     half = tensor.shape[1] // 2
     return [(quantize_int4(e[:half], slab), quantize_int4(e[half:], slab)) for e in tensor]
 
 
 def experts_int4(held: dict, expected: dict[str, tuple]) -> dict[str, list]:
-    """Per MoE layer (`...mlp.experts`), each expert's (gate, up, down) Int4Weights, from the fused
-    or the per-expert tensors read; what it used is taken out of `held`."""
+    """Per MoE layer (by its experts' prefix), each expert's (gate, up, down) Int4Weights, from
+    the held or the per-expert tensors read; what it used is taken out of `held`."""
     out = {}
     for name, shape in expected.items():
-        fused = _FUSED.match(name)
-        if fused is None or fused.group(2) != "gate_up":
+        experts = held_experts(name)
+        if experts is None or experts[1] != "gate_up":
             continue
-        prefix, count = fused.group(1), shape[0]
-        down = held.pop(f"{prefix}.down_proj", None)
+        prefix, count = experts[0], shape[0]
+        down = held.pop(held_name(prefix, "down"), None)
         gate_up = held.pop(name, None)
         if gate_up is None or down is None:
             names = [
-                f"{prefix}.{e}.{p}_proj.weight"
-                for e in range(count)
-                for p in "gate up down".split()
+                n
+                for gate_up_names, down_names in zip(
+                    per_expert_names(prefix, count, "gate_up"),
+                    per_expert_names(prefix, count, "down"),
+                )
+                for n in gate_up_names + down_names
             ]
             missing = [n for n in names if n not in held]
             if len(missing) == len(names):

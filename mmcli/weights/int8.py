@@ -17,8 +17,8 @@ from torch import nn
 from mmcli.kernels import cpu
 from mmcli.kernels.host_memory import release_freed_memory
 from mmcli.models.layers.linear import Linear
-from mmcli.models.layers.moe import SparseMoeBlock
 from mmcli.models.layers.quantized import Int8Linear, Int8Weight
+from mmcli.models.registry import family_of
 
 
 def _padded(size: int, multiple: int) -> int:
@@ -138,17 +138,12 @@ def fold_norm(
 
 
 def int8_linears(model: nn.Module) -> dict[str, Linear]:
-    """The linears int8 takes, by name: all but the MoE routers (the experts, 3-D, stay as
-    loaded too) and a tied lm_head (which stays the embedding's bfloat16)."""
-    text = model.language_model
-    # load_state_dict(assign=True) makes two Parameters over one storage: tied means the same memory
-    tied = (
-        model.lm_head.weight is not None
-        and model.lm_head.weight.untyped_storage().data_ptr()
-        == text.embed_tokens.weight.untyped_storage().data_ptr()
-    )
-    keep = {model.lm_head} if tied else set()
-    keep |= {layer.mlp.gate for layer in text.layers if isinstance(layer.mlp, SparseMoeBlock)}
+    """The linears int8 takes, by name: all but those its family keeps as loaded (an MoE's
+    routers; the experts, 3-D, stay as loaded too) and a tied lm_head (which stays the
+    embedding's bfloat16)."""
+    keep = family_of(model.cfg).kept_linears(model)
+    if tied_head(model):
+        keep.add(model.lm_head)
     return {
         name: module
         for name, module in model.named_modules()
@@ -156,11 +151,23 @@ def int8_linears(model: nn.Module) -> dict[str, Linear]:
     }
 
 
+def tied_head(model: nn.Module) -> bool:
+    """Whether the lm_head's weight is an embedding table's: load_state_dict(assign=True) makes
+    two Parameters over one storage, so tied means the same memory."""
+    head = model.lm_head.weight
+    if head is None:
+        return False
+    tables = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+    storage = head.untyped_storage().data_ptr()
+    return any(t.untyped_storage().data_ptr() == storage for t in tables)
+
+
 def quantize_model(model: nn.Module, prepared: dict[str, dict] | None = None) -> int:
-    """Fold the decoder's and the vision blocks' norms into the linears that read them, each
-    quantized as it is folded, then int8 for every other linear of int8_linears, layer by layer;
-    with `prepared` (int8_linears' names to what int8_linear takes) the values are packed as
-    given. Each Linear is replaced by its Int8Linear. Returns how many linears were quantized."""
+    """Fold the norms into the linears that read them (the family's fold groups: the decoder's
+    and the vision blocks'), each quantized as it is folded, then int8 for every other linear of
+    int8_linears, scope by scope; with `prepared` (int8_linears' names to what int8_linear takes)
+    the values are packed as given. Each Linear is replaced by its Int8Linear. Returns how many
+    linears were quantized."""
     targets = {module: name for name, module in int8_linears(model).items()}
     fold = prepared is None
 
@@ -174,30 +181,14 @@ def quantize_model(model: nn.Module, prepared: dict[str, dict] | None = None) ->
             replace(model, name, int8_linear(module, None if prepared is None else prepared[name]))
 
     count = len(targets)
-    for layer in model.language_model.layers:
-        fold_into(layer.input_layernorm, _mixer_inputs(layer))
-        if not isinstance(layer.mlp, SparseMoeBlock):
-            fold_into(layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj])
-        quantize(layer)
-        if fold:  # the layer's float32 temporaries, freed between its int8 weights
-            release_freed_memory()
-    for block in model.visual.blocks:
-        fold_into(block.norm1, [block.attn.qkv])
-        fold_into(block.norm2, [block.mlp.linear_fc1])
-        quantize(block)
-        if fold:
+    for scope, groups in family_of(model.cfg).fold_groups(model):
+        for norm, linears in groups:
+            fold_into(norm, linears)
+        quantize(scope)
+        if fold:  # the scope's float32 temporaries, freed between its int8 weights
             release_freed_memory()
     quantize(model)
     return count
-
-
-def _mixer_inputs(layer: nn.Module) -> list[Linear]:
-    """The linears reading a decoder layer's input norm: attention's q/k/v, or Gated DeltaNet's
-    four input projections."""
-    if layer.linear:
-        mixer = layer.linear_attn
-        return [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a]
-    return [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
 
 
 def as_rows(weight: Int8Weight) -> Int8Weight:

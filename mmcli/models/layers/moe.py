@@ -7,6 +7,8 @@ The experts' weights are 3-D, as transformers holds them: gate_up_proj [E, 2I, H
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -94,6 +96,30 @@ def mlp_for(cfg: TextConfig, index: int) -> nn.Module:
 
 
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+PROJECTIONS = {"gate_up": ("gate", "up"), "down": ("down",)}  # the held tensors' parts
+_HELD = re.compile(r"(.*\.mlp\.experts)\.(gate_up|down)_proj$")
+_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def held_experts(name: str) -> tuple[str, str] | None:
+    """(the experts' prefix, "gate_up" or "down") for a 3-D experts tensor as held, else None."""
+    match = _HELD.match(name)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def is_per_expert(name: str) -> bool:
+    """Whether `name` is one expert's projection, as `save_pretrained` writes Qwen3.5 MoE."""
+    return _PER_EXPERT.match(name) is not None
+
+
+def held_name(prefix: str, projection: str) -> str:
+    return f"{prefix}.{projection}_proj"
+
+
+def per_expert_names(prefix: str, count: int, projection: str) -> list[list[str]]:
+    """Each expert's tensor names of one held projection ("gate_up": gate then up)."""
+    parts = PROJECTIONS[projection]
+    return [[f"{prefix}.{e}.{p}_proj.weight" for p in parts] for e in range(count)]
 
 
 def experts_as_held(tensors: dict[str, torch.Tensor], expected: dict[str, tuple]) -> None:
@@ -109,9 +135,8 @@ def experts_as_held(tensors: dict[str, torch.Tensor], expected: dict[str, tuple]
             if tuple(held.shape) != shape and tuple(held.shape) == (shape[0], shape[2], shape[1]):
                 tensors[name] = held.transpose(1, 2).contiguous()
             continue
-        prefix, fused = name.rsplit(".", 1)
-        parts = ["gate_proj", "up_proj"] if fused == "gate_up_proj" else ["down_proj"]
-        per_expert = [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(shape[0])]
+        prefix, projection = held_experts(name)
+        per_expert = per_expert_names(prefix, shape[0], projection)
         if not any(n in tensors for names in per_expert for n in names):
             continue  # missing: named by the check that follows
         missing = [n for names in per_expert for n in names if n not in tensors]

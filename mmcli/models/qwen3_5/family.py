@@ -21,6 +21,9 @@ class Qwen3_5(Qwen3VL):
                 for i in range(text_raw["num_hidden_layers"])
             ]
 
+    def unused_tensor(self, name: str) -> bool:
+        return name.startswith("mtp.")  # the released multi-token-prediction head
+
     def vision_fields(self, vision_raw: dict) -> dict:
         return {**vision_raw, "deepstack_visual_indexes": ()}  # no DeepStack taps
 

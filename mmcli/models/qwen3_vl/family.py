@@ -14,6 +14,23 @@ TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "visi
 class Qwen3VL(Family):
     model_type, name = "qwen3_vl", "Qwen3-VL"
     default_mrope_section = (24, 20, 20)
+    token_embedding = "model.language_model.embed_tokens.weight"
+
+    def hybrid(self, text) -> bool:
+        return bool(text.layer_types)
+
+    def sparse(self, text) -> bool:
+        return text.num_experts > 0
+
+    def fusable_decode(self, text) -> bool:
+        """Attention without an output gate, rotary over whole heads, plain RMSNorms, dense MLPs."""
+        return not (
+            self.hybrid(text)
+            or self.sparse(text)
+            or text.attn_output_gate
+            or text.norm_unit_offset
+            or text.rotary_dim != text.head_dim
+        )
 
     def read_config(self, raw: dict, where: str) -> ModelConfig:
         """Accepts both `rope_scaling` (released) and `rope_parameters` (transformers v5)."""
@@ -65,6 +82,18 @@ class Qwen3VL(Family):
         from mmcli.models.qwen3_vl.rope_index import rope_index
 
         return rope_index(input_ids, vision_grids, visual_token_ids, spatial_merge_size)
+
+    def rotary_axes(self, text):
+        from mmcli.models.qwen3_vl.rope_index import interleaved_axes
+
+        return interleaved_axes(text.mrope_section, text.rotary_dim)
+
+    def vision_levels(self, cfg: ModelConfig) -> int:
+        return len(cfg.vision.deepstack_visual_indexes)  # DeepStack's taps
+
+    def fold_groups(self, model):
+        scopes = [*model.language_model.layers, *model.visual.blocks]
+        return [(scope, scope.fold_groups()) for scope in scopes]
 
 
 def check_text_config(text: TextConfig, where: str) -> None:

@@ -1,4 +1,5 @@
-"""Qwen3-VL's M-RoPE index of a prompt (transformers' get_rope_index), a pure function."""
+"""Qwen3-VL's M-RoPE: a prompt's index (transformers' get_rope_index) and its interleaved
+frequency slots, pure functions."""
 
 from __future__ import annotations
 
@@ -51,3 +52,17 @@ def rope_index(
     ids = torch.cat(rows, dim=1) if rows else torch.zeros(3, 0, dtype=torch.long)
     delta = (int(ids.max()) + 1 if n else 0) - n
     return ids, delta
+
+
+def interleaved_axes(mrope_section: tuple[int, ...] | list[int], head_dim: int) -> torch.Tensor:
+    """Which axis (0 T, 1 H, 2 W) drives each of the head_dim/2 frequency slots (interleaved
+    layout).
+
+    Slots cycle T H W T H W ... while every axis still has frequencies left; the remaining slots
+    go to T. For [24, 20, 20]: slot j is H when j % 3 == 1 and j < 60, W when j % 3 == 2 and j <
+    60, else T."""
+    half = head_dim // 2
+    axes = torch.zeros(half, dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis : 3 * mrope_section[axis] : 3] = axis
+    return axes

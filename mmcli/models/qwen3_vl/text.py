@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmcli.kernels.fused_decode import FusableLayer
 from mmcli.models.cache import AttentionBatch, DecoderCache
 from mmcli.models.config import TextConfig
 from mmcli.models.layers.attention import RangeAttention
@@ -134,6 +135,33 @@ class DecoderLayer(nn.Module):
             cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset
         )
 
+    def fold_groups(self) -> list[tuple[nn.Module, list[nn.Module]]]:
+        """Each norm and the linears reading it (the family's fold_groups): the input norm's
+        attention q/k/v or Gated DeltaNet's four input projections; the post norm's gate and up
+        where the MLP is dense."""
+        if self.linear:
+            mixer = self.linear_attn
+            inputs = [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a]
+        else:
+            inputs = [self.self_attn.q_proj, self.self_attn.k_proj, self.self_attn.v_proj]
+        groups = [(self.input_layernorm, inputs)]
+        if isinstance(self.mlp, MLP):
+            groups.append((self.post_attention_layernorm, [self.mlp.gate_proj, self.mlp.up_proj]))
+        return groups
+
+    def as_fusable(self) -> FusableLayer | None:
+        """This layer in decode_layer.c's terms, or None for Gated DeltaNet or a sparse MLP."""
+        if self.linear or not isinstance(self.mlp, MLP):
+            return None
+        attn, mlp = self.self_attn, self.mlp
+        norms = {"input_norm": self.input_layernorm, "post_norm": self.post_attention_layernorm}
+        norms |= {"q_norm": attn.q_norm, "k_norm": attn.k_norm}
+        linears = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj}
+        linears |= {"gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
+        return FusableLayer(
+            norms, linears, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.output_gate
+        )
+
     def forward(
         self,
         x: torch.Tensor,
@@ -169,6 +197,11 @@ class TextDecoder(nn.Module):
 
     def build_mlp(self, cfg: TextConfig, index: int) -> nn.Module:
         return MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def fusable_layers(self) -> list[FusableLayer] | None:
+        """Every layer as kernels/fused_decode.py reads it, or None where one is of another kind."""
+        layers = [layer.as_fusable() for layer in self.layers]
+        return None if None in layers else layers
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings in the compute dtype (the norms' dtype; the table may be held in a

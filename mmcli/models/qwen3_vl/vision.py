@@ -132,6 +132,10 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
 
+    def fold_groups(self) -> list[tuple[nn.Module, list[nn.Module]]]:
+        """Each LayerNorm and the linear reading it (the family's fold_groups)."""
+        return [(self.norm1, [self.attn.qkv]), (self.norm2, [self.mlp.linear_fc1])]
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
     ) -> torch.Tensor:

@@ -12,6 +12,16 @@ class Sparse:
     # the experts are grouped by the routing read on the host, which a NEFF cannot call out to
     # and a CUDA graph cannot capture
     backends, cuda_graphs = ("eager", "inductor"), False
+    backend_reason = (
+        "its experts are grouped by the routing read on the host, which a NEFF cannot call out to"
+    )
+
+    def kept_linears(self, model) -> set:
+        """The routers: their few logits pick the experts, so they stay as loaded."""
+        from mmcli.models.layers.moe import SparseMoeBlock
+
+        blocks = [m for m in model.language_model.modules() if isinstance(m, SparseMoeBlock)]
+        return super().kept_linears(model) | {block.gate for block in blocks}
 
     def text_fields(self, text_raw: dict, rope: dict) -> None:
         super().text_fields(text_raw, rope)
