@@ -131,5 +131,16 @@ def test_readme_is_a_guide_and_its_links_work():
     assert not broken, broken
 
 
+def test_the_docs_are_for_readers():
+    """What a feature does and its figures, not lab notes: no section named by an issue, no
+    "this session" or "the next session" (history goes to CHANGELOG.md and commit messages)."""
+    notes = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if re.search(r"(?i)\bsession\b", line) or re.match(r"#+ .*\bissue \d+", line):
+                notes.append(f"{page.relative_to(ROOT)}:{n}: {line[:80]}")
+    assert not notes, notes
+
+
 def _slug(heading: str) -> str:
     return re.sub(r"[^a-z0-9 -]", "", heading.lower()).replace(" ", "-")
