@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -119,14 +120,27 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def caption_cli(*args, model, max_new_tokens: int = 3):
-    """`mmcli caption ARGS --model MODEL -q` through Typer's runner (in this process)."""
+def caption_argv(*args, model, max_new_tokens: int | None = 3, quiet: bool = True) -> list[str]:
+    """`caption ARGS --model MODEL [-q] [--max-new-tokens N]`: every caption test's command."""
+    argv = ["caption", *map(str, args), "--model", str(model), *(["-q"] if quiet else [])]
+    return argv + ([] if max_new_tokens is None else ["--max-new-tokens", str(max_new_tokens)])
+
+
+def caption_cli(*args, model, max_new_tokens: int | None = 3, quiet: bool = True):
+    """`mmcli caption` through Typer's runner (in this process): caption_argv's command."""
     from typer.testing import CliRunner
 
     from mmcli.cli.app import app
 
-    argv = ["caption", *map(str, args), "--model", str(model), "-q"]
-    return CliRunner().invoke(app, [*argv, "--max-new-tokens", str(max_new_tokens)])
+    argv = caption_argv(*args, model=model, max_new_tokens=max_new_tokens, quiet=quiet)
+    return CliRunner().invoke(app, argv)
+
+
+def caption_process(*args, model, max_new_tokens: int | None = 3) -> list[str]:
+    """caption_argv's command as a process of its own (`python -m mmcli`), for the tests that
+    interrupt, kill or run it at once."""
+    argv = caption_argv(*args, model=model, max_new_tokens=max_new_tokens)
+    return [sys.executable, "-m", "mmcli", *argv]
 
 
 def image_folder(root: Path, n: int = 2) -> Path:

@@ -1,15 +1,15 @@
 """`mmcli caption` end to end on a tiny checkpoint."""
 
+import functools
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from conftest import SAMPLES, encoded, photo, read_records
+from conftest import SAMPLES, caption_cli, caption_process, encoded, photo, read_records
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -17,11 +17,8 @@ from mmcli.cli.app import app
 from mmcli.jobs.records import JsonlOutput
 from mmcli.jobs.scan import scan, shard_of
 
-
-def _caption(*args, model):
-    return CliRunner().invoke(
-        app, ["caption", *map(str, args), "--model", str(model), "--max-new-tokens", "4"]
-    )
+# the caption runs of these tests: 4 new tokens, the progress and summary shown
+_caption = functools.partial(caption_cli, max_new_tokens=4, quiet=False)
 
 
 def _good_folder(root, n=5):
@@ -197,22 +194,8 @@ def test_killed_run_then_rerun_records_every_key_once(tiny_dir, tmp_path, sig):
             root / f"{i:02d}.png"
         )
     out = tmp_path / "out.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "mmcli",
-        "caption",
-        str(root),
-        "-o",
-        str(out),
-        "--model",
-        str(tiny_dir),
-        "-q",
-        "--max-new-tokens",
-        "24",
-        "-c",
-        str(SAMPLES.parent / "configs" / "default.yaml"),
-    ]
+    config = SAMPLES.parent / "configs" / "default.yaml"
+    cmd = caption_process(root, "-o", out, "-c", config, model=tiny_dir, max_new_tokens=24)
     proc = subprocess.Popen(cmd)
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 5):

@@ -125,3 +125,43 @@ def test_doctor_prints_the_units_the_peaks_and_the_plan(monkeypatch, units, upca
     assert "floors: read bandwidth" in result.output and "kernel plan" in result.output
     if cpu.why_unavailable() is None:
         assert upcast in result.output and "measured kernels" in result.output
+
+
+LOADING_COMMANDS = ("ask", "caption", "compile", "serve", "batch")
+
+
+@pytest.mark.parametrize("command", LOADING_COMMANDS)
+def test_every_command_that_loads_a_model_takes_the_run_settings(command):
+    import typer
+
+    from mmcli.cli.options import RUN_SETTINGS
+
+    options = typer.main.get_command(app).commands[command].params
+    flags = {flag for option in options for flag in option.opts}
+    assert {f"--{s.name.replace('_', '-')}" for s in RUN_SETTINGS} <= flags
+
+
+def test_the_run_settings_become_the_settings_they_name():
+    from mmcli.cli.options import run_overrides
+
+    given = {"backend": "eager", "no_cache": True, "model": "m", "thinking": None}
+    assert run_overrides(given) == {
+        "compile": {"backend": "eager"},
+        "weights_cache": False,
+        "model": "m",
+        "thinking": None,
+    }
+    assert run_overrides({"no_cache": False}) == {"weights_cache": None}  # left to the file
+
+
+def test_batch_takes_the_backend_and_refuses_a_bad_one(tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("")
+    result = CliRunner().invoke(app, ["batch", str(requests), "--backend", "tpu", "--no-cache"])
+    assert result.exit_code == 2 and "compile.backend" in result.output
+
+
+def test_compile_refuses_no_cache_where_it_would_prepare_the_cache(tiny_dir):
+    argv = ["compile", "--buckets", "--model", str(tiny_dir), "--quantize", "int8", "--no-cache"]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2 and "--no-cache" in result.output

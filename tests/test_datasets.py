@@ -1,18 +1,18 @@
 """Datasets where they live: WebDataset shards (written by webdataset's own TarWriter) and Parquet
 (written by pyarrow and by `datasets`) labeled in place, resumed, broken, and exported back."""
 
+import functools
 import io
 import json
 import signal
 import subprocess
-import sys
 import tarfile
 import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import photo, read_records
+from conftest import caption_cli, caption_process, photo, read_records
 from typer.testing import CliRunner
 
 from mmcli.cli.app import app
@@ -47,9 +47,8 @@ def _shards(folder, images, per_shard=3, text=True):
     return paths
 
 
-def _caption(*args, model):
-    argv = ["caption", *map(str, args), "--model", str(model), "-q", "--max-new-tokens", "4"]
-    return CliRunner().invoke(app, argv)
+# the caption runs of these tests: 4 new tokens, quiet
+_caption = functools.partial(caption_cli, max_new_tokens=4)
 
 
 def test_a_folder_shards_and_parquet_give_the_same_texts(tiny_dir, tmp_path):
@@ -123,20 +122,7 @@ def test_resume_over_shards_redoes_only_an_edited_shard(tiny_dir, tmp_path):
 def test_an_interrupted_shard_run_finishes_with_every_sample_once(tiny_dir, tmp_path):
     _shards(tmp_path / "s", _jpegs(24), per_shard=8)
     out = tmp_path / "out.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "mmcli",
-        "caption",
-        str(tmp_path / "s/*.tar"),
-        "-o",
-        str(out),
-        "--model",
-        str(tiny_dir),
-        "-q",
-        "--max-new-tokens",
-        "24",
-    ]
+    cmd = caption_process(tmp_path / "s/*.tar", "-o", out, model=tiny_dir, max_new_tokens=24)
     proc = subprocess.Popen(cmd)
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):
@@ -275,29 +261,10 @@ def test_ray_replicas_read_their_own_shards(tiny_dir, tmp_path):
 
     _shards(tmp_path / "s", _jpegs(6))
     local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
-    base = [
-        sys.executable,
-        "-m",
-        "mmcli",
-        "caption",
-        str(tmp_path / "s/*.tar"),
-        "--model",
-        str(tiny_dir),
-        "-q",
-        "--max-new-tokens",
-        "4",
-    ]
+    base = caption_process(tmp_path / "s/*.tar", model=tiny_dir, max_new_tokens=4)
     assert subprocess.run([*base, "-o", str(local)], timeout=300).returncode == 0
-    ray = [
-        *base,
-        "-o",
-        str(remote),
-        "--ray",
-        "--replicas",
-        "2",
-        "--replica-resources",
-        '{"num_cpus": 1}',
-    ]
+    replicas = ["--ray", "--replicas", "2", "--replica-resources", '{"num_cpus": 1}']
+    ray = [*base, "-o", str(remote), *replicas]
     assert subprocess.run(ray, timeout=600, env=_env()).returncode == 0
     ours = {r["key"]: r["text"] for r in read_records(remote)}
     assert len(ours) == 6 and ours == {r["key"]: r["text"] for r in read_records(local)}

@@ -10,6 +10,7 @@ import torch
 from conftest import (
     SAMPLES,
     assert_logits_match,
+    caption_cli,
     greedy,
     hf_model,
     photo,
@@ -301,9 +302,10 @@ def test_caption_runs_an_moe_checkpoint_with_tasks_at_int4(moe_dir, tmp_path):
     for name in ("chelsea.jpg", "coffee.jpg"):
         shutil.copy(SAMPLES / name, root / name)
     out = tmp_path / "labels.jsonl"
-    command = ["caption", str(root), "-o", str(out), "--model", str(moe_dir), "--quantize", "int4"]
-    command += ["--task", "caption", "--task", "tags", "--max-new-tokens", "6"]
-    result = CliRunner().invoke(app, command)
+    tasks = ["--task", "caption", "--task", "tags"]
+    result = caption_cli(
+        root, "-o", out, "--quantize", "int4", *tasks, model=moe_dir, max_new_tokens=6, quiet=False
+    )
     assert result.exit_code == 0, result.output
     assert "linears int4" in result.output  # the load line names the kernels
     records = [json.loads(line) for line in out.read_text().splitlines()]

@@ -3,12 +3,11 @@
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import photo, read_records
+from conftest import caption_process, photo, read_records
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 pytestmark = pytest.mark.slow
@@ -24,21 +23,7 @@ def _images(root: Path, n: int = 20) -> Path:
 
 
 def _cmd(root, out, model, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "mmcli",
-        "caption",
-        str(root),
-        "-o",
-        str(out),
-        "--model",
-        str(model),
-        "-q",
-        "--max-new-tokens",
-        "6",
-        *extra,
-    ]
+    return caption_process(root, "-o", out, *extra, model=model, max_new_tokens=6)
 
 
 def _env():

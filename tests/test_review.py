@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import photo
+from conftest import caption_cli, photo
 from typer.testing import CliRunner
 
 from mmcli.cli.app import app
@@ -36,8 +36,8 @@ def labeled(tiny_dir, tmp_path_factory):
     photo("rocket.jpg").save(outside)
     (root / "linked.jpg").symlink_to(outside)
     out = root.parent / "labels.jsonl"
-    args = ["caption", str(root), "-o", str(out), "--model", str(tiny_dir), "-q", "--logprobs"]
-    result = CliRunner().invoke(app, [*args, "--sidecar", ".txt", "--max-new-tokens", "6"])
+    labels = [root, "-o", out, "--logprobs", "--sidecar", ".txt"]
+    result = caption_cli(*labels, model=tiny_dir, max_new_tokens=6)
     assert result.exit_code == 0, result.output
     record = boxes_record(root / "astronaut.jpg", [{"label": "helmet", "bbox": BOX}], (512, 512))
     output = JsonlOutput(out).open()
@@ -166,24 +166,14 @@ def test_an_edit_is_appended_rewrites_the_sidecar_and_resume_keeps_it(server, la
     assert (root / "coffee.txt").read_text() == "a cup\n"
     approve = {"id": _id(server, "chelsea.png"), "task": "caption", "action": "approve"}
     assert _post(server, approve, server.token)[0] == 200
-    args = [
-        "caption",
-        str(root),
-        "-o",
-        str(out),
-        "--model",
-        str(tiny_dir),
-        "-q",
-        "--task",
-        "caption",
-    ]
+    args = [root, "-o", out, "--task", "caption"]
     lines = len(out.read_text().splitlines())
-    rerun = CliRunner().invoke(app, [*args, "--overwrite", "--max-new-tokens", "6"])
+    rerun = caption_cli(*args, "--overwrite", model=tiny_dir, max_new_tokens=6)
     redone = [json.loads(line)["key"] for line in out.read_text().splitlines()[lines:]]
     assert rerun.exit_code == 0 and key not in redone and "chelsea.png" not in redone
     assert "astronaut.jpg" in redone  # not reviewed: --overwrite redoes it
     lines = len(out.read_text().splitlines())
-    again = CliRunner().invoke(app, [*args, "--redo-reviewed", "--max-new-tokens", "6"])
+    again = caption_cli(*args, "--redo-reviewed", model=tiny_dir, max_new_tokens=6)
     assert again.exit_code == 0, again.output
     redone = [json.loads(line)["key"] for line in out.read_text().splitlines()[lines:]]
     assert sorted(redone) == ["chelsea.png", key]

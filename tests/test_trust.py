@@ -3,7 +3,7 @@ each case is one clear error (exit 2 before any work, or that item's and task's 
 
 import pytest
 import yaml
-from conftest import photo, read_records
+from conftest import caption_cli, photo, read_records
 from typer.testing import CliRunner
 
 from mmcli.api.labeler import Labeler
@@ -30,8 +30,9 @@ def _settings(tmp_path, **data):
 
 
 def _caption(root, out, model, *args):
-    argv = ["caption", str(root), "-o", str(out), "--model", str(model), "-q"]
-    return CliRunner().invoke(app, [*argv, "--dtype", "float32", *map(str, args)])
+    return caption_cli(
+        root, "-o", out, "--dtype", "float32", *args, model=model, max_new_tokens=None
+    )
 
 
 def _no_load(monkeypatch):

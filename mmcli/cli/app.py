@@ -53,18 +53,12 @@ def _load_config(config: Path | None, **overrides) -> dict:
 
 
 @app.command()
+@o.run_options
 def ask(
     question: Annotated[str | None, Question] = None,
     image: o.Images = None,
     video: o.Videos = None,
-    model: o.Model = None,
     config: o.ConfigFile = None,
-    dtype: o.Dtype = None,
-    device: o.Device = None,
-    backend: o.Backend = None,
-    quantize: o.Quantize = None,
-    no_cache: o.NoCache = False,
-    thinking: o.Thinking = None,
     max_new_tokens: o.MaxNewTokens = None,
     temperature: o.Temperature = None,
     top_p: o.TopP = None,
@@ -75,6 +69,8 @@ def ask(
     output: o.AskOutput = None,
     stream: o.Stream = True,
     task: o.AskTask = None,
+    *,
+    run: dict,
 ) -> None:
     """Answer one question about one or more images or videos; the answer streams to stdout.
 
@@ -90,16 +86,7 @@ def ask(
     given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     given.update(top_k=top_k, repetition_penalty=repetition_penalty, seed=seed)
     with exit_codes():
-        precision = dict(dtype=dtype, device=device, quantize=quantize)
-        cfg = _load_config(
-            config,
-            model=model,
-            compile={"backend": backend},
-            generation=given,
-            thinking=thinking,
-            weights_cache=False if no_cache else None,
-            **precision,
-        )
+        cfg = _load_config(config, generation=given, **run)
         if question is None and task is None:
             raise ConfigError("give a QUESTION or --task NAME")
         if not image and not video:
@@ -168,9 +155,9 @@ Examples:
 
 
 @app.command(help=CAPTION_HELP)
+@o.run_options
 def caption(
     paths: Annotated[list[Path], Paths],
-    model: o.Model = None,
     config: o.ConfigFile = None,
     output: o.Output = "captions.jsonl",
     prompt: o.Prompt = None,
@@ -178,12 +165,6 @@ def caption(
     max_new_tokens: o.MaxNewTokens = None,
     temperature: o.Temperature = None,
     seed: o.Seed = None,
-    dtype: o.Dtype = None,
-    device: o.Device = None,
-    backend: o.Backend = None,
-    quantize: o.Quantize = None,
-    no_cache: o.NoCache = False,
-    thinking: o.Thinking = None,
     logprobs: o.Logprobs = False,
     recursive: o.Recursive = True,
     include: o.Include = [],  # noqa: B006
@@ -203,16 +184,15 @@ def caption(
     ray_address: o.RayAddress = None,
     replicas: o.Replicas = 1,
     replica_resources: o.ReplicaResources = None,
+    *,
+    run: dict,
 ) -> None:
     from mmcli.cli.progress import Progress
     from mmcli.jobs.caption import CaptionJob, Redo, Selection, run_caption_job
 
     with exit_codes():
         given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
-        precision = dict(dtype=dtype, device=device, quantize=quantize)
-        cfg = _caption_config(
-            config, model, prompt, task, given, thinking, no_cache, backend, precision
-        )
+        cfg = _load_config(config, prompt=prompt, task=tuple(task) or None, generation=given, **run)
         job = CaptionJob(
             paths=paths,
             config=cfg,
@@ -230,31 +210,6 @@ def caption(
     raise typer.Exit(code)
 
 
-def _caption_config(
-    config: Path | None,
-    model: str | None,
-    prompt: str | None,
-    task: list[str],
-    given: dict,
-    thinking: bool | None,
-    no_cache: bool,
-    backend: str | None,
-    precision: dict,
-):
-    """The settings of a caption run: the file's, updated by the command line's."""
-    return _load_config(
-        config,
-        model=model,
-        prompt=prompt,
-        task=tuple(task) or None,
-        generation=given,
-        thinking=thinking,
-        weights_cache=False if no_cache else None,
-        compile={"backend": backend},
-        **precision,
-    )
-
-
 def _ray_options(address: str | None, replicas: int, resources: str | None):
     from mmcli.jobs.distributed import RayOptions, parse_resources, require_ray
 
@@ -263,6 +218,7 @@ def _ray_options(address: str | None, replicas: int, resources: str | None):
 
 
 @app.command("compile")
+@o.run_options
 def compile_cmd(
     bucket_list: str | None = typer.Argument(
         None, metavar="[LIST]", help="Only these buckets, e.g. 'decode 8x1024, prefill 512'."
@@ -270,12 +226,9 @@ def compile_cmd(
     buckets: bool = typer.Option(
         False, "--buckets", help="Compile the configured buckets (or those in LIST)."
     ),
-    model: o.Model = None,
     config: o.ConfigFile = None,
-    dtype: o.Dtype = None,
-    device: o.Device = None,
-    backend: str | None = typer.Option(None, help="compile.backend: inductor or neuron."),
-    quantize: o.Quantize = None,
+    *,
+    run: dict,
 ) -> None:
     """Compile and cache every fixed-shape bucket ahead of time (vision blocks, prefill, decode).
 
@@ -291,15 +244,13 @@ def compile_cmd(
             raise ConfigError(
                 "say --buckets (every configured bucket) or --buckets 'decode 8x1024, ...'"
             )
-        cfg = _load_config(
-            config,
-            model=model,
-            dtype=dtype,
-            device=device,
-            quantize=quantize,
-            compile={"backend": backend},
-        )
+        cfg = _load_config(config, **run)
         if cfg.compile.backend in ("auto", "eager") and cfg.quantize == "int8":
+            if not cfg.weights_cache:
+                raise ConfigError(
+                    "--no-cache: on the eager backend compile prepares the int8 weights in the "
+                    "cache, which this run neither reads nor writes"
+                )
             return prepare_weights_only(cfg)
         if cfg.compile.backend in ("auto", "eager"):
             raise ConfigError(
@@ -357,8 +308,8 @@ def export(
 
 
 @app.command("serve")
+@o.run_options
 def serve_cmd(
-    model: o.Model = None,
     config: o.ConfigFile = None,
     host: o.Host = "127.0.0.1",
     port: o.Port = 8000,
@@ -374,12 +325,8 @@ def serve_cmd(
     max_preparing: o.MaxPreparing = 4,
     max_media_mb: o.MaxMediaMB = 2048,
     request_timeout: o.RequestTimeout = 600.0,
-    dtype: o.Dtype = None,
-    device: o.Device = None,
-    backend: o.Backend = None,
-    quantize: o.Quantize = None,
-    no_cache: o.NoCache = False,
-    thinking: o.Thinking = None,
+    *,
+    run: dict,
 ) -> None:
     """Serve the model behind the OpenAI API (chat completions) until Ctrl-C or SIGTERM.
 
@@ -390,16 +337,7 @@ def serve_cmd(
     from mmcli.cli.serve import ServeOptions, serve
 
     with exit_codes():
-        cfg = _load_config(
-            config,
-            model=model,
-            dtype=dtype,
-            device=device,
-            quantize=quantize,
-            thinking=thinking,
-            weights_cache=False if no_cache else None,
-            compile={"backend": backend},
-        )
+        cfg = _load_config(config, **run)
         options = ServeOptions(
             host=host,
             port=port,
@@ -420,18 +358,16 @@ def serve_cmd(
 
 
 @app.command("batch")
+@o.run_options
 def batch_cmd(
     requests: Annotated[
         Path, typer.Argument(metavar="REQUESTS", help="An OpenAI Batch API input file (JSONL).")
     ],
     output: o.BatchOutput = Path("results.jsonl"),
-    model: o.Model = None,
     config: o.ConfigFile = None,
-    dtype: o.Dtype = None,
-    device: o.Device = None,
-    quantize: o.Quantize = None,
-    thinking: o.Thinking = None,
     quiet: o.Quiet = False,
+    *,
+    run: dict,
 ) -> None:
     """Run an OpenAI Batch API file offline: one output line per request; resumable.
 
@@ -443,9 +379,7 @@ def batch_cmd(
     from mmcli.cli.progress import Progress
 
     with exit_codes():
-        cfg = _load_config(
-            config, model=model, dtype=dtype, device=device, quantize=quantize, thinking=thinking
-        )
+        cfg = _load_config(config, **run)
         redo = "fix those lines and rerun: answered custom_ids are kept, the failed ones redone"
         progress = Progress(quiet=quiet, work=("answering", "requests"), redo=redo)
         code = run_batch(cfg, requests, output, progress)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -12,23 +16,103 @@ def _option(kind, *names: str, help: str, **extra):
     return Annotated[kind, typer.Option(*names, help=help, **extra)]
 
 
-Model = _option(str | None, "--model", help="Hub id or local checkpoint directory.")
+@dataclass(frozen=True)
+class RunSetting:
+    """A setting of the run every command that loads a model takes: its parameter, its option
+    (`--name`, `_` as `-`, unless `flags` says), its help, and the settings key it overrides
+    (`to_setting` turns the option's value into the setting's; None leaves the setting alone)."""
+
+    name: str
+    kind: object
+    help: str
+    key: str
+    default: object = None
+    flags: tuple[str, ...] = ()
+    to_setting: Callable[[Any], Any] = lambda value: value  # noqa: E731
+    extra: dict = field(default_factory=dict)
+
+    def parameter(self) -> inspect.Parameter:
+        flags = self.flags or ("--" + self.name.replace("_", "-"),)
+        option = typer.Option(*flags, help=self.help, **self.extra)
+        return inspect.Parameter(
+            self.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=Annotated[self.kind, option],
+            default=self.default,
+        )
+
+
+RUN_SETTINGS = (
+    RunSetting("model", str | None, "Hub id or local checkpoint directory.", "model"),
+    RunSetting("dtype", str | None, "auto, float32, bfloat16 or float16.", "dtype"),
+    RunSetting("device", str | None, "auto, cpu or cuda.", "device"),
+    RunSetting(
+        "backend",
+        str | None,
+        "compile.backend: auto, eager, inductor or neuron.",
+        "compile.backend",
+    ),
+    RunSetting(
+        "quantize", str | None, "none, int8 or int4: weights in 8 or 4 bits (CPU).", "quantize"
+    ),
+    RunSetting(
+        "no_cache",
+        bool,
+        "Neither read nor write prepared (int8) weights in the cache.",
+        "weights_cache",
+        default=False,
+        to_setting=lambda no_cache: False if no_cache else None,
+    ),
+    RunSetting(
+        "thinking",
+        bool | None,
+        "Qwen3.5's thinking mode: reason before answering (kept apart in `reasoning`).",
+        "thinking",
+        flags=("--thinking/--no-thinking",),
+        extra={"show_default": False},
+    ),
+)
+_BY_NAME = {setting.name: setting for setting in RUN_SETTINGS}
+
+
+def run_overrides(given: dict[str, Any]) -> dict:
+    """The run settings' options as given, as the nested overrides load_config takes."""
+    overrides: dict = {}
+    for name, value in given.items():
+        *parents, leaf = _BY_NAME[name].key.split(".")
+        inner = overrides
+        for parent in parents:
+            inner = inner.setdefault(parent, {})
+        inner[leaf] = _BY_NAME[name].to_setting(value)
+    return overrides
+
+
+def run_options(command: Callable) -> Callable:
+    """`command` with every run setting as an option after its own, handed to it as `run`: the
+    settings overrides of those given (load_config's nested dict). The settings are declared here
+    once, so every command that loads a model takes the same set."""
+    own = inspect.signature(command, eval_str=True)
+    parameters = [p for p in own.parameters.values() if p.name != "run"]
+    parameters += [setting.parameter() for setting in RUN_SETTINGS]
+
+    @functools.wraps(command)
+    def with_run(**options):
+        given = {name: options.pop(name) for name in _BY_NAME}
+        return command(**options, run=run_overrides(given))
+
+    with_run.__signature__ = own.replace(parameters=parameters)
+    with_run.__annotations__ = {p.name: p.annotation for p in parameters}
+    return with_run
+
+
+def run_option(name: str):
+    """One run setting's option, for a command that reads a few of them without loading."""
+    parameter = _BY_NAME[name].parameter()
+    return parameter.annotation
+
+
+Model, Dtype, Quantize = run_option("model"), run_option("dtype"), run_option("quantize")
 ConfigFile = _option(Path | None, "--config", "-c", help="YAML settings file.")
-Dtype = _option(str | None, "--dtype", help="auto, float32, bfloat16 or float16.")
-Device = _option(str | None, "--device", help="auto, cpu or cuda.")
-Backend = _option(str | None, "--backend", help="compile.backend: auto, eager, inductor or neuron.")
-Quantize = _option(
-    str | None, "--quantize", help="none, int8 or int4: weights in 8 or 4 bits (CPU)."
-)
-Thinking = _option(
-    bool | None,
-    "--thinking/--no-thinking",
-    help="Qwen3.5's thinking mode: reason before answering (kept apart in `reasoning`).",
-    show_default=False,
-)
-NoCache = _option(
-    bool, "--no-cache", help="Neither read nor write prepared (int8) weights in the cache."
-)
 MaxNewTokens = _option(int | None, "--max-new-tokens", help="Most tokens to generate.")
 Temperature = _option(float | None, "--temperature", help="0 is greedy.")
 TopP = _option(float | None, "--top-p", help="Nucleus sampling mass.")
