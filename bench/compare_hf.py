@@ -203,7 +203,7 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
     # or not).
     shapes = expected_shapes(cap.model.cfg)
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int4": 0.625}[
-        cap.precision["weights"]
+        cap.precision.weights
     ]
     decode_bytes = itemsize * sum(
         math.prod(shape)
@@ -231,7 +231,7 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
         "input_wait": cap.engine.input_wait / elapsed,
         "generated": sum(lengths),
         "spent": split,
-        "precision": cap.precision,
+        "precision": cap.precision.record(),
     }
 
 

@@ -77,7 +77,7 @@ def main() -> None:
     print(
         f"clip: {video.duration:.0f} s, {info['width']}x{info['height']} at "
         f"{video.source_fps:.0f} fps; {len(video.frames)} frames sampled ({video.frames_decoded} "
-        f"decoded), {cap.precision}"
+        f"decoded), {cap.precision.describe()}"
     )
     print(
         f"prompt: {result.num_input_tokens} tokens ({result.num_image_tokens} visual), "

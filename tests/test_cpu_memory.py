@@ -1,6 +1,7 @@
 """The CPU path's memory and precision: weights as stored, int8, the KV cache sized to the job, a
 fast start."""
 
+import dataclasses
 import json
 import math
 import shutil
@@ -54,11 +55,22 @@ def _parameters(cap) -> int:
     )
 
 
+def test_the_run_is_made_once_and_held(bf16_dir):
+    """The precision and the settings resolved once are the ones every part holds (frozen),
+    and the runner computes in the precision's dtype, not one read off a weight."""
+    labeler = _labeler(bf16_dir, dtype="float32")
+    assert labeler.precision is labeler.run.precision is labeler.loaded.run.precision
+    assert labeler.config is labeler.run.config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        labeler.precision.compute = "bfloat16"
+    assert labeler.runner.dtype == labeler.precision.compute_dtype == torch.float32
+
+
 def test_default_cpu_path_holds_the_stored_bfloat16_and_computes_in_float32(bf16_dir, vector_units):
     default, full = _labeler(bf16_dir), _labeler(bf16_dir, dtype="float32")
     float32 = {"compute": "float32", "products": "float32", "quantize": "none"}
-    assert default.precision == {"weights": "bfloat16", **float32}
-    assert full.precision == {"weights": "float32", **float32}
+    assert default.precision.record() == {"weights": "bfloat16", **float32}
+    assert full.precision.record() == {"weights": "float32", **float32}
     assert ("bf16_linear.c" in default.kernels) == (cpu.why_unavailable() is None)
     assert (
         default.weight_bytes / _parameters(default) <= 2.1 < full.weight_bytes / _parameters(full)
@@ -103,7 +115,7 @@ def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
     reference = _logits(_labeler(outlier_dir, dtype="float32"))
     ours = _labeler(outlier_dir, quantize="int8")
     assert (
-        ours.precision["weights"] == "int8"
+        ours.precision.weights == "int8"
         and ours.weight_bytes < 0.8 * _labeler(outlier_dir).weight_bytes
     )
     # tied: one bfloat16 copy

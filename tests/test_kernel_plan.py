@@ -65,7 +65,7 @@ def test_a_loaded_run_holds_its_plan_and_its_layers_the_plans_kernels(tiny_dir, 
         str(make_tiny_checkpoint(tmp_path / "bf16", dtype="bfloat16")), device="cpu"
     )
     decoder = labeler.model.language_model
-    products = labeler.precision["products"]  # bfloat16 where the CPU multiplies it
+    products = labeler.precision.products  # bfloat16 where the CPU multiplies it
     assert labeler.kernel_plan == choose(dataclasses.replace(DEFAULT, products=products))
     assert decoder.layers[0].input_layernorm.kernel is cpu_ops.rms_norm
     assert decoder.layers[0].self_attn.rotary.kernel is cpu_ops.rotary

@@ -81,7 +81,7 @@ def test_auto_multiplies_in_bfloat16_only_where_the_cpu_does_it_in_hardware(
     dtype, checkpoint, device, bf16_matrix, compute, products
 ):
     precision = run_precision(dtype, "auto", "none", checkpoint, device, bf16_matrix)
-    assert (precision["compute"], precision["products"]) == (compute, products)
+    assert (precision.compute, precision.products) == (compute, products)
 
 
 def test_crossover_is_where_the_library_wins_by_the_margin_from_there_on():
@@ -307,8 +307,8 @@ def test_bfloat16_products_keep_the_float32_products_choices(
     settings = {"quantize": quantize, "weights_cache": False}
     matrix_run, matrix_req, _ = _loaded(bf16_checkpoint, AMX, monkeypatch, **settings)
     vector_run, vector_req, reference = _loaded(bf16_checkpoint, AVX2, monkeypatch, **settings)
-    assert matrix_run.precision["products"] == "bfloat16"
-    assert vector_run.precision["products"] == "float32"
+    assert matrix_run.precision.products == "bfloat16"
+    assert vector_run.precision.products == "float32"
     assert matrix_run.kernel_plan.upcast.kernel.startswith("oneDNN bfloat16 (AMX)")
     if quantize == "int8":
         layers = [m for m in matrix_run.model.visual.modules() if hasattr(m, "per_token")]

@@ -288,7 +288,7 @@ def test_int4_holds_half_a_byte_a_parameter_and_keeps_the_router(moe_dirs):
     assert isinstance(layer.linear_attn.in_proj_qkv, Int4Linear)
     # the vision tower as stored
     assert not isinstance(labeler.model.visual.blocks[0].attn.qkv, Int4Linear)
-    assert labeler.precision["weights"] == "int4"
+    assert labeler.precision.weights == "int4"
     experts = layer.mlp.experts
     cfg = labeler.model.cfg.text
     parameters = 3 * cfg.num_experts * cfg.moe_intermediate_size * cfg.hidden_size

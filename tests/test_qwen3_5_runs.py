@@ -215,7 +215,7 @@ def test_int8_runs_the_hybrid_layers_close_to_float32(qwen3_5_dir):
     int8 = Labeler.from_pretrained(
         str(qwen3_5_dir), config=load_config(None, {"device": "cpu", "quantize": "int8"})
     )
-    assert int8.precision["weights"] == "int8"
+    assert int8.precision.weights == "int8"
     linear = int8.model.language_model.layers[0].linear_attn
     assert isinstance(linear.in_proj_qkv, Int8Linear) and isinstance(linear.out_proj, Int8Linear)
     error = (_image_logits(int8) - reference).norm() / reference.norm()

@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PIL import Image
 
@@ -16,14 +17,20 @@ from mmcli.api.result import Result
 from mmcli.config import Config, SamplingParams, load_config
 from mmcli.engine.grammar import JsonGrammar, compile_grammars
 from mmcli.engine.loop import Engine
-from mmcli.engine.sequence import Request
+from mmcli.engine.sequence import Finished, Request
 from mmcli.inputs.placeholders import render_prompt
 from mmcli.inputs.prefetch import NOT_READY, default_workers, prefetch
-from mmcli.inputs.prompt import TextStream
-from mmcli.inputs.requests import RequestBuilder
+from mmcli.inputs.prompt import PromptBuilder, TextStream
+from mmcli.inputs.requests import PreparedInputs, RequestBuilder
+from mmcli.inputs.video import VideoSampling
 from mmcli.models.registry import family_of
 from mmcli.tasks import Task, decide_sampling, finish, question_task, resolve_tasks
 from mmcli.weights.hub import snapshot_revision
+from mmcli.weights.precision import Precision
+
+if TYPE_CHECKING:
+    from mmcli.compiled.graphs import CompiledGraphs
+    from mmcli.kernels.plan import KernelPlan
 
 JSON_GRAMMARS_KEPT = 64  # compiled schemas a labeler keeps (least recently used dropped)
 
@@ -33,28 +40,44 @@ class Labeler:
     tasks (text, JSON under a schema, boxes)."""
 
     def __init__(self, loaded: Loaded):
-        self.run = loaded.run  # the settings as resolved once, the checkpoint's configs read
-        self.path, self.config, self.model = loaded.path, loaded.config, loaded.model
-        self.runner, self.prompts, self.graphs = loaded.runner, loaded.prompts, loaded.graphs
-        self.image_cfg, self.stop_ids = loaded.image_cfg, loaded.stop_ids
-        self.model_name = self.config.model
-        self.revision = snapshot_revision(self.path)
-        self.kernel_plan, self.prepared = loaded.kernel_plan, loaded.prepared
-        self.precision = {k: v for k, v in loaded.precision.items() if k != "loaded"}
+        # what was loaded and the run it was loaded for (settings, paths, precision), held as made
+        self.loaded, self.run = loaded, loaded.run
+        self.model, self.runner, self.prompts = loaded.model, loaded.runner, loaded.prompts
+        self.revision = snapshot_revision(self.run.path)
         self.engine = Engine(self.runner, self.config)
         # (schema text, reasoning end) -> JsonGrammar: a server's response formats, the latest kept
         self._json_grammars: OrderedDict = OrderedDict()
         visual_ids = (self.model.cfg.image_token_id, self.model.cfg.video_token_id)
         self.requests = RequestBuilder(
             self.prompts,
-            self.image_cfg,
+            self.run.image_cfg,
             self.config,
             visual_ids,
-            self.stop_ids,
-            compiled=self.graphs is not None,
+            loaded.stop_ids,
+            compiled=loaded.graphs is not None,
             rope_index=family_of(self.model.cfg).rope_index,
             video_sampling=loaded.video_sampling,
         )
+
+    @property
+    def config(self) -> Config:
+        return self.run.config
+
+    @property
+    def precision(self) -> Precision:
+        return self.run.precision
+
+    @property
+    def graphs(self) -> CompiledGraphs | None:
+        return self.loaded.graphs
+
+    @property
+    def kernel_plan(self) -> KernelPlan:
+        return self.loaded.kernel_plan
+
+    @property
+    def model_name(self) -> str:
+        return self.run.config.model
 
     @classmethod
     def from_pretrained(
@@ -133,6 +156,39 @@ class Labeler:
             return [question_task(self.config, prompt, sampling)]
         return resolve_tasks(self.config, tasks, sampling)
 
+    # What a server builds its requests from and runs them through (mmcli/serve/): the run's
+    # prompt builder, its media prepared in order, a conversation as a request, the engine.
+
+    def prompt_builder(self, thinking: bool | None = None) -> PromptBuilder:
+        """The run's prompt builder, or one with thinking on or off (a ConfigError where the
+        template has no switch)."""
+        return self.prompts if thinking is None else self.prompts.with_thinking(thinking)
+
+    @property
+    def video_sampling(self) -> VideoSampling:
+        return self.requests.video_sampling
+
+    def prepare_media(self, media: list[tuple[str, object]]) -> PreparedInputs:
+        """("image" or "video", its bytes as received) decoded and preprocessed, in order."""
+        return self.requests.prepare_in_order(media)
+
+    def chat_request(
+        self, key: str, prepared: PreparedInputs, messages: list, **options
+    ) -> Request:
+        """A conversation over prepared media as one engine request (RequestBuilder's
+        build_messages: sampling, the prompt builder, seed key, task, constraint)."""
+        return self.requests.build_messages(key, prepared, messages, **options)
+
+    def generate(
+        self, requests: Iterable[Request | None], on_token: Callable[[str, int], None] | None = None
+    ) -> Iterator[Finished]:
+        """The engine over `requests` (None: none ready yet), each sequence as it finishes."""
+        return self.engine.generate(requests, on_token)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included."""
+        return self.prompts.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def json_grammar(self, schema: str, reasoning_end: int | None, where: str = "response_format"):
         """A JSON schema (its JSON text) compiled against the tokenizer, once per schema and
         reasoning end (thinking: the schema constrains what follows it): each `start()` of it
@@ -141,7 +197,7 @@ class Labeler:
         if key in self._json_grammars:
             self._json_grammars.move_to_end(key)
             return self._json_grammars[key]
-        eos = min(self.stop_ids) if self.stop_ids else 0
+        eos = min(self.loaded.stop_ids) if self.loaded.stop_ids else 0
         tokenizer = self.prompts.tokenizer.to_str()
         grammar = JsonGrammar("", json.loads(schema), tokenizer, eos, reasoning_end, where)
         self._json_grammars[key] = grammar
@@ -151,7 +207,7 @@ class Labeler:
 
     def grammars(self, tasks: list[Task]) -> dict:
         return compile_grammars(
-            tasks, self.prompts.tokenizer.to_str(), self.stop_ids, self.prompts.reasoning_end
+            tasks, self.prompts.tokenizer.to_str(), self.loaded.stop_ids, self.prompts.reasoning_end
         )
 
     def ask(
@@ -261,14 +317,14 @@ class Labeler:
     def prepared_weights_report(self) -> str | None:
         """With `quantize: int8` and the cache: where the prepared weights are, once the file this
         run writes (in a thread, while it runs) is whole or has failed."""
-        return self.prepared.written() if self.prepared is not None else None
+        return self.loaded.prepared.written() if self.loaded.prepared is not None else None
 
     @property
     def kernels(self) -> str:
         """The kernels this run chose, as its load line says them (with the prepared int8
         weights' status where it uses them)."""
-        line = self.kernel_plan.summary()
-        return f"{line}; {self.prepared.status}" if self.prepared is not None else line
+        line, prepared = self.kernel_plan.summary(), self.loaded.prepared
+        return f"{line}; {prepared.status}" if prepared is not None else line
 
     def compile_use_report(self) -> str | None:
         """With a compiled backend: how many buckets were loaded and compiled in this run."""

@@ -16,6 +16,7 @@ from mmcli.inputs.images import ImageProcessorConfig, image_processor_config
 from mmcli.inputs.video import VideoSampling
 from mmcli.models.config import ModelConfig
 from mmcli.weights.hub import local_checkpoint, read_config, resolve_model
+from mmcli.weights.precision import Precision, run_precision
 
 if TYPE_CHECKING:
     import torch
@@ -40,20 +41,19 @@ class Run:
     image_cfg: ImageProcessorConfig  # the checkpoint's preprocessor under the pixel budget
     backend: str
     device: str
-    precision: dict  # weights, loaded, compute, products, quantize (see weights/precision.py)
+    precision: Precision
 
 
-@dataclass
+@dataclass(frozen=True)
 class Loaded:
+    """What loading a run made; the run itself (its settings, paths and precision) is held, not
+    copied."""
+
     run: Run
-    path: Path
-    config: Config
     model: nn.Module
     runner: ModelRunner
     prompts: PromptBuilder
-    image_cfg: ImageProcessorConfig
     video_sampling: VideoSampling
-    precision: dict
     stop_ids: frozenset[int]
     graphs: CompiledGraphs | None
     kernel_plan: KernelPlan
@@ -77,7 +77,6 @@ def resolve_run(cfg: Config, path: Path | None = None) -> Run:
     """The run of `cfg` (a backend that cannot run is refused first); `path`: the checkpoint
     directory where it is known, else the local one the model setting names, if any."""
     from mmcli.kernels import cpu_features
-    from mmcli.weights.precision import run_precision
 
     backend = resolve_backend(cfg.compile.backend)
     path = path or local_checkpoint(cfg.model)
@@ -97,10 +96,7 @@ def resolve_run(cfg: Config, path: Path | None = None) -> Run:
 def load_description(run: Run) -> str:
     """What is about to load, for the status line: the model, its size, the device, the
     precision."""
-    cfg, precision = run.config, run.precision
-    dtype = f"{precision['weights']} weights, {precision['compute']} compute"
-    if precision["products"] != precision["compute"]:
-        dtype += f" ({precision['products']} products)"
+    cfg, dtype = run.config, run.precision.describe()
     if run.path is None:
         return f"{cfg.model} (not downloaded yet) on {run.device}, {dtype}"
     size = sum(f.stat().st_size for f in run.path.glob("*.safetensors"))
@@ -125,14 +121,13 @@ def load(run: Run) -> Loaded:
     from mmcli.compiled.graphs import CompiledGraphs
     from mmcli.engine.runner import ModelRunner
     from mmcli.inputs.prompt import PromptBuilder
-    from mmcli.weights.precision import torch_dtype
 
     if run.path is None:  # a hub id: fetched now, and its files read once
         run = resolve_run(run.config, resolve_model(run.config.model))
     cfg, path, model_cfg = run.config, run.path, run.model_config
     check_backend(run, cfg.quantize, model_cfg)
     model, kernel_plan, prepared, device = _load_model(run)
-    compute = torch_dtype(run.precision["compute"])
+    compute = run.precision.compute_dtype
     graphs = None
     if run.backend != "eager":
         graphs = CompiledGraphs.for_run(run.backend, cfg, model_cfg, compute, device)
@@ -144,14 +139,10 @@ def load(run: Run) -> Loaded:
     )
     return Loaded(
         run=run,
-        path=path,
-        config=cfg,
         model=model,
         runner=runner,
         prompts=prompts,
-        image_cfg=image_cfg,
         video_sampling=VideoSampling.from_checkpoint(path, cfg.video, image_cfg.max_pixels),
-        precision=run.precision,
         stop_ids=stop_ids(path, prompts),
         graphs=graphs,
         kernel_plan=kernel_plan,
@@ -166,16 +157,15 @@ def _load_model(run: Run):
 
     from mmcli.weights.checkpoint import load_weights
     from mmcli.weights.loader import build_model, prepare
-    from mmcli.weights.precision import torch_dtype
     from mmcli.weights.prepared import PreparedWeights
 
-    cfg = run.config
+    cfg, precision = run.config, run.precision
     weights = load_weights(
         run.path,
         run.model_config,
-        torch_dtype(run.precision["compute"]),
-        torch_dtype(run.precision["loaded"]),
-        int4=cfg.quantize == "int4",
+        precision.compute_dtype,
+        precision.loaded_dtype,
+        int4=precision.quantize == "int4",
     )
     kernel_plan = choose_kernels(run, run.model_config)
     prepared = None
@@ -186,7 +176,7 @@ def _load_model(run: Run):
     return model, kernel_plan, prepared, device
 
 
-def choose_kernels(plan: Run, model_cfg: ModelConfig | None) -> KernelPlan:
+def choose_kernels(run: Run, model_cfg: ModelConfig | None) -> KernelPlan:
     """The kernel plan of this run (kernels/plan.py); without the model's config (not on disk
     yet), a dense decoder's whose layers all fuse."""
     from mmcli.kernels.plan import RunShape, choose
@@ -194,13 +184,14 @@ def choose_kernels(plan: Run, model_cfg: ModelConfig | None) -> KernelPlan:
 
     text = model_cfg.text if model_cfg is not None else None
     fam = family_of(model_cfg) if model_cfg is not None else None
+    precision = run.precision
     shape = RunShape(
-        device=plan.device,
-        backend=plan.backend,
-        compute=plan.precision["compute"],
-        loaded=plan.precision["loaded"],
-        quantize=plan.precision["quantize"],
-        products=plan.precision["products"],
+        device=run.device,
+        backend=run.backend,
+        compute=precision.compute,
+        loaded=precision.loaded,
+        quantize=precision.quantize,
+        products=precision.products,
         hybrid=fam is not None and fam.hybrid(text),
         sparse=fam is not None and fam.sparse(text),
         fusable_decode=fam is None or fam.fusable_decode(text),
@@ -208,17 +199,17 @@ def choose_kernels(plan: Run, model_cfg: ModelConfig | None) -> KernelPlan:
     return choose(shape)
 
 
-def check_backend(plan: Run, quantize: str, model_cfg) -> None:
+def check_backend(run: Run, quantize: str, model_cfg) -> None:
     """What this run's device and backend cannot run, refused before the weights are read: the
     quantized forms off the CPU's eager backend, a family on a backend it has no graphs for."""
     if quantize == "int4":
-        check_int4(plan)
-    if quantize == "int8" and (plan.device != "cpu" or plan.backend != "eager"):
+        check_int4(run)
+    if quantize == "int8" and (run.device != "cpu" or run.backend != "eager"):
         raise ConfigError(
             "quantize int8 runs on the CPU with the eager backend; this run has device "
-            f"{plan.device}, backend {plan.backend}"
+            f"{run.device}, backend {run.backend}"
         )
-    check_family_backend(model_cfg, plan.backend)
+    check_family_backend(model_cfg, run.backend)
 
 
 def check_family_backend(model_cfg, backend: str) -> None:
@@ -232,15 +223,15 @@ def check_family_backend(model_cfg, backend: str) -> None:
         )
 
 
-def check_int4(plan: Run) -> None:
+def check_int4(run: Run) -> None:
     """`quantize: int4` runs on the CPU with the eager backend (torch's int4 CPU kernels): refused
     otherwise, before anything is read."""
     from mmcli.models.layers.quantized import can_int4
 
-    if plan.device != "cpu" or plan.backend != "eager" or not can_int4():
+    if run.device != "cpu" or run.backend != "eager" or not can_int4():
         raise ConfigError(
             "quantize int4 runs on the CPU with the eager backend (torch's int4 CPU kernels); "
-            f"this run has device {plan.device}, backend {plan.backend}, the kernels "
+            f"this run has device {run.device}, backend {run.backend}, the kernels "
             f"{'present' if can_int4() else 'missing in this torch'}"
         )
 

@@ -16,7 +16,7 @@ from mmcli.kernels import cpu, cpu_features, measure
 def plan_table(run: Run) -> Table:
     plan = choose_kernels(run, run.model_config)
     shown = str(run.path) if run.path else f"{run.config.model} (not on disk: a dense model's plan)"
-    precision = ", ".join(f"{k} {v}" for k, v in run.precision.items() if k != "loaded")
+    precision = ", ".join(f"{k} {v}" for k, v in run.precision.record().items())
     table = Table(title=f"kernel plan: {shown}; {precision}", title_justify="left")
     for column in ("work", "kernel", "why"):
         table.add_column(column, overflow="fold")

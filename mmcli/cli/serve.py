@@ -9,10 +9,14 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmcli.config import Config
 from mmcli.errors import ConfigError, MmcliError
 from mmcli.hosts import is_loopback, serving_hosts
+
+if TYPE_CHECKING:
+    from mmcli.api.labeler import Labeler
 
 
 @dataclass
@@ -95,10 +99,10 @@ def serve(cfg: Config, options: ServeOptions) -> None:
         raise EngineGaveUp(f"stopping: {service.failure}")
 
 
-def _announce(labeler, settings, options: ServeOptions) -> None:
+def _announce(labeler: Labeler, settings, options: ServeOptions) -> None:
     print(
         f"mmcli: serving {settings.served_model} at http://{options.host}:{options.port}/v1 "
-        f"({labeler.precision['weights']} weights, {labeler.precision['compute']} compute; "
+        f"({labeler.precision.weights} weights, {labeler.precision.compute} compute; "
         f"{labeler.kernels})",
         file=sys.stderr,
         flush=True,

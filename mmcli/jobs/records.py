@@ -8,10 +8,13 @@ import os
 import stat
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from mmcli.errors import ConfigError, OutputError, OutputLocked
 from mmcli.inputs.sources import ParquetCell, TarMember, container_file, file_facts
+
+if TYPE_CHECKING:
+    from mmcli.api.labeler import Labeler
 
 # 2: tasks (the task name in `task`; `json`, `boxes`, `raw_text` where a task gives them)
 SCHEMA = 2
@@ -77,7 +80,9 @@ def make_record(
     return record
 
 
-def labeled_record(labeler, result, *, sampling: dict, extra: dict | None = None, **fields) -> dict:
+def labeled_record(
+    labeler: Labeler, result, *, sampling: dict, extra: dict | None = None, **fields
+) -> dict:
     """The record of a Labeler's result (caption's, ask's, a Ray actor's): make_record's, with the
     model, the precision and the kernels of the run that made it."""
     return make_record(
@@ -86,7 +91,7 @@ def labeled_record(labeler, result, *, sampling: dict, extra: dict | None = None
         model_revision=labeler.revision,
         sampling=sampling,
         extra={
-            "precision": labeler.precision,
+            "precision": labeler.precision.record(),
             "kernels": labeler.kernel_plan.record(),
             **(extra or {}),
         },

@@ -54,8 +54,8 @@ def label_settings(run: Run) -> dict:
     settings = {
         "schema": SCHEMA,
         "model": model_identity(run),
-        "weights_dtype": precision["weights"],
-        "compute_dtype": precision["compute"],
+        "weights_dtype": precision.weights,
+        "compute_dtype": precision.compute,
         "quantize": cfg.quantize,
         "pixels": [image.min_pixels, image.max_pixels],
     }

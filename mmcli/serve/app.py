@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +29,9 @@ from mmcli.serve.metrics import Metrics
 from mmcli.serve.protocol import APIError, ChatCompletionRequest
 from mmcli.serve.service import EngineService
 
+if TYPE_CHECKING:
+    from mmcli.api.labeler import Labeler
+
 
 @dataclass
 class ServeSettings:
@@ -38,7 +42,9 @@ class ServeSettings:
     limits: Limits = field(default_factory=Limits)
 
 
-def create_app(labeler, service: EngineService, settings: ServeSettings, log=None) -> FastAPI:
+def create_app(
+    labeler: Labeler, service: EngineService, settings: ServeSettings, log=None
+) -> FastAPI:
     app = FastAPI(title="mmcli", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = service.metrics or Metrics()
     service.metrics = metrics
@@ -197,7 +203,7 @@ class Watch:
             raise ClientGone
 
 
-async def answer(labeler, service, job, handles, watch: Watch):
+async def answer(labeler: Labeler, service, job, handles, watch: Watch):
     """The whole response once every choice has finished; a client gone (499, logged) or a
     deadline passed cancels its choices."""
     finished = []
@@ -214,7 +220,7 @@ async def answer(labeler, service, job, handles, watch: Watch):
     return response_of(labeler, job, finished)
 
 
-async def stream_events(labeler, service, job, handles, include_usage: bool, watch: Watch):
+async def stream_events(labeler: Labeler, service, job, handles, include_usage: bool, watch: Watch):
     """Server-sent events: a role chunk, the text as it comes per choice (stop strings cut),
     each choice's finish, usage where asked, then [DONE]; a failure is an error event before
     [DONE]; a client gone cancels its choices."""
@@ -240,7 +246,7 @@ async def stream_events(labeler, service, job, handles, include_usage: bool, wat
     yield "data: [DONE]\n\n"
 
 
-def _last_chunk(labeler, job, index: int, done) -> dict:
+def _last_chunk(labeler: Labeler, job, index: int, done) -> dict:
     final = choice_of(labeler, job, index, done)
     delta = {}
     if "reasoning_content" in final["message"]:

@@ -11,6 +11,7 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -18,6 +19,9 @@ from mmcli.errors import ConfigError, OutputError
 from mmcli.serve.chat import Limits, build_job, response_of
 from mmcli.serve.media import MediaPolicy
 from mmcli.serve.protocol import APIError, ChatCompletionRequest
+
+if TYPE_CHECKING:
+    from mmcli.api.labeler import Labeler
 
 URL = "/v1/chat/completions"
 
@@ -134,7 +138,9 @@ def output_line(line: BatchLine, status: int | None, body: dict | None) -> dict:
     }
 
 
-async def run_lines(labeler, service, lines, policy: MediaPolicy, write, window: int) -> None:
+async def run_lines(
+    labeler: Labeler, service, lines, policy: MediaPolicy, write, window: int
+) -> None:
     """The lines through the engine (it batches them), at most `window` in flight, each written
     as it finishes; whatever fails a line is that line's answer."""
     loop = asyncio.get_running_loop()

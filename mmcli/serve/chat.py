@@ -11,6 +11,7 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 
@@ -23,6 +24,9 @@ from mmcli.serve.admission import DECODE_BYTES_PER_PIXEL, MediaBudget, image_pix
 from mmcli.serve.media import MediaPolicy
 from mmcli.serve.protocol import APIError, ChatCompletionRequest
 from mmcli.tasks import QUESTION_TASK
+
+if TYPE_CHECKING:
+    from mmcli.api.labeler import Labeler
 
 
 @dataclass
@@ -53,7 +57,7 @@ class ChatJob:
 
 
 def build_job(
-    labeler,
+    labeler: Labeler,
     body: ChatCompletionRequest,
     policy: MediaPolicy,
     limits: Limits,
@@ -75,12 +79,12 @@ def build_job(
     prepared = _prepared(labeler, refs, policy, budget, job)
     for choice in range(body.n):
         try:
-            request = labeler.requests.build_messages(
+            request = labeler.chat_request(
                 f"{key}-{choice}",
                 prepared,
                 messages,
-                sampling,
-                job.prompts,
+                sampling=sampling,
+                prompts=job.prompts,
                 # seeded as `ask` is for the same question: the same sampled answer
                 seed_key="ask" if choice == 0 else f"ask-{choice}",
                 task=QUESTION_TASK,
@@ -97,7 +101,7 @@ def build_job(
     return job
 
 
-def _prepared(labeler, refs: list[MediaRef], policy: MediaPolicy, budget, job: ChatJob):
+def _prepared(labeler: Labeler, refs: list[MediaRef], policy: MediaPolicy, budget, job: ChatJob):
     """The media fetched and decoded one at a time, in order, each reserving its bytes and its
     decoded size (from its header) in the media budget first and giving them back once it is
     patchified: a request holds one medium's reservation at a time, so none waits on itself."""
@@ -115,23 +119,23 @@ def _prepared(labeler, refs: list[MediaRef], policy: MediaPolicy, budget, job: C
             if hold is not None:
                 hold.reserve(decoded, ref.where)
             try:
-                prepared.extend(labeler.requests.prepare_in_order([(ref.kind, received)]))
+                prepared.extend(labeler.prepare_media([(ref.kind, received)]))
             except ImageError as e:
                 raise APIError(400, str(e), "messages") from None
     return prepared
 
 
-def _probe(labeler, received, where: str) -> tuple[int, int, int]:
+def _probe(labeler: Labeler, received, where: str) -> tuple[int, int, int]:
     try:
-        return probe_video(received, labeler.requests.video_sampling)
+        return probe_video(received, labeler.video_sampling)
     except ImageError as e:
         raise APIError(400, f"{where}: {received.name}: {e}", where) from None
 
 
-def _video_bytes(labeler, height: int, width: int) -> int:
+def _video_bytes(labeler: Labeler, height: int, width: int) -> int:
     """A video's decoding holds one full-size frame at a time and its frames resized to the
     run's budget over all of them (inputs/video.py)."""
-    resized = labeler.requests.video_sampling.max_pixels * 4
+    resized = labeler.video_sampling.max_pixels * 4
     return height * width * DECODE_BYTES_PER_PIXEL + resized
 
 
@@ -144,13 +148,11 @@ def check_supported(body: ChatCompletionRequest) -> None:
         raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
 
 
-def _prompts(labeler, body: ChatCompletionRequest):
+def _prompts(labeler: Labeler, body: ChatCompletionRequest):
     """The run's prompt builder, thinking as the request's chat_template_kwargs or
     reasoning_effort say (the server's --thinking by default)."""
-    if body.thinking is None:
-        return labeler.prompts
     try:
-        return labeler.prompts.with_thinking(body.thinking)
+        return labeler.prompt_builder(body.thinking)
     except ConfigError as e:
         name = "reasoning_effort" if body.chat_template_kwargs is None else "chat_template_kwargs"
         raise APIError(400, f"{name}: {e}", name) from None
@@ -216,7 +218,7 @@ def sampling_of(
     return replace(base, **{k: v for k, v in given.items() if v is not None})
 
 
-def _grammar(labeler, body: ChatCompletionRequest, reasoning_end: int | None):
+def _grammar(labeler: Labeler, body: ChatCompletionRequest, reasoning_end: int | None):
     """The JSON grammar a response_format asks for, compiled once per schema (None for text)."""
     form = body.response_format
     if form is None or form.type == "text":
@@ -238,7 +240,7 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     return (text[: min(cuts)], True) if cuts else (text, False)
 
 
-def choice_of(labeler, job: ChatJob, index: int, done) -> dict:
+def choice_of(labeler: Labeler, job: ChatJob, index: int, done) -> dict:
     """One choice of the response, from a finished sequence."""
     reasoning, text, _ = job.prompts.split_reasoning(done.token_ids)
     text, stopped = cut_at_stop(text, job.stops)
@@ -252,7 +254,7 @@ def choice_of(labeler, job: ChatJob, index: int, done) -> dict:
     return choice
 
 
-def token_logprobs(labeler, done) -> list[dict]:
+def token_logprobs(labeler: Labeler, done) -> list[dict]:
     """OpenAI's logprobs.content: each token's text, log-probability and bytes, and the most
     likely tokens at its step where the request asked for them."""
     tops = done.top_logprobs or [[] for _ in done.token_ids]
@@ -262,8 +264,8 @@ def token_logprobs(labeler, done) -> list[dict]:
     ]
 
 
-def _token(labeler, token_id: int, logprob: float) -> dict:
-    piece = labeler.prompts.tokenizer.decode([token_id], skip_special_tokens=False)
+def _token(labeler: Labeler, token_id: int, logprob: float) -> dict:
+    piece = labeler.token_text(token_id)
     return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
 
@@ -277,7 +279,7 @@ def usage_of(finished: list) -> dict:
     }
 
 
-def response_of(labeler, job: ChatJob, finished: list) -> dict:
+def response_of(labeler: Labeler, job: ChatJob, finished: list) -> dict:
     return {
         "id": job.id,
         "object": "chat.completion",

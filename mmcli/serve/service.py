@@ -15,8 +15,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mmcli.serve.protocol import APIError
+
+if TYPE_CHECKING:
+    from mmcli.api.labeler import Labeler
 
 
 class Handle:
@@ -47,7 +51,7 @@ class Admission:
 
 
 class EngineService:
-    def __init__(self, labeler, max_queue: int = 64, metrics=None, max_failures: int = 3):
+    def __init__(self, labeler: Labeler, max_queue: int = 64, metrics=None, max_failures: int = 3):
         self.labeler, self.max_queue, self.metrics = labeler, max_queue, metrics
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.handles: dict[str, Handle] = {}
@@ -145,7 +149,7 @@ class EngineService:
         while not self.closing.is_set() or not self.inbox.empty():
             self.taken = set()
             try:
-                for done in self.labeler.engine.generate(self._incoming(), self._token):
+                for done in self.labeler.generate(self._incoming(), self._token):
                     self.taken.discard(done.key)
                     with self.lock:
                         handle = self.handles.pop(done.key, None)

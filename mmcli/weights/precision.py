@@ -3,6 +3,8 @@ checkpoint's dtype and the device (torch-free but for `torch_dtype`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mmcli.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -51,6 +53,39 @@ def resolve_products(dtype: str, compute: str, loaded: str, bf16_matrix: bool) -
     return compute
 
 
+@dataclass(frozen=True)
+class Precision:
+    """The precisions a run holds and computes in, decided once (api.loader.resolve_run)."""
+
+    weights: str  # as held: the dtype loaded, or int8 / int4 once quantized
+    loaded: str  # the dtype the checkpoint's matrices are read into
+    compute: str  # activations and accumulation
+    products: str  # the matrix products' operands
+    quantize: str  # none, int8 or int4
+
+    def record(self) -> dict[str, str]:
+        """As records carry it (`precision`): what ran, not how it was read."""
+        return {
+            "weights": self.weights,
+            "compute": self.compute,
+            "products": self.products,
+            "quantize": self.quantize,
+        }
+
+    def describe(self) -> str:
+        """For status lines: "bfloat16 weights, float32 compute (bfloat16 products)"."""
+        text = f"{self.weights} weights, {self.compute} compute"
+        return text + (f" ({self.products} products)" if self.products != self.compute else "")
+
+    @property
+    def compute_dtype(self):
+        return torch_dtype(self.compute)
+
+    @property
+    def loaded_dtype(self):
+        return torch_dtype(self.loaded)
+
+
 def run_precision(
     dtype: str,
     weights_dtype: str,
@@ -58,18 +93,16 @@ def run_precision(
     checkpoint_dtype: str,
     device_type: str,
     bf16_matrix: bool = False,
-) -> dict:
-    """The precisions a run holds and computes in, as records name them: weights (as loaded;
-    `int8` once quantized), compute (activations and accumulation), products (the matrix
-    products' operands) and the quantization. `bf16_matrix`: the CPU multiplies bfloat16 in
-    hardware (kernels/cpu_features.py)."""
+) -> Precision:
+    """The settings' dtype, weights_dtype and quantize resolved for this checkpoint and device.
+    `bf16_matrix`: the CPU multiplies bfloat16 in hardware (kernels/cpu_features.py)."""
     compute = resolve_dtype(dtype, checkpoint_dtype, device_type)
     loaded = resolve_weights_dtype(weights_dtype, compute, dtype, checkpoint_dtype, device_type)
     cpu_bf16 = bf16_matrix and device_type == "cpu"
-    return {
-        "weights": quantize if quantize in ("int8", "int4") else loaded,
-        "loaded": loaded,
-        "compute": compute,
-        "products": resolve_products(dtype, compute, loaded, cpu_bf16),
-        "quantize": quantize,
-    }
+    return Precision(
+        weights=quantize if quantize in ("int8", "int4") else loaded,
+        loaded=loaded,
+        compute=compute,
+        products=resolve_products(dtype, compute, loaded, cpu_bf16),
+        quantize=quantize,
+    )
