@@ -72,6 +72,10 @@ class Labeler:
         return self.loaded.graphs
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.loaded.stop_ids
+
+    @property
     def kernel_plan(self) -> KernelPlan:
         return self.loaded.kernel_plan
 
