@@ -43,17 +43,16 @@ def vector_units(monkeypatch):
     products), where `dtype: auto` computes in float32 end to end."""
     from mmcli.kernels import cpu_features
 
-    real = cpu_features.detect()
-    vector = real.units - {"amx_bf16", "amx_int8", "avx512_bf16", "bf16", "i8mm"}
-    forced = dataclasses.replace(real, units=vector, overridden=True)
-    monkeypatch.setattr(cpu_features, "detect", lambda: forced)
+    vector = cpu_features.real_units() - {"amx_bf16", "amx_int8", "avx512_bf16", "bf16", "i8mm"}
+    monkeypatch.setenv("MMCLI_CPU_FEATURES", ",".join(sorted(vector)) or "none")
 
 
 def with_cpu_kernels(module, compute="float32", loaded="bfloat16", quantize="none"):
     """`module` with the kernels the kernel plan of an eager CPU run installs in its layers."""
+    from mmcli.kernels.machine import here
     from mmcli.kernels.plan import RunShape, choose, install
 
-    install(choose(RunShape("cpu", "eager", compute, loaded, quantize)), module)
+    install(choose(RunShape("cpu", "eager", compute, loaded, quantize), here()), module)
     return module
 
 

@@ -111,12 +111,9 @@ def test_caption_help_shows_the_install_extra():
     [({"avx2", "fma"}, "bf16_linear.c"), ({"avx2", "fma", "amx_bf16"}, "oneDNN bfloat16 (AMX)")],
 )
 def test_doctor_prints_the_units_the_peaks_and_the_plan(monkeypatch, units, upcast):
-    import dataclasses
+    from mmcli.kernels import cpu
 
-    from mmcli.kernels import cpu, cpu_features
-
-    forced = dataclasses.replace(cpu_features.detect(), units=frozenset(units), overridden=True)
-    monkeypatch.setattr(cpu_features, "detect", lambda: forced)
+    monkeypatch.setenv("MMCLI_CPU_FEATURES", ",".join(sorted(units)))
     monkeypatch.setenv("COLUMNS", "250")  # Rich's table, unwrapped
     # the default model, not downloaded: a dense model's plan (nothing is fetched)
     result = CliRunner().invoke(app, ["doctor"])

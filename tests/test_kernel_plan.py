@@ -5,10 +5,11 @@ import dataclasses
 
 import pytest
 
-from mmcli.kernels import cpu, cpu_features, cpu_ops
+from mmcli.kernels import cpu, cpu_features, cpu_ops, machine
 from mmcli.kernels.attention import bounded_attention
 from mmcli.kernels.fused_decode import FusedDecode
-from mmcli.kernels.plan import NONE, RunShape, choose
+from mmcli.kernels.machine import Crossover, Machine, comparisons
+from mmcli.kernels.plan import NONE, PACKED, RunShape, choose
 
 DEFAULT = RunShape("cpu", "eager", "float32", "bfloat16", "none", fusable_decode=True)
 needs_kernels = pytest.mark.skipif(
@@ -16,44 +17,56 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
-@needs_kernels
+def vector_machine(build: str = "AVX2") -> Machine:
+    """This CPU as an AVX2 one with our `build`, ours winning every comparison."""
+    units = dataclasses.replace(cpu_features.detect(), units=frozenset({"avx2", "fma"}))
+    ours = {name: Crossover(None, "ours (by hand)") for name in comparisons(units, build)}
+    return Machine(units, build, crossovers=ours)
+
+
 def test_the_default_cpu_run_takes_our_kernels_for_every_kind_of_work():
-    plan = choose(DEFAULT)
+    plan = choose(DEFAULT, vector_machine())
     ours = {"upcast", "attention", "norm", "rotary", "swiglu", "decode_step"}
     assert all(plan.choices()[work].install is not None for work in ours)
-    assert plan.record()["norm"] == "rms_norm.c" and plan.record()["build"] == cpu.name()
+    assert plan.record()["norm"] == "rms_norm.c" and plan.record()["build"] == "AVX2"
     assert plan.int8 is NONE and plan.experts is NONE and plan.delta_rule is NONE
     assert "int8" not in plan.record() and "decode_step decode_layer.c" in plan.summary()
 
 
-def test_without_our_kernels_every_layer_keeps_torch(monkeypatch):
-    monkeypatch.setattr(cpu, "load", lambda: (None, "MMCLI_CPU_KERNEL=0"))
-    plan = choose(DEFAULT)
+def test_without_our_kernels_every_layer_keeps_torch():
+    units = vector_machine().cpu
+    none = Machine(units, "", "MMCLI_CPU_KERNEL=0", {"int4_tiles": Crossover(None, "")})
+    plan = choose(DEFAULT, none)
     assert plan.build == "none (MMCLI_CPU_KERNEL=0)"
     assert all(c.install is None for w, c in plan.choices().items() if w != "vision_blocks")
-    assert plan.upcast.kernel == "chunks" and plan.decode_step.kernel == "layer by layer"
+    assert plan.upcast.id == "chunks" and plan.decode_step.id == "layer_by_layer"
 
 
 @pytest.mark.parametrize("backend", ["inductor", "neuron"])
 def test_compiled_graphs_trace_torch_operations(backend):
-    plan = choose(RunShape("cpu", backend, "float32", "float32", "none"))
-    assert {plan.norm.kernel, plan.attention.kernel, plan.rotary.kernel} == {"torch"}
-    assert plan.linears.kernel == "as loaded" and plan.decode_step.install is None
+    plan = choose(RunShape("cpu", backend, "float32", "float32", "none"), vector_machine())
+    assert {plan.norm.id, plan.attention.id, plan.rotary.id} == {"torch"}
+    assert plan.linears.id == "as_loaded" and plan.decode_step.install is None
     if backend == "inductor":  # neuron's kernel needs torch-neuronx to be installed
         assert plan.vision_blocks.install(None) is bounded_attention
 
 
-@needs_kernels
-def test_quantized_runs_keep_the_upcast_kernel_for_the_matrices_left_as_loaded(monkeypatch):
-    monkeypatch.setenv("MMCLI_CPU_PREFER", "ours")  # whatever this machine measured
-    vector = dataclasses.replace(cpu_features.detect(), units=frozenset({"avx2", "fma"}))
-    int8 = choose(
-        RunShape("cpu", "eager", "float32", "bfloat16", "int8", hybrid=True, features=vector)
-    )
+def test_quantized_runs_keep_the_upcast_kernel_for_the_matrices_left_as_loaded():
+    shape = dataclasses.replace(DEFAULT, quantize="int8", hybrid=True, fusable_decode=False)
+    int8 = choose(shape, vector_machine())
     assert int8.int8.install(None) is cpu_ops.int8_matmul and int8.upcast.install is not None
-    assert int8.linears.kernel == "int8" and int8.delta_rule.kernel == "PyTorch"
-    int4 = choose(RunShape("cpu", "eager", "float32", "bfloat16", "int4", sparse=True))
-    assert int4.upcast.install is not None and int4.experts.kernel == "grouped loop"
+    assert int8.linears.id == "int8" and int8.delta_rule.id == "pytorch"
+    shape = dataclasses.replace(DEFAULT, quantize="int4", sparse=True, fusable_decode=False)
+    int4 = choose(shape, vector_machine())
+    assert int4.upcast.install is not None and int4.experts.id == "grouped_loop"
+
+
+def test_a_gpu_run_is_planned_without_building_or_measuring(monkeypatch):
+    monkeypatch.setattr(cpu, "load", None)
+    off = machine.for_device("cuda")
+    assert not off.build and not off.crossovers
+    plan = choose(dataclasses.replace(DEFAULT, device="cuda", compute="bfloat16"), off)
+    assert plan.build == "none (not on the CPU)" and plan.norm.id == "torch"
 
 
 @needs_kernels
@@ -66,12 +79,13 @@ def test_a_loaded_run_holds_its_plan_and_its_layers_the_plans_kernels(tiny_dir, 
     )
     decoder = labeler.model.language_model
     products = labeler.precision.products  # bfloat16 where the CPU multiplies it
-    assert labeler.kernel_plan == choose(dataclasses.replace(DEFAULT, products=products))
+    here = machine.here()
+    assert labeler.kernel_plan == choose(dataclasses.replace(DEFAULT, products=products), here)
     assert decoder.layers[0].input_layernorm.kernel is cpu_ops.rms_norm
     assert decoder.layers[0].self_attn.rotary.kernel is cpu_ops.rotary
     assert decoder.layers[0].mlp.act.kernel is cpu_ops.silu_times
     assert isinstance(decoder.kernel, FusedDecode)
     assert labeler.kernels == labeler.kernel_plan.summary()
     float32 = Labeler.from_pretrained(str(tiny_dir), dtype="float32", device="cpu")
-    assert float32.kernel_plan.linears.kernel == "packed float32 (oneDNN)"
+    assert float32.kernel_plan.linears.id == PACKED
     assert float32.model.language_model.kernel is None  # decode_layer.c reads bfloat16 weights

@@ -1,19 +1,21 @@
 """The CPU's matrix engines: the units read from /proc/cpuinfo or forced, the precision `auto`
-resolves to from them, the plan's choice among ours and the library's kernels (features forced,
-measurements faked), the library kernels' numbers against float32 on any CPU (oneDNN runs
+resolves to from them, the plan's choice among ours and the library's kernels (machines built
+by hand), the library kernels' numbers against float32 on any CPU (oneDNN runs
 bfloat16 and int8 everywhere), and, where the CPU has AMX, that oneDNN runs on it."""
 
 import dataclasses
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import assert_same_choices, forced_logits, greedy, photo
 
-from mmcli.kernels import cpu, cpu_features, cpu_ops, matrix, measure
+from mmcli.kernels import attention, cpu, cpu_features, cpu_ops, matrix, measure
 from mmcli.kernels import experts as experts_module
+from mmcli.kernels.machine import Crossover, Machine, comparisons
 from mmcli.kernels.plan import INT8_OURS, ONEDNN_INT8, RunShape, choose
 from mmcli.models.layers.quantized import int4_linear, int8_reference
 from mmcli.weights.int4 import int4_values, quantize_int4
@@ -39,7 +41,14 @@ SHAPE = RunShape("cpu", "eager", "float32", "bfloat16", "none", fusable_decode=T
 
 def shape_on(cpu_units: cpu_features.CpuFeatures, **fields) -> RunShape:
     products = "bfloat16" if cpu_units.bf16_matrix() else "float32"
-    return dataclasses.replace(SHAPE, products=products, features=cpu_units, **fields)
+    return dataclasses.replace(SHAPE, products=products, **fields)
+
+
+def machine(units: cpu_features.CpuFeatures, build: str = "AVX2", above: int | None = None):
+    """A machine with `units` and our `build`, every comparison it consults measured with the
+    library's kernel winning above `above` rows (None: ours everywhere)."""
+    measured = {name: Crossover(above, "measured (by hand)") for name in comparisons(units, build)}
+    return Machine(units, build, crossovers=measured)
 
 
 def test_the_units_are_read_from_cpuinfo_for_x86_and_aarch64():
@@ -53,14 +62,10 @@ def test_the_units_are_read_from_cpuinfo_for_x86_and_aarch64():
 
 def test_the_override_replaces_the_cpus_units_and_names_an_unknown_one(monkeypatch):
     monkeypatch.setenv("MMCLI_CPU_FEATURES", "amx_bf16, avx2")
-    cpu_features.detect.cache_clear()
-    try:
-        forced = cpu_features.detect()
-        assert forced.units == {"amx_bf16", "avx2"} and forced.overridden
-        assert "from MMCLI_CPU_FEATURES" in forced.describe()
-        assert not cpu.has_vnni()  # our C kernels never take a unit from the override
-    finally:
-        cpu_features.detect.cache_clear()
+    forced = cpu_features.detect()
+    assert forced.units == {"amx_bf16", "avx2"} and forced.overridden
+    assert "from MMCLI_CPU_FEATURES" in forced.describe()
+    assert not cpu.has_vnni()  # our C kernels never take a unit from the override
     assert cpu_features.parse_override("none") == frozenset()
     with pytest.raises(ValueError, match="unknown unit.*amx_fp16"):
         cpu_features.parse_override("amx_fp16")
@@ -90,90 +95,101 @@ def test_crossover_is_where_the_library_wins_by_the_margin_from_there_on():
     assert measure.crossover({8: (100, 200), 16: (100, 90)}) is None
 
 
-@needs_kernels
 def test_an_avx2_cpu_keeps_todays_kernels_and_float32_products():
-    plan = choose(shape_on(AVX2))
-    assert plan == choose(SHAPE)
+    plan = choose(shape_on(AVX2), machine(AVX2))
+    assert plan == choose(SHAPE, machine(AVX2))
     assert plan.upcast.install(None) is cpu_ops.bf16_matmul
-    assert plan.attention.kernel == "attention.c"
+    assert plan.attention.id == "attention.c" and plan.build == "AVX2"
 
 
-@needs_kernels
-def test_amx_takes_onednn_above_the_few_rows_kernel_without_measuring(monkeypatch):
-    def measured(name, again=False):
-        assert name == "attention", f"measured {name} where the features decide"
-        return fake(name, ours=True)
-
-    monkeypatch.setattr(measure, "measured", measured)
-    monkeypatch.setattr(cpu, "name", lambda: "AVX-512 VNNI")  # a build without amx.c
-    plan = choose(shape_on(AMX, quantize="int8"))
+def test_amx_takes_onednn_above_the_few_rows_kernel_without_measuring():
+    assert comparisons(AMX, "AVX-512 VNNI") == ("attention", "int4_tiles")
+    plan = choose(shape_on(AMX, quantize="int8"), machine(AMX, "AVX-512 VNNI"))
+    assert plan.upcast.id == "onednn_bf16+bf16_linear.c"
     assert plan.upcast.kernel.startswith("oneDNN bfloat16 (AMX) above 16 rows, bf16_linear.c")
-    assert plan.vision_int8.kernel == ONEDNN_INT8
+    assert plan.vision_int8.id == ONEDNN_INT8
     assert plan.int8.kernel == f"oneDNN int8 above 64 rows, {INT8_OURS} to 64"
-    assert plan.attention.kernel == "attention.c"  # measured (faked): ours wins
+    assert plan.attention.id == "attention.c"  # measured (by hand): ours wins
 
 
-@needs_kernels
-def test_our_amx_build_puts_the_few_rows_the_logits_and_int8_on_the_tiles(monkeypatch):
-    monkeypatch.setattr(measure, "measured", lambda name, again=False: fake(name, ours=True))
-    monkeypatch.setattr(cpu, "name", lambda: "AMX")
-    plan = choose(shape_on(AMX, quantize="int8"))
+def test_our_amx_build_puts_the_few_rows_the_logits_and_int8_on_the_tiles():
+    amx = machine(AMX, "AMX")
+    assert comparisons(AMX, "AMX") == ("attention",)
+    plan = choose(shape_on(AMX, quantize="int8"), amx)
+    assert plan.upcast.id == "onednn_bf16+amx_tiles"
     assert plan.upcast.kernel == "oneDNN bfloat16 (AMX) above 16 rows, AMX tiles to 16"
-    assert plan.head.kernel.startswith("AMX tiles to 32 rows")
-    assert plan.int8.kernel == plan.vision_int8.kernel == f"{INT8_OURS} on AMX tiles"
-    assert choose(shape_on(AMX, quantize="int4")).int4.kernel.startswith("AMX tiles (the integers")
-    assert choose(shape_on(AMX, fusable_decode=True)).decode_step.kernel == (
-        "decode_layer.c on AMX tiles"
-    )
+    assert plan.head.id == "amx_split" and plan.head.kernel.startswith("AMX tiles to 32 rows")
+    assert plan.int8.id == plan.vision_int8.id == "int8_linear.c+amx_tiles"
+    assert choose(shape_on(AMX, quantize="int4"), amx).int4.id == "amx_int4"
+    assert choose(shape_on(AMX), amx).decode_step.id == "decode_layer.c+amx_tiles"
     # units without AMX (as MMCLI_CPU_FEATURES masks them) keep the vector kernels
-    assert choose(shape_on(AVX2, quantize="int8")).int8.kernel == INT8_OURS
+    masked = machine(AVX2, "AMX")
+    assert not masked.tiles() and "int8_prefill" in masked.crossovers
+    assert choose(shape_on(AVX2, quantize="int8"), masked).int8.id == "int8_linear.c"
 
 
-def fake(name: str, ours: bool) -> dict:
-    """A measurement where ours wins everywhere, or the library above 8 rows."""
-    rates = {4: (100.0, 50.0), 8: (100.0, 80.0), 64: (100.0, 50.0 if ours else 300.0)}
-    units = ["float32", "bfloat16"]
-    return {"kernels": ["ours", "library"], "units": units, "rates": rates}
-
-
-@needs_kernels
 @pytest.mark.parametrize("ours", [True, False])
-def test_avx512_bf16_chooses_by_this_machines_measurement(monkeypatch, ours):
-    monkeypatch.setattr(measure, "measured", lambda name, again=False: fake(name, ours))
-    plan = choose(shape_on(AVX512_BF16, quantize="int8"))
+def test_avx512_bf16_chooses_by_this_machines_measurement(ours):
+    zen4 = machine(AVX512_BF16, "AVX-512 VNNI", above=None if ours else 8)
+    plan = choose(shape_on(AVX512_BF16, quantize="int8"), zen4)
     if ours:
-        assert plan.upcast.kernel == "bf16_linear.c" and plan.attention.kernel == "attention.c"
-        assert plan.vision_int8.kernel == INT8_OURS and plan.int8.kernel == INT8_OURS
+        assert plan.upcast.id == "bf16_linear.c" and plan.attention.id == "attention.c"
+        assert plan.vision_int8.id == plan.int8.id == "int8_linear.c"
     else:
+        assert plan.upcast.id == "onednn_bf16+bf16_linear.c"
         assert plan.upcast.kernel.startswith("oneDNN bfloat16 (AVX-512 BF16) above 8 rows")
-        assert plan.attention.install(None) is matrix.bf16_attention
-        assert plan.vision_int8.kernel == ONEDNN_INT8
+        assert plan.attention.install(None) is attention.bf16_attention
+        assert plan.vision_int8.id == ONEDNN_INT8
         assert plan.int8.kernel == f"oneDNN int8 above 8 rows, {INT8_OURS} to 8"
-    assert "measured here" in plan.upcast.why or ours
+        assert plan.upcast.why == "measured (by hand)"
+
+
+def test_the_plan_is_a_function_of_the_shape_and_the_machine(monkeypatch):
+    """choose() reads no environment, builds nothing and measures nothing: the same shape and
+    machine give the same plan whatever the process around them says."""
+    zen4 = machine(AVX512_BF16, "AVX-512 VNNI", above=8)
+    before = choose(shape_on(AVX512_BF16, quantize="int8"), zen4)
+    for name in ("MMCLI_CPU_FEATURES", "MMCLI_CPU_KERNEL", "MMCLI_CPU_PREFER"):
+        monkeypatch.setenv(name, "0" if name == "MMCLI_CPU_KERNEL" else "none")
+    monkeypatch.setattr(cpu, "load", None)
+    monkeypatch.setattr(measure, "measured", None)
+    assert choose(shape_on(AVX512_BF16, quantize="int8"), zen4) == before
+    from mmcli.kernels import plan as plan_module
+
+    assert "environ" not in Path(plan_module.__file__).read_text()
+    with pytest.raises(KeyError, match="int8_prefill is not measured on this machine"):
+        choose(shape_on(AVX2, quantize="int8"), Machine(AVX2, "AVX2"))
 
 
 @needs_kernels
 @pytest.mark.parametrize("prefer", ["library", "ours"])
 def test_mmcli_cpu_prefer_stands_in_for_every_measurement(monkeypatch, prefer):
+    from mmcli.kernels import machine as machines
+
     monkeypatch.setenv("MMCLI_CPU_PREFER", prefer)
+    monkeypatch.setenv("MMCLI_CPU_FEATURES", ",".join(sorted(AVX512_BF16.units)))
     monkeypatch.setattr(measure, "measured", None)  # never called
-    plan = choose(shape_on(AVX512_BF16, quantize="int8"))
+    here = machines.here()
     library = prefer == "library"
-    assert plan.upcast.kernel.startswith("oneDNN bfloat16") == library
-    assert (plan.attention.kernel == "flash attention bfloat16") == library
-    assert (plan.vision_int8.kernel == ONEDNN_INT8) == library
-    assert choose(shape_on(AVX2, quantize="int4")).int4.kernel.startswith("int4 tiles") == library
+    assert set(here.crossovers) == set(comparisons(here.cpu, here.build))
+    plan = choose(shape_on(AVX512_BF16, quantize="int8"), here)
+    assert (plan.upcast.id == "onednn_bf16+bf16_linear.c") == library
+    assert (plan.attention.id == "flash_bf16") == library
+    assert (plan.vision_int8.id == ONEDNN_INT8) == library
+    int4 = choose(shape_on(AVX2, quantize="int4"), here).int4
+    assert (int4.id == "int4_tiles+torch_int4") == library
+    assert machines.here() is here  # made once for these overrides
 
 
 def test_a_measurement_is_made_once_per_machine_and_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu, "cache_dir", lambda: tmp_path)
     calls = []
     monkeypatch.setitem(measure.COMPARISONS, "peaks", lambda: calls.append(1) or {"int8": 1.0})
-    assert measure.measured("peaks") == measure.measured("peaks") == {"int8": 1.0}
+    key = measure.machine_key(AMX, "AMX")
+    assert measure.measured("peaks", key) == measure.measured("peaks", key) == {"int8": 1.0}
     assert len(calls) == 1 and (tmp_path / measure.STORE).is_file()
-    monkeypatch.setattr(measure, "machine_key", lambda: "another CPU")
-    measure.measured("peaks")
-    measure.measured("peaks", again=True)
+    measure.measured("peaks", measure.machine_key(AMX, "AVX2"))  # another build: measured again
+    measure.measured("peaks", key, again=True)
     assert len(calls) == 3
 
 
@@ -230,19 +246,20 @@ def test_moe_experts_multiply_their_bfloat16_weights_as_held(monkeypatch):
     down = torch.randn(experts, hidden, inner).bfloat16()
     x, chosen = torch.randn(40, hidden), torch.randint(0, experts, (40, 2))
     weights = torch.rand(40, 2)
-    kernel = matrix.bf16_grouped_experts(above=8)
+    kernel = experts_module.bf16_grouped_experts(above=8)
     y = kernel(x, chosen, weights, gate_up, down)
     reference = experts_module.grouped_experts(x, chosen, weights, gate_up, down)
     assert (y - reference).abs().max() <= 3e-2 * reference.abs().max()
     assert kernel(x.double(), chosen, weights, gate_up, down) is None
-    plan = choose(shape_on(AMX, sparse=True, fusable_decode=False))
+    plan = choose(shape_on(AMX, sparse=True, fusable_decode=False), machine(AMX, "AMX"))
+    assert plan.experts.id == "grouped_loop+onednn_bf16"
     assert plan.experts.kernel == "grouped loop, oneDNN bfloat16 above 16 rows"
 
 
 def test_bf16_attention_is_float32s_to_bfloat16_rounding():
     q, k, v = torch.randn(40, 4, 32), torch.randn(40, 2, 32), torch.randn(40, 2, 32)
-    out = matrix.bf16_attention(q, k, v, causal=True)
-    reference = matrix.sdpa_attention(q, k, v, causal=True)
+    out = attention.bf16_attention(q, k, v, causal=True)
+    reference = attention.sdpa_attention(q, k, v, causal=True)
     assert out.dtype == torch.float32 and (out - reference).abs().max() < 3e-2
 
 
@@ -280,7 +297,7 @@ def _loaded(path, units: cpu_features.CpuFeatures, monkeypatch, **settings):
     from mmcli import Labeler
     from mmcli.config import load_config
 
-    monkeypatch.setattr(cpu_features, "detect", lambda: units)
+    monkeypatch.setenv("MMCLI_CPU_FEATURES", ",".join(sorted(units.units)))
     labeler = Labeler.from_pretrained(
         str(path), config=load_config(None, {"device": "cpu", **settings})
     )
@@ -309,7 +326,7 @@ def test_bfloat16_products_keep_the_float32_products_choices(
     vector_run, vector_req, reference = _loaded(bf16_checkpoint, AVX2, monkeypatch, **settings)
     assert matrix_run.precision.products == "bfloat16"
     assert vector_run.precision.products == "float32"
-    assert matrix_run.kernel_plan.upcast.kernel.startswith("oneDNN bfloat16 (AMX)")
+    assert matrix_run.kernel_plan.upcast.id.startswith("onednn_bf16+")
     if quantize == "int8":
         layers = [m for m in matrix_run.model.visual.modules() if hasattr(m, "per_token")]
         # our AMX build reads the weights as stored; elsewhere oneDNN's int8 reads rows

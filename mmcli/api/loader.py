@@ -152,24 +152,27 @@ def load(run: Run) -> Loaded:
 
 def _load_model(run: Run):
     """The model with its weights in the kernel plan's form on the run's device: (model, plan,
-    the prepared int8 file or None, device)."""
+    the prepared int8 file or None, device). The plan is chosen first: the weights are read
+    into its form (int4 as read) and prepared in it (int8, packed float32)."""
     import torch
 
+    from mmcli.kernels.plan import INT4, INT8
     from mmcli.weights.checkpoint import load_weights
     from mmcli.weights.loader import build_model, prepare
     from mmcli.weights.prepared import PreparedWeights
 
     cfg, precision = run.config, run.precision
+    kernel_plan = choose_kernels(run, run.model_config)
+    form = kernel_plan.linears.id
     weights = load_weights(
         run.path,
         run.model_config,
         precision.compute_dtype,
         precision.loaded_dtype,
-        int4=precision.quantize == "int4",
+        int4=form == INT4,
     )
-    kernel_plan = choose_kernels(run, run.model_config)
     prepared = None
-    if cfg.quantize == "int8" and cfg.weights_cache:
+    if form == INT8 and cfg.weights_cache:
         prepared = PreparedWeights(cache_root(cfg.cache_dir), run.path, run.config_bytes)
     device = torch.device(run.device)
     model = prepare(build_model(run.model_config, weights), kernel_plan, device, prepared)
@@ -177,8 +180,9 @@ def _load_model(run: Run):
 
 
 def choose_kernels(run: Run, model_cfg: ModelConfig | None) -> KernelPlan:
-    """The kernel plan of this run (kernels/plan.py); without the model's config (not on disk
-    yet), a dense decoder's whose layers all fuse."""
+    """The kernel plan of this run on this machine (kernels/plan.py); without the model's
+    config (not on disk yet), a dense decoder's whose layers all fuse."""
+    from mmcli.kernels import machine
     from mmcli.kernels.plan import RunShape, choose
     from mmcli.models.registry import family_of
 
@@ -196,7 +200,7 @@ def choose_kernels(run: Run, model_cfg: ModelConfig | None) -> KernelPlan:
         sparse=fam is not None and fam.sparse(text),
         fusable_decode=fam is None or fam.fusable_decode(text),
     )
-    return choose(shape)
+    return choose(shape, machine.for_device(run.device))
 
 
 def check_backend(run: Run, quantize: str, model_cfg) -> None:

@@ -10,7 +10,8 @@ from rich.table import Table
 
 from mmcli.api.loader import Run, choose_kernels, resolve_run
 from mmcli.config import Config
-from mmcli.kernels import cpu, cpu_features, measure
+from mmcli.kernels import measure
+from mmcli.kernels.machine import Machine, here, measure_again
 
 
 def plan_table(run: Run) -> Table:
@@ -26,34 +27,32 @@ def plan_table(run: Run) -> Table:
     return table
 
 
-def rates_table(peaks: dict, again: bool) -> Table:
+def rates_table(machine: Machine, again: bool) -> Table:
     table = Table(title="measured kernels, against their unit's peak", title_justify="left")
     for column in ("comparison", "rows", "kernel", "G(FL)OP/s", "of the peak"):
         table.add_column(column, justify="right" if column in ("rows", "G(FL)OP/s") else "left")
     for name in measure.COMPARISONS:
-        if name in ("peaks", "floors") or (name != "int4_tiles" and cpu.load()[0] is None):
+        if name in ("peaks", "floors") or (name != "int4_tiles" and not machine.build):
             continue
-        result = measure.measured(name, again)
+        result = measure.measured(name, machine.key(), again)
         for rows, pair in result["rates"].items():
             for kernel, unit, rate in zip(result["kernels"], result["units"], pair):
-                share = f"{rate / peaks[unit]:.0%} of {unit}"
+                share = f"{rate / machine.peaks[unit]:.0%} of {unit}"
                 table.add_row(name, str(rows), kernel, f"{rate:.0f}", share)
     return table
 
 
 def doctor(cfg: Config, again: bool) -> None:
     console = Console()
-    features = cpu_features.detect()
-    console.print(f"CPU: {features.describe()}")
+    machine = measure_again() if again else here(floors=True)
+    console.print(f"CPU: {machine.cpu.describe()}")
     console.print(
-        f"bfloat16 products: {features.engine()}; C kernels: {cpu.name() or cpu.load()[1]}"
+        f"bfloat16 products: {machine.cpu.engine()}; C kernels: {machine.describe_build()}"
     )
-    peaks = measure.measured("peaks", again)
-    read = measure.measured("floors", again)["read_gb_s"]
+    peaks = ", ".join(f"{unit} {rate:.0f} G(FL)OP/s" for unit, rate in machine.peaks.items())
     console.print(
-        f"floors: read bandwidth {read:.1f} GB/s; peaks: "
-        + ", ".join(f"{unit} {rate:.0f} G(FL)OP/s" for unit, rate in peaks.items())
-        + f" (measured once, cached in {measure.store_path()})"
+        f"floors: read bandwidth {machine.read_gb_s:.1f} GB/s; peaks: {peaks}"
+        f" (measured once, cached in {measure.store_path()})"
     )
     console.print(plan_table(resolve_run(cfg)))
-    console.print(rates_table(peaks, again))
+    console.print(rates_table(machine, again))

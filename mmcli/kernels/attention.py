@@ -1,6 +1,7 @@
-"""Attention kernels in torch: attention within one range (SDPA), and the packed vision blocks'
-bounded attention, as the fixed-shape reference and as the eager kernel that computes only inside
-the bounds.
+"""Attention kernels in torch: attention within one range (SDPA, and its flash attention on
+bfloat16 q, k, v for runs with bfloat16 products), and the packed vision blocks' bounded
+attention, as the fixed-shape reference and as the eager kernel that computes only inside the
+bounds.
 
 Every block kernel computes what `bounded_attention` defines: per batch row (one block), query row r
 attends to the keys [bound_min[r], bound_max[r]) (its own image's temporal patch) and a padding
@@ -98,3 +99,14 @@ def segment_attention(
                 out[b, r:end] = attend(q[b, r:end], k[b, lo:hi], v[b, lo:hi])
             r = end
     return out.transpose(1, 2)
+
+
+def bf16_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
+) -> torch.Tensor | None:
+    """Attention within one range by torch's CPU flash attention on bfloat16 q, k, v (its
+    products through oneDNN's brgemm, float32 softmax and sums), the output in float32."""
+    if q.dtype != torch.float32 or q.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    out = sdpa_attention(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), causal)
+    return out.float()

@@ -93,12 +93,16 @@ def parse_override(value: str) -> frozenset[str]:
     return frozenset(names)
 
 
-@functools.cache
 def detect() -> CpuFeatures:
+    """This CPU as the plan sees it: its units, or MMCLI_CPU_FEATURES's where that is set."""
+    return _detect(os.environ.get(OVERRIDE))
+
+
+@functools.cache
+def _detect(override: str | None) -> CpuFeatures:
     info = _cpuinfo()
     model = info.get("model name") or info.get("CPU part") or platform.processor() or "unknown"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    override = os.environ.get(OVERRIDE)
     units = parse_override(override) if override is not None else reported_units(info)
     return CpuFeatures(platform.machine(), model, cores or 1, units, override is not None)
 

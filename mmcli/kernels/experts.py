@@ -1,12 +1,14 @@
 """The MoE experts' kernels: tokens grouped by expert, so each expert's weights are read once per
 call, for the tokens routed to it, and an expert no token chose is not read at all. A loop over
-the chosen experts (a custom op, so compiled graphs call it as it is), and torch's grouped GEMM
-on CUDA."""
+the chosen experts (a custom op, so compiled graphs call it as it is), the same loop on oneDNN's
+bfloat16 GEMM for runs with bfloat16 products, and torch's grouped GEMM on CUDA."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from mmcli.kernels.matrix import bf16_products
 
 
 def expert_ffn(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -82,3 +84,28 @@ def grouped_gemm_where_it_fits(x, chosen, weights, gate_up, down):
     if not (x.is_cuda and x.dtype == gate_up.dtype == torch.bfloat16):
         return None
     return grouped_gemm(x, chosen, weights, gate_up, down)
+
+
+def bf16_grouped_experts(above: int):
+    """The `experts` kernel of a run with bfloat16 products: each chosen expert's bfloat16
+    weights multiplied as held, on its rows (more than `above`: oneDNN's bfloat16 GEMM; fewer:
+    bf16_linear.c), where torch's loop converts each expert's weights to float32 per call."""
+    matmul = bf16_products(above)
+
+    def linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        y = matmul(rows, weight, None, None)
+        return y if y is not None else F.linear(rows, weight.float())
+
+    def experts(x, chosen, weights, gate_up, down):
+        if x.dtype != torch.float32 or gate_up.dtype != torch.bfloat16:
+            return None
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
+            return None
+
+        def ffn(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            gate, up = linear(rows, gate_up[expert]).chunk(2, dim=-1)
+            return linear(F.silu(gate) * up, down[expert])
+
+        return grouped_loop(x, chosen, weights, len(gate_up), ffn)
+
+    return experts

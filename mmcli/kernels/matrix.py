@@ -1,10 +1,11 @@
 """The library's kernels for the CPU's matrix engines, as the layers call them once the kernel
 plan installs them (the contracts of cpu_ops.py: the layer's inputs in, its output out, or None
 where the inputs are not the kernel's). All of them are oneDNN's, through torch: its bfloat16
-GEMM (`F.linear` on bfloat16 operands: AMX-BF16, AVX-512 BF16, Arm's BFMMLA), its int8 GEMM
-(`torch._int_mm`: AMX-INT8, VNNI) and its flash attention in bfloat16 (SDPA on the CPU), each
-accumulating in float32. Activations enter and leave in float32: the residual stream, the norms
-and the KV cache stay float32 (`products: bfloat16` in the records)."""
+GEMM (`F.linear` on bfloat16 operands: AMX-BF16, AVX-512 BF16, Arm's BFMMLA) and its int8 GEMM
+(`torch._int_mm`: AMX-INT8, VNNI), each accumulating in float32 (its flash attention in bfloat16
+is in attention.py, the experts' loop on its GEMM in experts.py). Activations enter and leave in
+float32: the residual stream, the norms and the KV cache stay float32 (`products: bfloat16` in
+the records)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from mmcli.kernels import cpu, cpu_ops
-from mmcli.kernels.attention import sdpa_attention
-from mmcli.kernels.experts import grouped_loop
 from mmcli.kernels.weight_forms import GROUP, X_MAX, Int4Weight, Int8Weight
 
 INT4_TILE = 256  # output channels dequantized at a time: 1 MB of bfloat16 for 2048 inputs
@@ -153,39 +152,3 @@ def int4_matmul(above: int):
         return None
 
     return matmul
-
-
-def bf16_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
-) -> torch.Tensor | None:
-    """Attention within one range by torch's CPU flash attention on bfloat16 q, k, v (its
-    products through oneDNN's brgemm, float32 softmax and sums), the output in float32."""
-    if q.dtype != torch.float32 or q.device.type != "cpu" or torch.compiler.is_compiling():
-        return None
-    out = sdpa_attention(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), causal)
-    return out.float()
-
-
-def bf16_grouped_experts(above: int):
-    """The `experts` kernel of a run with bfloat16 products: each chosen expert's bfloat16
-    weights multiplied as held, on its rows (more than `above`: oneDNN's bfloat16 GEMM; fewer:
-    bf16_linear.c), where torch's loop converts each expert's weights to float32 per call."""
-    matmul = bf16_products(above)
-
-    def linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        y = matmul(rows, weight, None, None)
-        return y if y is not None else F.linear(rows, weight.float())
-
-    def experts(x, chosen, weights, gate_up, down):
-        if x.dtype != torch.float32 or gate_up.dtype != torch.bfloat16:
-            return None
-        if x.device.type != "cpu" or torch.compiler.is_compiling():
-            return None
-
-        def ffn(expert: int, rows: torch.Tensor) -> torch.Tensor:
-            gate, up = linear(rows, gate_up[expert]).chunk(2, dim=-1)
-            return linear(F.silu(gate) * up, down[expert])
-
-        return grouped_loop(x, chosen, weights, len(gate_up), ffn)
-
-    return experts

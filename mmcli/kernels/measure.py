@@ -1,5 +1,5 @@
 """Where two kernels are close on this machine, which one wins at which row count: measured once
-per machine (its CPU model, cores, units, torch version and the kernels' code: `machine_key`) and
+per machine (its CPU model, cores, units, our kernels' build and code, torch: `machine_key`) and
 cached in ~/.cache/mmcli/kernels/measured.json, so a run pays nothing for it after the first.
 
 Each comparison times both kernels on a representative layer at a few row counts (best of
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmcli.kernels import cpu, cpu_features, cpu_ops, matrix
+from mmcli.kernels import attention, cpu, cpu_features, cpu_ops, matrix
 from mmcli.kernels.weight_forms import GROUP, Int4Weight, Int8Weight
 
 REPEATS = 3
@@ -157,7 +157,7 @@ def _attention() -> dict:
     rates = {
         1024: (
             _rate(lambda: cpu_ops.attention(q, k, v), ops),
-            _rate(lambda: matrix.bf16_attention(q, k, v), ops),
+            _rate(lambda: attention.bf16_attention(q, k, v), ops),
         )
     }
     return {
@@ -244,19 +244,21 @@ def code_digest() -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
 
 
-def machine_key() -> str:
-    return f"{cpu_features.detect().key(torch.__version__)}|kernels {code_digest()}"
+def machine_key(units: cpu_features.CpuFeatures, build: str) -> str:
+    """What a measurement is valid for: the CPU, its units, our kernels' build and code, torch."""
+    built = build or "no C build"
+    return f"{units.key(torch.__version__)}|{built}|kernels {code_digest()}"
 
 
-def measured(name: str, again: bool = False) -> dict:
-    """The comparison `name` on this machine: from the cache, else measured now and cached.
-    Row counts come back as ints."""
+def measured(name: str, key: str, again: bool = False) -> dict:
+    """The comparison `name` on the machine of `key`: from the cache, else measured now and
+    cached. Row counts come back as ints."""
     store = _read()
-    entry = store.get(machine_key(), {})
+    entry = store.get(key, {})
     if again or name not in entry:
         entry[name] = COMPARISONS[name]()
         store = _read()  # another run may have written meanwhile: keep its entries
-        store[machine_key()] = {**store.get(machine_key(), {}), name: entry[name]}
+        store[key] = {**store.get(key, {}), name: entry[name]}
         _write(store)
     result = dict(entry[name])
     if "rates" in result:

@@ -11,29 +11,21 @@ but in float32 products always), `int8`, `vision_int8` (the vision tower's int8)
 vision blocks' bounded attention), `norm`, `rotary`, `swiglu`, `decode_step` (a decode step
 through every layer in one call), `experts` (MoE) and `delta_rule` (Gated DeltaNet).
 
-On the CPU the choice among ours and the library's (oneDNN through torch) follows the CPU's units
-(kernels/cpu_features.py): where they decide it (AMX against our vector kernels), by them; where
-two kernels are close (AVX-512 BF16, VNNI's int8 against oneDNN's), by this machine's measurement
-(kernels/measure.py, made once and cached)."""
+On the CPU the choice among ours and the library's (oneDNN through torch) follows the machine
+(kernels/machine.py): its units where they decide it (AMX against our vector kernels), its
+measured crossovers where two kernels are close (AVX-512 BF16, VNNI's int8 against oneDNN's).
+`choose(RunShape, Machine)` reads nothing else and does nothing else. Each choice has an `id`
+that code and tests compare; its `kernel` and `why` are words for people (the load line, the
+records, `mmcli doctor`)."""
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from mmcli.kernels import (
-    attention,
-    cpu,
-    cpu_features,
-    cpu_ops,
-    delta_rule,
-    experts,
-    fused_decode,
-    matrix,
-    measure,
-)
+from mmcli.kernels import attention, cpu, cpu_ops, delta_rule, experts, fused_decode, matrix
+from mmcli.kernels.machine import Machine
 
 # a layer -> the kernel to install in it (None: its own torch code)
 Install = Callable[[object], object]
@@ -41,22 +33,23 @@ Install = Callable[[object], object]
 
 @dataclass(frozen=True)
 class Choice:
+    id: str  # what runs, compared by code and tests
     kernel: str  # what runs, in words
     why: str
     install: Install | None = field(default=None, compare=False, repr=False)
 
 
-NONE = Choice("-", "no such work in this model")
-TORCH = "torch"
+NONE = Choice("none", "-", "no such work in this model")
 # the forms of `linears` that mmcli/weights puts the weights into at load
-PACKED, INT8 = "packed float32 (oneDNN)", "int8"
-# the vision tower's int8 kernels (ONEDNN_INT8: its weights are put in rows layout at load)
-INT8_OURS, ONEDNN_INT8 = "int8_linear.c", "oneDNN int8 (torch._int_mm)"
+PACKED, INT8, INT4, AS_LOADED = "packed", "int8", "int4", "as_loaded"
+# the vision tower's int8 on oneDNN: its weights are put in rows layout at load
+ONEDNN_INT8 = "onednn_int8"
+INT8_OURS = "int8_linear.c"  # in words
 
 
 @dataclass(frozen=True)
 class RunShape:
-    """What the plan is chosen from (known before the weights are read)."""
+    """What the plan is chosen from, with the machine (known before the weights are read)."""
 
     device: str  # cpu, cuda, neuron
     backend: str  # eager, inductor, neuron
@@ -67,10 +60,6 @@ class RunShape:
     sparse: bool = False  # MoE layers
     fusable_decode: bool = False  # dense attention layers decode_layer.c computes
     products: str = ""  # the matrix products' operands ("": the compute dtype)
-    features: cpu_features.CpuFeatures | None = None  # None: this CPU's
-
-    def cpu(self) -> cpu_features.CpuFeatures:
-        return self.features or cpu_features.detect()
 
     def bf16_products(self) -> bool:
         return self.products == "bfloat16" and self.compute == "float32"
@@ -118,198 +107,190 @@ def _function(kernel: Callable) -> Install:
     return lambda layer: kernel
 
 
-def _c_kernel(work: str, shape: RunShape, install: Install) -> Choice:
+def _c_kernel(work: str, shape: RunShape, machine: Machine, install: Install) -> Choice:
     """One of our C kernels where it runs (the CPU, eager, float32 compute, the library built),
     else torch's operations, saying why."""
-    library, reason = cpu.load() if shape.device == "cpu" else (None, "not on the CPU")
-    if shape.device != "cpu" or shape.backend != "eager":
-        return Choice(TORCH, f"{shape.backend} on {shape.device}: torch's operations")
+    if not shape.eager_cpu():
+        return Choice("torch", "torch", f"{shape.backend} on {shape.device}: torch's operations")
     if shape.compute != "float32":
-        return Choice(TORCH, f"{shape.compute} compute: the C kernels compute in float32")
-    if library is None:
-        return Choice(TORCH, reason)
-    return Choice(work, f"ours ({cpu.name()} build)", install)
+        why = f"{shape.compute} compute: the C kernels compute in float32"
+        return Choice("torch", "torch", why)
+    if not machine.build:
+        return Choice("torch", "torch", machine.unavailable)
+    return Choice(work, work, f"ours ({machine.build} build)", install)
 
 
 def _linears(shape: RunShape) -> Choice:
     if shape.quantize == "int4":
-        return Choice("int4", "quantize int4: quantized as read, in torch's int4 CPU layout")
+        why = "quantize int4: quantized as read, in torch's int4 CPU layout"
+        return Choice(INT4, "int4", why)
     if shape.quantize == "int8":
-        return Choice(INT8, "quantize int8: norms folded, a scale per output channel")
+        return Choice(INT8, "int8", "quantize int8: norms folded, a scale per output channel")
     if shape.backend != "eager":
-        return Choice("as loaded", "traced into the compiled graphs")
+        return Choice(AS_LOADED, "as loaded", "traced into the compiled graphs")
     if shape.device == "cpu" and shape.loaded == shape.compute == "float32":
-        return Choice(PACKED, "float32 weights: oneDNN's blocked layout")
+        why = "float32 weights: oneDNN's blocked layout"
+        return Choice(PACKED, "packed float32 (oneDNN)", why)
     if shape.loaded != shape.compute:
-        return Choice("as loaded", f"{shape.loaded} weights, {shape.compute} compute")
-    return Choice("as loaded", f"{shape.compute} weights and compute: torch's")
+        why = f"{shape.loaded} weights, {shape.compute} compute"
+        return Choice(AS_LOADED, "as loaded", why)
+    return Choice(AS_LOADED, "as loaded", f"{shape.compute} weights and compute: torch's")
 
 
-def _measured(name: str, shape: RunShape) -> tuple[int | None, str]:
-    """(rows above which the library's kernel wins, why) from this machine's measurement (of
-    the library's alone where our C kernels are not built here); MMCLI_CPU_PREFER=library or
-    ours stands in for every measurement (tests and benches force each path so)."""
-    prefer = os.environ.get("MMCLI_CPU_PREFER")
-    if prefer in ("library", "ours"):
-        return (0 if prefer == "library" else None), f"MMCLI_CPU_PREFER={prefer}"
-    if name != "int4_tiles" and cpu.load()[0] is None:
-        return 0, f"ours not built here ({cpu.load()[1]})"
-    result = measure.measured(name)
-    above = measure.crossover(result["rates"])
-    ours, library = result["kernels"]
-    rates = ", ".join(f"{a:.0f} vs {b:.0f} at {rows}" for rows, (a, b) in result["rates"].items())
-    return above, f"measured here: {ours} vs {library}, G(FL)OP/s by rows: {rates}"
+def _tiles(shape: RunShape, machine: Machine) -> bool:
+    """Whether amx.c's kernels run this shape: eager on the CPU of a machine with them."""
+    return shape.eager_cpu() and machine.tiles()
 
 
-def _tiles(shape: RunShape) -> bool:
-    """Whether amx.c's kernels run this shape: eager on a CPU whose units (as the shape sees
-    them) include AMX, with our AMX build loaded."""
-    units = shape.cpu().units
-    return shape.eager_cpu() and {"amx_bf16", "amx_int8"} <= units and cpu.name() == "AMX"
-
-
-def _upcast(shape: RunShape) -> Choice:
+def _upcast(shape: RunShape, machine: Machine) -> Choice:
     # quantized runs keep some matrices as loaded too: a tied lm_head, int4's vision tower
     if shape.loaded == shape.compute:
         return NONE
     if shape.bf16_products() and shape.eager_cpu():
-        products = _bf16_products(shape)
+        products = _bf16_products(shape, machine)
         if products is not None:
             return products
-    choice = _c_kernel("bf16_linear.c", shape, _function(cpu_ops.bf16_matmul))
+    choice = _c_kernel("bf16_linear.c", shape, machine, _function(cpu_ops.bf16_matmul))
     if choice.install is None:
-        return Choice("chunks", f"{choice.why}: each chunk widened in a reused buffer")
-    return Choice(
-        choice.kernel, "bfloat16 widened in registers; a GEMM above 16 rows", choice.install
-    )
+        return Choice("chunks", "chunks", f"{choice.why}: each chunk widened in a reused buffer")
+    why = "bfloat16 widened in registers; a GEMM above 16 rows"
+    return Choice(choice.id, choice.kernel, why, choice.install)
 
 
-def _head(shape: RunShape, upcast: Choice) -> Choice:
+def _head(shape: RunShape, machine: Machine, upcast: Choice) -> Choice:
     """The lm_head as the other bfloat16 matrices, but in float32 products: logits rounded to
     bfloat16 would move greedy near-ties and every log-prob (a GEMM at many sequences only)."""
     if not shape.bf16_products() or upcast is NONE:
         return upcast
-    ours = _c_kernel("bf16_linear.c", shape, _function(cpu_ops.bf16_matmul))
+    ours = _c_kernel("bf16_linear.c", shape, machine, _function(cpu_ops.bf16_matmul))
     if ours.install is None:
-        return Choice("chunks", f"{ours.why}: float32 logits")
-    if _tiles(shape):
+        return Choice("chunks", "chunks", f"{ours.why}: float32 logits")
+    if _tiles(shape, machine):
         kernel = f"AMX tiles to {cpu.AMX_ROWS} rows, bf16_linear.c above"
         why = "each activation as two bfloat16 (16 bits) for the logits"
-        return Choice(kernel, why, _function(cpu_ops.amx_split_matmul))
-    return Choice(ours.kernel, "float32 products for the logits", ours.install)
+        return Choice("amx_split", kernel, why, _function(cpu_ops.amx_split_matmul))
+    return Choice(ours.id, ours.kernel, "float32 products for the logits", ours.install)
 
 
-def _bf16_crossover(shape: RunShape) -> tuple[int | None, str]:
+def _bf16_crossover(machine: Machine) -> tuple[int | None, str]:
     """The rows above which oneDNN's bfloat16 GEMM beats ours, and why: KERNEL_ROWS on AMX
     (three times ours there), measured on AVX-512 BF16 and Arm's BF16; None where ours wins at
     every measured row count."""
-    if "amx_bf16" in shape.cpu().units:
+    if "amx_bf16" in machine.cpu.units:
         return cpu_ops.KERNEL_ROWS, "AMX-BF16: the matrix engine above the few-rows kernel"
-    return _measured("bf16_gemm", shape)
+    measured = machine.crossover("bf16_gemm")
+    return measured.above, measured.why
 
 
-def _bf16_products(shape: RunShape) -> Choice | None:
-    above, why = _bf16_crossover(shape)
+def _bf16_products(shape: RunShape, machine: Machine) -> Choice | None:
+    above, why = _bf16_crossover(machine)
     if above is None:
         return None
-    if _tiles(shape):
+    if _tiles(shape, machine):
         kernel = f"oneDNN bfloat16 (AMX) above {above} rows, AMX tiles to {above}"
-        return Choice(kernel, why, _function(matrix.bf16_products(above, tiles=True)))
-    kernel = (
-        f"oneDNN bfloat16 ({shape.cpu().engine()}) above {above} rows, bf16_linear.c to {above}"
-    )
-    return Choice(kernel, why, _function(matrix.bf16_products(above)))
+        install = _function(matrix.bf16_products(above, tiles=True))
+        return Choice("onednn_bf16+amx_tiles", kernel, why, install)
+    engine = machine.cpu.engine()
+    kernel = f"oneDNN bfloat16 ({engine}) above {above} rows, bf16_linear.c to {above}"
+    return Choice("onednn_bf16+bf16_linear.c", kernel, why, _function(matrix.bf16_products(above)))
 
 
-def _int8(shape: RunShape) -> Choice:
+def _int8(shape: RunShape, machine: Machine) -> Choice:
     """The decoder's int8: stored in int8_linear.c's layout (decode reads it, bound by memory);
     at many rows on oneDNN's int8 GEMM where that wins (above 64 rows on AMX-INT8, else
     measured), the weights copied to its layout for the call."""
     if shape.quantize != "int8":
         return NONE
-    library, reason = cpu.load()
-    if _tiles(shape):
+    if _tiles(shape, machine):
         return _int8_tiles()
-    if shape.cpu().int8_matrix():
+    if machine.cpu.int8_matrix():
         above, why = 64, "AMX-INT8 above 64 rows: the copy to its layout amortized"
     else:
-        above, why = _measured("int8_prefill", shape)
+        measured = machine.crossover("int8_prefill")
+        above, why = measured.above, measured.why
     if above is not None and shape.eager_cpu():
         kernel = f"oneDNN int8 above {above} rows, {INT8_OURS} to {above}"
-        return Choice(kernel, why, _function(matrix.int8_products(above)))
-    if library is None:
-        return Choice("int8 in float32", reason)
-    why = f"weights stored in its layout ({cpu.name()} build); decode reads them"
-    return Choice(INT8_OURS, why, _function(cpu_ops.int8_matmul))
+        return Choice(
+            "onednn_int8+int8_linear.c", kernel, why, _function(matrix.int8_products(above))
+        )
+    if not machine.build:
+        return Choice("int8_float32", "int8 in float32", machine.unavailable)
+    why = f"weights stored in its layout ({machine.build} build); decode reads them"
+    return Choice("int8_linear.c", INT8_OURS, why, _function(cpu_ops.int8_matmul))
 
 
 def _int8_tiles() -> Choice:
     """int8_linear.c's AMX build: the tiles read its layout as stored, at every row count (no
     copy to oneDNN's, which the tiles outrun 2.5x at 256 rows: docs/performance.md)."""
     why = "AMX-INT8 on the weights as stored, at every row count"
-    return Choice(f"{INT8_OURS} on AMX tiles", why, _function(cpu_ops.int8_matmul))
+    kernel = f"{INT8_OURS} on AMX tiles"
+    return Choice("int8_linear.c+amx_tiles", kernel, why, _function(cpu_ops.int8_matmul))
 
 
-def _vision_int8(shape: RunShape) -> Choice:
+def _vision_int8(shape: RunShape, machine: Machine) -> Choice:
     """The vision tower's int8 (it never decodes: every product has hundreds of rows) on
     oneDNN's int8 GEMM in rows layout where that wins: AMX-INT8, else measured."""
     if shape.quantize != "int8" or not shape.eager_cpu():
         return NONE
-    if _tiles(shape):
+    if _tiles(shape, machine):
         return _int8_tiles()
-    if shape.cpu().int8_matrix():
+    if machine.cpu.int8_matrix():
         why = "the matrix engine's int8; rows layout made at load"
     else:
-        above, why = _measured("int8_vision", shape)
-        if above is None:
-            return Choice(INT8_OURS, f"{why}: as the decoder")
-    return Choice(ONEDNN_INT8, why, _function(matrix.int8_rows_matmul))
+        measured = machine.crossover("int8_vision")
+        why = measured.why
+        if measured.above is None:
+            return Choice("int8_linear.c", INT8_OURS, f"{why}: as the decoder")
+    kernel = "oneDNN int8 (torch._int_mm)"
+    return Choice(ONEDNN_INT8, kernel, why, _function(matrix.int8_rows_matmul))
 
 
-def _int4(shape: RunShape) -> Choice:
+def _int4(shape: RunShape, machine: Machine) -> Choice:
     if shape.quantize != "int4":
         return NONE
-    if _tiles(shape):
-        torch_rows, few = cpu.INT4_TORCH_ROWS, cpu.INT4_FEW_ROWS
-        kernel = f"AMX tiles (the integers to {few} rows, dequantized panels above)"
-        kernel += f", torch int4 to {torch_rows} rows"
+    if _tiles(shape, machine):
+        kernel = f"AMX tiles (the integers to {cpu.INT4_FEW_ROWS} rows, dequantized panels above)"
+        kernel += f", torch int4 to {cpu.INT4_TORCH_ROWS} rows"
         why = "the weights as stored, on AMX-BF16"
-        return Choice(kernel, why, _function(cpu_ops.amx_int4_matmul))
-    above, why = _measured("int4_tiles", shape) if shape.eager_cpu() else (None, "")
-    if above is None:
-        return Choice("torch int4", why or "torch's int4 kernel")
+        return Choice("amx_int4", kernel, why, _function(cpu_ops.amx_int4_matmul))
+    if not shape.eager_cpu():
+        return Choice("torch_int4", "torch int4", "torch's int4 kernel")
+    measured = machine.crossover("int4_tiles")
+    if measured.above is None:
+        return Choice("torch_int4", "torch int4", measured.why)
+    above = measured.above
     kernel = f"int4 tiles + oneDNN bfloat16 above {above} rows, torch int4 to {above}"
-    return Choice(kernel, why, _function(matrix.int4_matmul(above)))
+    return Choice(
+        "int4_tiles+torch_int4", kernel, measured.why, _function(matrix.int4_matmul(above))
+    )
 
 
-def _attention(shape: RunShape) -> Choice:
+def _attention(shape: RunShape, machine: Machine) -> Choice:
     """attention.c, or torch's flash attention on bfloat16 where it measures faster."""
-    ours = _c_kernel("attention.c", shape, _function(cpu_ops.attention))
+    ours = _c_kernel("attention.c", shape, machine, _function(cpu_ops.attention))
     if not (shape.bf16_products() and shape.eager_cpu()):
         return ours
-    above, why = _measured("attention", shape)
-    if above is None and ours.install is not None:
-        return Choice(ours.kernel, why, ours.install)
-    return Choice("flash attention bfloat16", why, _function(matrix.bf16_attention))
+    measured = machine.crossover("attention")
+    if measured.above is None and ours.install is not None:
+        return Choice(ours.id, ours.kernel, measured.why, ours.install)
+    kernel = "flash attention bfloat16"
+    return Choice("flash_bf16", kernel, measured.why, _function(attention.bf16_attention))
 
 
 def _vision_blocks(shape: RunShape, attend: Choice) -> Choice:
     if shape.backend == "neuron":
         from mmcli.kernels.nki import nki_bounded_attention
 
-        return Choice("NKI attention_cte", "Trainium", _function(nki_bounded_attention))
-    if shape.backend == "eager" and shape.device == "cpu":
+        install = _function(nki_bounded_attention)
+        return Choice("nki_attention_cte", "NKI attention_cte", "Trainium", install)
+    if shape.eager_cpu():
         kernel = attention.segment_attention
         if attend.install is not None:
             kernel = functools.partial(kernel, attend=_with_fallback(attend.install(None)))
-        return Choice(
-            f"by range ({attend.kernel})", "eager: only inside the bounds", _function(kernel)
-        )
-    return Choice(
-        "bounded (masked SDPA)",
-        "fixed shapes: one masked call a layer",
-        _function(attention.bounded_attention),
-    )
+        words, why = f"by range ({attend.kernel})", "eager: only inside the bounds"
+        return Choice(f"by_range+{attend.id}", words, why, _function(kernel))
+    words, why = "bounded (masked SDPA)", "fixed shapes: one masked call a layer"
+    return Choice("bounded_sdpa", words, why, _function(attention.bounded_attention))
 
 
 def _with_fallback(kernel: Callable) -> Callable:
@@ -320,63 +301,65 @@ def _with_fallback(kernel: Callable) -> Callable:
     return attend
 
 
-def _decode_step(shape: RunShape) -> Choice:
+def _decode_step(shape: RunShape, machine: Machine) -> Choice:
     if not shape.fusable_decode or shape.quantize != "none" or shape.loaded != "bfloat16":
-        return Choice("layer by layer", "decode_layer.c takes dense bfloat16 layers only")
-    if shape.bf16_products() and _tiles(shape):
+        why = "decode_layer.c takes dense bfloat16 layers only"
+        return Choice("layer_by_layer", "layer by layer", why)
+    if shape.bf16_products() and _tiles(shape, machine):
         install = functools.partial(fused_decode.FusedDecode.for_decoder, tiles=True)
         why = f"bfloat16 products, float32 sums, to {cpu.AMX_ROWS} rows"
-        return Choice("decode_layer.c on AMX tiles", why, install)
-    choice = _c_kernel("decode_layer.c", shape, fused_decode.FusedDecode.for_decoder)
-    return choice if choice.install is not None else Choice("layer by layer", choice.why)
+        return Choice("decode_layer.c+amx_tiles", "decode_layer.c on AMX tiles", why, install)
+    choice = _c_kernel("decode_layer.c", shape, machine, fused_decode.FusedDecode.for_decoder)
+    if choice.install is None:
+        return Choice("layer_by_layer", "layer by layer", choice.why)
+    return choice
 
 
-def _experts(shape: RunShape) -> Choice:
+def _experts(shape: RunShape, machine: Machine) -> Choice:
     if not shape.sparse:
         return NONE
     if shape.device == "cuda" and shape.compute == "bfloat16" and experts.has_grouped_gemm():
-        return Choice(
-            "grouped GEMM",
-            "torch's, offsets on the device",
-            _function(experts.grouped_gemm_where_it_fits),
-        )
+        install = _function(experts.grouped_gemm_where_it_fits)
+        return Choice("grouped_gemm", "grouped GEMM", "torch's, offsets on the device", install)
     if shape.bf16_products() and shape.eager_cpu():
-        above, _ = _bf16_crossover(shape)
+        above, _ = _bf16_crossover(machine)
         if above is not None:
             kernel = f"grouped loop, oneDNN bfloat16 above {above} rows"
             why = "each chosen expert's bfloat16 weights as held"
-            return Choice(kernel, why, _function(matrix.bf16_grouped_experts(above)))
-    return Choice("grouped loop", "each chosen expert once, on its rows")
+            install = _function(experts.bf16_grouped_experts(above))
+            return Choice("grouped_loop+onednn_bf16", kernel, why, install)
+    return Choice("grouped_loop", "grouped loop", "each chosen expert once, on its rows")
 
 
-def _delta_rule(shape: RunShape) -> Choice:
+def _delta_rule(shape: RunShape, machine: Machine) -> Choice:
     if not shape.hybrid:
         return NONE
-    fla = delta_rule.fla_kernels() if shape.device == "cuda" else None
-    if fla is None:
-        return Choice("PyTorch", "chunked prefill, one-step decode")
-    return Choice("flash-linear-attention", "its Triton kernels", _function(fla))
+    if shape.device != "cuda" or "fla" not in machine.libraries:
+        return Choice("pytorch", "PyTorch", "chunked prefill, one-step decode")
+    install = _function(delta_rule.fla_kernels())
+    return Choice("fla", "flash-linear-attention", "its Triton kernels", install)
 
 
-def choose(shape: RunShape) -> KernelPlan:
-    attend, upcast = _attention(shape), _upcast(shape)
-    library, reason = cpu.load() if shape.device == "cpu" else (None, "not on the CPU")
+def choose(shape: RunShape, machine: Machine) -> KernelPlan:
+    """The kernel of each kind of work for a run of `shape` on `machine`."""
+    attend, upcast = _attention(shape, machine), _upcast(shape, machine)
+    build = machine.describe_build() if shape.device == "cpu" else "none (not on the CPU)"
     return KernelPlan(
-        build=cpu.name() if library is not None else f"none ({reason})",
+        build=build,
         linears=_linears(shape),
         upcast=upcast,
-        head=_head(shape, upcast),
-        int8=_int8(shape),
-        vision_int8=_vision_int8(shape),
-        int4=_int4(shape),
+        head=_head(shape, machine, upcast),
+        int8=_int8(shape, machine),
+        vision_int8=_vision_int8(shape, machine),
+        int4=_int4(shape, machine),
         attention=attend,
         vision_blocks=_vision_blocks(shape, attend),
-        norm=_c_kernel("rms_norm.c", shape, _function(cpu_ops.rms_norm)),
-        rotary=_c_kernel("pointwise.c", shape, _function(cpu_ops.rotary)),
-        swiglu=_c_kernel("pointwise.c", shape, _function(cpu_ops.silu_times)),
-        decode_step=_decode_step(shape),
-        experts=_experts(shape),
-        delta_rule=_delta_rule(shape),
+        norm=_c_kernel("rms_norm.c", shape, machine, _function(cpu_ops.rms_norm)),
+        rotary=_c_kernel("pointwise.c", shape, machine, _function(cpu_ops.rotary)),
+        swiglu=_c_kernel("pointwise.c", shape, machine, _function(cpu_ops.silu_times)),
+        decode_step=_decode_step(shape, machine),
+        experts=_experts(shape, machine),
+        delta_rule=_delta_rule(shape, machine),
     )
 
 

@@ -57,13 +57,13 @@ def prepare(
     """The weights in the plan's form on `device`, its kernels installed, and on the CPU the
     allocator set for the run and the weights' pages mapped in."""
     model = model.to(device)
-    form = plan.linears.kernel
+    form = plan.linears.id
     if form == INT8:
         if prepared is not None:
             prepared.quantize(model)
         else:
             quantize_model(model)
-        if plan.vision_int8.kernel == ONEDNN_INT8:
+        if plan.vision_int8.id == ONEDNN_INT8:
             vision_int8_rows(model.visual)
     elif form == PACKED:
         pack_linears(model)

@@ -1,0 +1,156 @@
+"""The machine a run's kernels are chosen for: the CPU's units (as MMCLI_CPU_FEATURES may mask
+them), our C kernels' build here or why none loads, and, where two kernels are close on these
+units, the row count above which the library's wins, measured once per machine and cached
+(kernels/measure.py). `here()` is the one place the environment's overrides are read; the kernel
+plan is a function of a run's shape and a Machine, so tests build one by hand.
+
+MMCLI_CPU_PREFER=library or ours stands in for every measurement (tests and benches force each
+path so)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from mmcli.kernels.cpu_features import OVERRIDE, CpuFeatures
+
+PREFER = "MMCLI_CPU_PREFER"
+# what the environment may say about the kernels: read by here(), one Machine for each
+ENVIRONMENT = (OVERRIDE, "MMCLI_CPU_KERNEL", "CC", PREFER)
+TILE_UNITS = frozenset({"amx_bf16", "amx_int8"})
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Where the library's kernel of a comparison wins over ours."""
+
+    above: int | None  # rows above which it wins (0: at every count; None: at none)
+    why: str
+
+
+@dataclass(frozen=True)
+class Machine:
+    cpu: CpuFeatures
+    build: str = ""  # our C kernels' build here ("AMX", "AVX-512 VNNI", "AVX2"); "": none
+    unavailable: str = ""  # why no build loads (where none does)
+    crossovers: Mapping[str, Crossover] = field(default_factory=dict)
+    # the floors, where asked for (`mmcli doctor`, the benches): the read bandwidth a decode step
+    # sees (GB/s) and each unit's peak (G(FL)OP/s: float32, bfloat16, int8)
+    read_gb_s: float | None = None
+    peaks: Mapping[str, float] = field(default_factory=dict)
+    libraries: frozenset[str] = frozenset()  # optional kernel libraries installed: fla
+
+    def key(self) -> str:
+        """What this machine's measurements are cached under."""
+        from mmcli.kernels import measure
+
+        return measure.machine_key(self.cpu, self.build)
+
+    def tiles(self) -> bool:
+        """Whether amx.c's kernels run here: the units (as the machine sees them) include AMX
+        and our AMX build is loaded."""
+        return TILE_UNITS <= self.cpu.units and self.build == "AMX"
+
+    def crossover(self, name: str) -> Crossover:
+        if name not in self.crossovers:
+            measured = ", ".join(sorted(self.crossovers)) or "nothing"
+            raise KeyError(f"{name} is not measured on this machine (it has {measured})")
+        return self.crossovers[name]
+
+    def describe_build(self) -> str:
+        return self.build or f"none ({self.unavailable})"
+
+
+def comparisons(cpu: CpuFeatures, build: str) -> tuple[str, ...]:
+    """The measured comparisons the plan can consult on these units and this build; the units
+    decide the rest (AMX-BF16 above the few-rows kernel, the int8 matrix engines, amx.c's
+    tiles)."""
+    names = []
+    if cpu.bf16_matrix():  # bfloat16 products are chosen only where the CPU has them
+        names += [] if "amx_bf16" in cpu.units else ["bf16_gemm"]
+        names += ["attention"]
+    if not cpu.int8_matrix():
+        names += ["int8_prefill", "int8_vision"]
+    if not (TILE_UNITS <= cpu.units and build == "AMX"):
+        names += ["int4_tiles"]
+    return tuple(names)
+
+
+def crossover_of(result: dict) -> Crossover:
+    """A measurement's crossover, with its rates in words."""
+    from mmcli.kernels import measure
+
+    ours, library = result["kernels"]
+    rates = ", ".join(f"{a:.0f} vs {b:.0f} at {rows}" for rows, (a, b) in result["rates"].items())
+    why = f"measured here: {ours} vs {library}, G(FL)OP/s by rows: {rates}"
+    return Crossover(measure.crossover(result["rates"]), why)
+
+
+def _crossover(name: str, cpu: CpuFeatures, build: str, unavailable: str) -> Crossover:
+    prefer = os.environ.get(PREFER)
+    if prefer in ("library", "ours"):
+        return Crossover(0 if prefer == "library" else None, f"{PREFER}={prefer}")
+    if name != "int4_tiles" and not build:  # the int4 tiles are the library's and torch's
+        return Crossover(0, f"ours not built here ({unavailable})")
+    from mmcli.kernels import measure
+
+    return crossover_of(measure.measured(name, measure.machine_key(cpu, build)))
+
+
+@functools.cache
+def _made(environment: tuple[str | None, ...], floors: bool) -> Machine:
+    from mmcli.kernels import cpu, cpu_features, measure
+
+    units = cpu_features.detect()
+    library, unavailable = cpu.load()
+    build = library.build if library is not None else ""
+    crossovers = {
+        name: _crossover(name, units, build, unavailable) for name in comparisons(units, build)
+    }
+    machine = Machine(units, build, unavailable, crossovers, libraries=installed_libraries())
+    if not floors:
+        return machine
+    read = measure.measured("floors", machine.key())["read_gb_s"]
+    return dataclasses.replace(
+        machine, read_gb_s=read, peaks=measure.measured("peaks", machine.key())
+    )
+
+
+def here(floors: bool = False) -> Machine:
+    """This machine under the environment's overrides: made once per process (per distinct
+    overrides), measuring what it has not measured before (a few seconds, once per machine);
+    with its floors where asked."""
+    return _made(tuple(os.environ.get(name) for name in ENVIRONMENT), floors)
+
+
+def for_device(device: str) -> Machine:
+    """The machine a run on `device` is planned for: here() on the CPU; elsewhere the host's
+    units and libraries, none of our kernels built and nothing measured (the plan takes no CPU
+    kernel there)."""
+    if device == "cpu":
+        return here()
+    from mmcli.kernels import cpu_features
+
+    return Machine(cpu_features.detect(), "", "not on the CPU", libraries=installed_libraries())
+
+
+def installed_libraries() -> frozenset[str]:
+    """The optional kernel libraries importable here (found, not imported)."""
+    return frozenset(name for name in ("fla",) if importlib.util.find_spec(name) is not None)
+
+
+def measure_again() -> Machine:
+    """This machine measured anew (`mmcli doctor --measure`): every comparison it consults and
+    its floors, the cache replaced."""
+    from mmcli.kernels import measure
+
+    machine = here()
+    ours = [name for name in machine.crossovers if machine.build or name == "int4_tiles"]
+    for name in (*ours, "floors", "peaks"):
+        measure.measured(name, machine.key(), again=True)
+    _made.cache_clear()
+    return here(floors=True)
