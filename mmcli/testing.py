@@ -343,6 +343,36 @@ def qwen3_5_2b_config(special_ids: dict) -> dict:
     return config
 
 
+def qwen3_5_35b_a3b_config(special_ids: dict) -> dict:
+    """config.json with the shapes of the released Qwen3.5-35B-A3B (256 experts, 8 a token and a
+    shared one; 30 Gated DeltaNet and 10 attention layers), for benchmarks on random weights."""
+    config = tiny_moe_config("qwen3_5_moe", 248320, special_ids)
+    config["text_config"].update(
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        tie_word_embeddings=False,
+        max_position_embeddings=262144,
+    )
+    config["tie_word_embeddings"] = False
+    config["text_config"]["rope_parameters"].update(mrope_section=[11, 11, 10])
+    config["vision_config"].update(
+        depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048
+    )
+    return config
+
+
 def qwen3_vl_30b_a3b_config(special_ids: dict) -> dict:
     """config.json with the shapes of the released Qwen3-VL-30B-A3B-Instruct (128 experts, 8 a
     token), for benchmarks on random weights."""
@@ -451,11 +481,13 @@ def make_tiny_checkpoint(
     min_pixels: int = 32 * 32,
     released_shapes: bool = False,
     layers: int | None = None,
+    weights: bool = True,
 ) -> Path:
     """Write config.json, weights, tokenizer, chat template, preprocessor and generation configs
     to `path`. `released_shapes` gives the tensors of Qwen3-VL-2B, Qwen3.5-2B with a Qwen3.5
     variant, or Qwen3-VL-30B-A3B with `qwen3_vl_moe` (random values, for benchmarks); `layers`
-    keeps the text decoder's first layers only."""
+    keeps the text decoder's first layers only; without `weights`, everything but the weights
+    (a writer of its own streams those: bench/big_moe.py)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hybrid = variant in QWEN3_5_VARIANTS or variant == "qwen3_5_moe"
@@ -471,12 +503,13 @@ def make_tiny_checkpoint(
         if "layer_types" in text:
             text["layer_types"] = text["layer_types"][:layers]
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    weights = random_weights(
-        config, seed, std=0.02 if released_shapes else 0.15, dtype=getattr(torch, dtype)
-    )
-    if config["tie_word_embeddings"]:
-        weights.pop("lm_head.weight")
-    _save_weights(path, weights, shards)
+    if weights:
+        tensors = random_weights(
+            config, seed, std=0.02 if released_shapes else 0.15, dtype=getattr(torch, dtype)
+        )
+        if config["tie_word_embeddings"]:
+            tensors.pop("lm_head.weight")
+        _save_weights(path, tensors, shards)
     template = THINKING_TEMPLATE if hybrid else CHAT_TEMPLATE
     _write_processor_files(path, template_file, min_pixels, max_pixels, template)
     gen = {
@@ -494,6 +527,8 @@ def _variant_config(
 ) -> dict:
     if variant == "qwen3_vl_moe" and released_shapes:
         return qwen3_vl_30b_a3b_config(special_ids)
+    if variant == "qwen3_5_moe" and released_shapes:
+        return qwen3_5_35b_a3b_config(special_ids)
     if variant in MOE_VARIANTS:
         return tiny_moe_config(variant, vocab, special_ids)
     if variant in QWEN3_5_VARIANTS:

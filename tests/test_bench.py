@@ -1,13 +1,21 @@
 """The benchmarks' smoke modes, so they keep working (their figures are not asserted: machines
 are noisy)."""
 
+import json
 import subprocess
 import sys
+import types
+import weakref
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
+
+from mmcli.weights.checkpoint import expected_shapes, read_model_config
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import big_moe  # noqa: E402 (the big MoE bench's pieces, tested on a tiny MoE)
 
 
 @pytest.mark.slow
@@ -120,3 +128,57 @@ def test_serve_bench_smoke(tmp_path):
     assert "8 of 8 answers as caption's" in stdout
     assert "8 concurrent clients, 448x448 images:" in stdout and "answered 429" in stdout
     assert "mmcli batch peak RSS: 2,000 lines" in stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_big_moe_bench_smoke(tmp_path):
+    stdout = _smoke("big_moe.py", "--dir", str(tmp_path))
+    assert "| 3 layers, first load |" in stdout and "(quantized as read, file written)" in stdout
+    assert "mmcli caption, 8 images x 64 tokens, 3 layers:" in stdout and "(8 ok;" in stdout
+    assert "loads: first" in stdout and not (tmp_path / big_moe.NAME).exists()
+
+
+def test_the_big_checkpoint_is_written_shard_by_shard_in_the_released_layout(tmp_path, monkeypatch):
+    alive, made = [], big_moe.random_shard
+
+    def one_at_a_time(names, shapes, seed):
+        assert all(ref() is None for ref in alive), "an earlier shard is still held"
+        tensors = made(names, shapes, seed)
+        alive.append(weakref.ref(next(iter(tensors.values()))))
+        return tensors
+
+    monkeypatch.setattr(big_moe, "random_shard", one_at_a_time)
+    path = tmp_path / "ckpt"
+    shapes, files = big_moe.write_checkpoint(path, smoke=True, per_shard=1)
+    assert len(alive) == len(files) == 1 + big_moe._layers(path)
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map) == set(expected_shapes(read_model_config(path)))
+    for k, file in enumerate(files[1:]):  # whole layers a shard
+        assert {
+            n.split(".layers.")[1].split(".")[0] for n, f in weight_map.items() if f == file
+        } == {str(k)}
+    experts = next(n for n in weight_map if n.endswith("experts.gate_up_proj"))
+    with safe_open(str(path / weight_map[experts]), framework="pt") as f:
+        count, double, hidden = shapes[experts]
+        assert tuple(f.get_slice(experts).get_shape()) == (count, hidden, double)  # as released
+    big_moe.cut(path, files, 2, per_shard=1)
+    assert big_moe._layers(path) == 2 and not (path / files[-1]).exists()
+    from mmcli import Labeler
+
+    labeler = Labeler.from_pretrained(str(path), device="cpu")
+    assert len(labeler.model.language_model.layers) == 2
+
+
+def test_the_big_checkpoint_is_refused_where_the_disk_cannot_hold_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(big_moe.shutil, "disk_usage", lambda p: types.SimpleNamespace(free=10**6))
+    with pytest.raises(SystemExit, match="the checkpoint needs .* GB of disk and 0.0 GB is free"):
+        big_moe.write_checkpoint(tmp_path / "ckpt", smoke=True, per_shard=1)
+
+
+def test_big_moe_sizes_are_the_released_models(capsys):
+    """The layouts' arithmetic: the released parameter counts (31.1B and 35.1B), bfloat16
+    checkpoints of 62 and 70 GB."""
+    big_moe.sizes()
+    out = capsys.readouterr().out
+    assert "| Qwen3-VL-30B-A3B | 31.07 B | 62.1 GB | 18.9 GB |" in out
+    assert "| Qwen3.5-35B-A3B | 35.11 B | 70.2 GB | 21.3 GB |" in out

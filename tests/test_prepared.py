@@ -1,14 +1,16 @@
-"""Prepared int8 weights: written by the first run, read back by later ones; a damaged,
-truncated or stale file, or two runs at once, never give wrong weights."""
+"""Prepared int8 and int4 weights: written by the first run, read back by later ones; a damaged,
+truncated or stale file, a run killed while writing, or two runs at once, never give wrong
+weights."""
 
 import json
+import os
 import subprocess
 import sys
 import threading
 
 import pytest
 import torch
-from conftest import photo, prefill_logits
+from conftest import MOE_VARIANTS, photo, prefill_logits
 from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner
@@ -16,7 +18,12 @@ from typer.testing import CliRunner
 from mmcli.api.labeler import Labeler
 from mmcli.cli.app import app
 from mmcli.config import load_config
+from mmcli.models.layers.quantized import can_int4
+from mmcli.weights import checkpoint
+from mmcli.weights import int4 as int4_module
 from mmcli.weights import prepared as prepared_module
+
+needs_int4 = pytest.mark.skipif(not can_int4(), reason="no int4 CPU kernels in this torch")
 
 
 def _int8(path, cache, **settings):
@@ -197,3 +204,125 @@ def test_compile_buckets_warms_the_int8_weights_on_the_eager_backend(tiny_dir, t
     assert "prepared weights read from" in " ".join(again.output.split())
     # without int8 the eager backend still has nothing to warm
     assert CliRunner().invoke(app, command).exit_code == 2
+
+
+# int4: the 4-bit weights a load quantized as it read, read back instead of quantized again
+
+
+def _int4(path, cache, **settings):
+    return _int8(path, cache, quantize="int4", **settings)
+
+
+@needs_int4
+@pytest.mark.parametrize("variant", ["dense", *MOE_VARIANTS])
+def test_an_int4_load_reads_its_4bit_weights_instead_of_quantizing(
+    tiny_dir, moe_dirs, tmp_path, monkeypatch, variant
+):
+    path = tiny_dir if variant == "dense" else moe_dirs[variant]
+    first = _int4(path, tmp_path)
+    (written,) = _files(tmp_path)
+    assert first.prepared_weights_report() == f"prepared weights written to {written}"
+    read = []
+    monkeypatch.setattr(int4_module, "quantize_int4", None)  # never called again
+    real = checkpoint._read_file
+    monkeypatch.setattr(
+        checkpoint,
+        "_read_file",
+        lambda f, keep, unused: real(f, keep, read.append(unused) or unused),
+    )
+    second = _int4(path, tmp_path)
+    assert f"prepared weights read from {written}" in second.kernels
+    covered = checkpoint.int4_shapes(second.model.cfg)
+    names = _checkpoint_names(path)
+    int4_names = [name for name in names if covered.covers(name)]
+    assert int4_names and all(read[0](name) for name in int4_names)  # left unread
+    assert not any(read[0](name) for name in names if name not in int4_names)
+
+
+@needs_int4
+def test_int4_from_the_file_computes_as_quantized(moe_dirs, tmp_path):
+    path = moe_dirs["qwen3_vl_moe"]
+    first, second = _int4(path, tmp_path), _int4(path, tmp_path)
+    assert "read from" in second.kernels
+    assert torch.equal(_logits(first), _logits(second))  # the same 4-bit weights, bit for bit
+    uncached = _int4(path, tmp_path / "none", weights_cache=False)
+    assert "prepared" not in uncached.kernels and not _files(tmp_path / "none")
+    assert torch.equal(_logits(first), _logits(uncached))
+
+
+def _checkpoint_names(path):
+    names = []
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names += list(f.keys())
+    return names
+
+
+@needs_int4
+def test_int4_and_int8_files_are_keyed_apart_and_by_the_checkpoint(tiny_dir, tmp_path):
+    int8 = prepared_module.PreparedWeights(tmp_path, tiny_dir)
+    int4 = prepared_module.PreparedWeights(tmp_path, tiny_dir, recipe=prepared_module.INT4)
+    assert int8.file != int4.file and int4.key["recipe"].startswith("int4:")
+    again = prepared_module.PreparedWeights(tmp_path, tiny_dir, recipe=prepared_module.INT4)
+    assert again.file == int4.file
+    other = prepared_module.PreparedWeights(
+        tmp_path, tiny_dir, b'{"another": "config"}', recipe=prepared_module.INT4
+    )
+    assert other.file != int4.file
+
+
+@needs_int4
+def test_a_damaged_or_another_models_int4_file_is_said_and_prepared_again(
+    moe_dirs, tmp_path, capsys
+):
+    path = moe_dirs["qwen3_5_moe"]
+    reference = _logits(_int4(path, tmp_path))
+    (file,) = _files(tmp_path)
+    _flip_last_byte(file)
+    labeler = _int4(path, tmp_path)
+    assert "damaged (its values do not match their CRC-32)" in capsys.readouterr().err
+    assert torch.equal(_logits(labeler), reference)
+    other = moe_dirs["qwen3_vl_moe"]
+    shapes = checkpoint.int4_shapes(_int4(other, tmp_path / "other").model.cfg)
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    assert int4_module.from_tensors(tensors, shapes) is None  # not that model's weights
+
+
+def test_a_partial_file_of_a_killed_run_is_removed_once_stale(tmp_path):
+    file = tmp_path / "weights" / "x.safetensors"
+    file.parent.mkdir()
+    stale, fresh = (file.with_name(f"{file.name}.{pid}.ab.partial") for pid in (1, 2))
+    for partial in (stale, fresh):
+        partial.write_bytes(b"half a file")
+    old = stale.stat().st_mtime - prepared_module.STALE_SECONDS - 1
+    os.utime(stale, (old, old))
+    assert prepared_module.remove_stale(file) == [stale]
+    assert not stale.exists() and fresh.exists()
+
+
+@needs_int4
+def test_a_run_killed_while_writing_int4_leaves_the_next_run_whole(tiny_dir, tmp_path):
+    """A run killed mid-write leaves a partial file, never the file: the next run prepares and
+    writes again, and removes the partial once it is stale."""
+    _int4(tiny_dir, tmp_path)
+    (file,) = _files(tmp_path)
+    partial = file.with_name(f"{file.name}.999.dead.partial")
+    partial.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    file.unlink()
+    old = partial.stat().st_mtime - prepared_module.STALE_SECONDS - 1
+    os.utime(partial, (old, old))
+    labeler = _int4(tiny_dir, tmp_path)
+    assert labeler.prepared_weights_report() == f"prepared weights written to {file}"
+    assert _files(tmp_path) == [file]
+
+
+@needs_int4
+def test_compile_buckets_warms_the_int4_weights_and_no_cache_refuses(tiny_dir, tmp_path):
+    settings = tmp_path / "s.yaml"
+    settings.write_text(json.dumps({"cache_dir": str(tmp_path / "cache")}))
+    command = ["compile", "--buckets", "--model", str(tiny_dir), "-c", str(settings)]
+    result = CliRunner().invoke(app, [*command, "--quantize", "int4"])
+    assert "prepared weights written to" in " ".join(result.output.split()), result.output
+    refused = CliRunner().invoke(app, [*command, "--quantize", "int4", "--no-cache"])
+    assert refused.exit_code == 2 and "prepares the int4 weights" in refused.output

@@ -319,14 +319,14 @@ class Labeler:
         return self.graphs.missing_report() if self.graphs is not None else None
 
     def prepared_weights_report(self) -> str | None:
-        """With `quantize: int8` and the cache: where the prepared weights are, once the file this
-        run writes (in a thread, while it runs) is whole or has failed."""
+        """With `quantize: int8` or `int4` and the cache: where the prepared weights are, once the
+        file this run writes (in a thread, while it runs) is whole or has failed."""
         return self.loaded.prepared.written() if self.loaded.prepared is not None else None
 
     @property
     def kernels(self) -> str:
-        """The kernels this run chose, as its load line says them (with the prepared int8
-        weights' status where it uses them)."""
+        """The kernels this run chose, as its load line says them (with the prepared weights'
+        status where it uses them)."""
         line, prepared = self.kernel_plan.summary(), self.loaded.prepared
         return f"{line}; {prepared.status}" if prepared is not None else line
 

@@ -57,7 +57,7 @@ class Loaded:
     stop_ids: frozenset[int]
     graphs: CompiledGraphs | None
     kernel_plan: KernelPlan
-    prepared: PreparedWeights | None  # the int8 cache file: `written()` says where it is
+    prepared: PreparedWeights | None  # the int8 or int4 cache file: `written()` says where
 
 
 def pick_device(name: str, backend: str = "eager") -> torch.device:
@@ -152,31 +152,45 @@ def load(run: Run) -> Loaded:
 
 def _load_model(run: Run):
     """The model with its weights in the kernel plan's form on the run's device: (model, plan,
-    the prepared int8 file or None, device). The plan is chosen first: the weights are read
-    into its form (int4 as read) and prepared in it (int8, packed float32)."""
+    the prepared weights' file or None, device). The plan is chosen first: the weights are read
+    into its form (int4 as read, or from the prepared file) and prepared in it (int8, packed
+    float32)."""
     import torch
 
-    from mmcli.kernels.plan import INT4, INT8
-    from mmcli.weights.checkpoint import load_weights
     from mmcli.weights.loader import build_model, prepare
-    from mmcli.weights.prepared import PreparedWeights
+
+    kernel_plan = choose_kernels(run, run.model_config)
+    weights, prepared = _read_weights(run, kernel_plan.linears.id)
+    device = torch.device(run.device)
+    model = prepare(build_model(run.model_config, weights), kernel_plan, device, prepared)
+    return model, kernel_plan, prepared, device
+
+
+def _read_weights(run: Run, form: str):
+    """The checkpoint read for the weights' `form` (the plan's `linears`), and the prepared
+    weights' file where the form has one (int8, int4) and the cache is on: int4's 4-bit weights
+    read from it where it holds them, else quantized as read and written to it."""
+    from mmcli.weights.checkpoint import int4_shapes, load_weights
+    from mmcli.weights.prepared import RECIPES, PreparedWeights
 
     cfg, precision = run.config, run.precision
-    kernel_plan = choose_kernels(run, run.model_config)
-    form = kernel_plan.linears.id
+    prepared = None
+    if form in RECIPES and cfg.weights_cache:
+        directory = cache_root(cfg.cache_dir)
+        prepared = PreparedWeights(directory, run.path, run.config_bytes, RECIPES[form])
+    int4 = form == RECIPES["int4"].form
+    held = prepared.read_int4(int4_shapes(run.model_config)) if int4 and prepared else None
     weights = load_weights(
         run.path,
         run.model_config,
         precision.compute_dtype,
         precision.loaded_dtype,
-        int4=form == INT4,
+        int4=int4,
+        int4_prepared=held,
     )
-    prepared = None
-    if form == INT8 and cfg.weights_cache:
-        prepared = PreparedWeights(cache_root(cfg.cache_dir), run.path, run.config_bytes)
-    device = torch.device(run.device)
-    model = prepare(build_model(run.model_config, weights), kernel_plan, device, prepared)
-    return model, kernel_plan, prepared, device
+    if int4 and prepared is not None and held is None:
+        prepared.write_int4(weights.int4, weights.experts_int4)
+    return weights, prepared
 
 
 def choose_kernels(run: Run, model_cfg: ModelConfig | None) -> KernelPlan:

@@ -245,11 +245,11 @@ def compile_cmd(
                 "say --buckets (every configured bucket) or --buckets 'decode 8x1024, ...'"
             )
         cfg = _load_config(config, **run)
-        if cfg.compile.backend in ("auto", "eager") and cfg.quantize == "int8":
+        if cfg.compile.backend in ("auto", "eager") and cfg.quantize in ("int8", "int4"):
             if not cfg.weights_cache:
                 raise ConfigError(
-                    "--no-cache: on the eager backend compile prepares the int8 weights in the "
-                    "cache, which this run neither reads nor writes"
+                    f"--no-cache: on the eager backend compile prepares the {cfg.quantize} "
+                    "weights in the cache, which this run neither reads nor writes"
                 )
             return prepare_weights_only(cfg)
         if cfg.compile.backend in ("auto", "eager"):

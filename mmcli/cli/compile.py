@@ -37,8 +37,8 @@ def compile_buckets(cfg: Config, bucket_list: str | None) -> None:
 
 
 def prepare_weights_only(cfg: Config) -> None:
-    """The eager backend has no graphs to compile; with `quantize: int8` the warm-up is the
-    prepared int8 weights (weights/prepared.py): load once, and say where they are."""
+    """The eager backend has no graphs to compile; with `quantize: int8` or `int4` the warm-up
+    is the prepared weights (weights/prepared.py): load once, and say where they are."""
     from mmcli.api.labeler import Labeler
 
     started = time.perf_counter()

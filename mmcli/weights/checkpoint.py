@@ -67,6 +67,12 @@ def matrix_weight_names(cfg: ModelConfig) -> set[str]:
     return set(layout(cfg).matrices)
 
 
+def int4_shapes(cfg: ModelConfig) -> int4_weights.Int4Shapes:
+    """What `quantize: int4` makes of this model: its 4-bit matrices and experts."""
+    names = layout(cfg)
+    return int4_weights.Int4Shapes.of(names.shapes, names.int4, cfg.tie_word_embeddings)
+
+
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -101,11 +107,17 @@ def load_weights(
     dtype: torch.dtype,
     weights_dtype: torch.dtype | None = None,
     int4: bool = False,
+    int4_prepared: tuple[dict, dict] | None = None,
 ) -> Weights:
     """All tensors, checked by name and shape against the config (safetensors only): the matrices
     in `weights_dtype` (default `dtype`), the rest in `dtype`; with `int4`, the matrices int4
-    takes quantized as read. A tensor already in its dtype is not copied again."""
+    takes quantized as read, or where `int4_prepared` gives them (matrices, experts: the
+    prepared file's), not read at all. A tensor already in its dtype is not copied again."""
     expected, names, family = expected_shapes(cfg), layout(cfg), family_of(cfg)
+    unused = family.unused_tensor
+    if int4_prepared is not None:
+        covered = int4_shapes(cfg)
+        unused = lambda name: family.unused_tensor(name) or covered.covers(name)  # noqa: E731
     matrices = names.matrices if weights_dtype not in (None, dtype) or int4 else frozenset()
     weights = Weights({})
     slab = int4_weights.Slab()
@@ -123,10 +135,13 @@ def load_weights(
             weights.tensors[name] = held.clone() if int4 and held is tensor else held
 
     for file in _weight_files(path):
-        _read_file(file, keep, family.unused_tensor)
+        _read_file(file, keep, unused)
     try:
         if int4:
-            weights.experts_int4 = int4_weights.experts_int4(weights.int4, expected)
+            matrices, experts = int4_prepared or ({}, {})
+            weights.int4.update(matrices)
+            quantized = int4_weights.experts_int4(weights.int4, expected)
+            weights.experts_int4 = {**quantized, **experts}
         family_of(cfg).map_checkpoint(weights.tensors, expected)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None

@@ -9,11 +9,18 @@ embeddings, the norms, the MoE routers and a tied lm_head."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from mmcli.errors import CheckpointError
-from mmcli.models.layers.moe import held_experts, held_name, is_per_expert, per_expert_names
+from mmcli.models.layers.moe import (
+    experts_prefix,
+    held_experts,
+    held_name,
+    is_per_expert,
+    per_expert_names,
+)
 from mmcli.models.layers.quantized import GROUP, Int4Linear, Int4Weight
 
 
@@ -123,6 +130,78 @@ def experts_int4(held: dict, expected: dict[str, tuple]) -> dict[str, list]:
         else:
             out[prefix] = [g_u + d for g_u, d in zip(gate_up, down)]
     return out
+
+
+PARTS = ("gate", "up", "down")  # an expert's projections as int4 holds them
+
+
+@dataclass(frozen=True)
+class Int4Shapes:
+    """What a model's int4 weights are: each quantized matrix's [out, in], and per MoE layer (by
+    its experts' prefix) the experts' count and gate/up [I, H] and down [H, I] shapes."""
+
+    matrices: dict[str, tuple[int, int]]
+    expert_groups: dict[str, tuple[int, tuple[int, int], tuple[int, int]]]
+
+    @classmethod
+    def of(cls, shapes: dict[str, tuple], int4_names: frozenset[str], tied: bool) -> Int4Shapes:
+        """From the model's layout (every tensor's shape, the names int4 may take)."""
+        matrices, experts = {}, {}
+        for name in sorted(int4_names):
+            shape = shapes[name]
+            if not eligible(name, shape, int4_names, tied):
+                continue
+            held = held_experts(name)
+            if held is None:
+                matrices[name] = shape
+            elif held[1] == "gate_up":
+                count, double, hidden = shape
+                experts[held[0]] = (count, (double // 2, hidden), (hidden, double // 2))
+        return cls(matrices, experts)
+
+    def covers(self, name: str) -> bool:
+        """Whether a checkpoint tensor of this name ends up in these int4 weights."""
+        return name in self.matrices or experts_prefix(name) in self.expert_groups
+
+
+def as_tensors(matrices: dict[str, Int4Weight], experts: dict[str, list]) -> dict:
+    """A load's 4-bit weights as named tensors (the prepared file holds these)."""
+    weights = dict(matrices)
+    for prefix, held in experts.items():
+        for e, parts in enumerate(held):
+            weights.update({f"{prefix}.{e}.{part}": w for part, w in zip(PARTS, parts)})
+    tensors = {}
+    for name, w in weights.items():
+        tensors[f"{name}.packed"], tensors[f"{name}.scales_zeros"] = w.packed, w.scales_zeros
+    return tensors
+
+
+def from_tensors(tensors: dict, shapes: Int4Shapes) -> tuple[dict, dict] | None:
+    """The 4-bit weights (matrices by name, experts by prefix) of `as_tensors`'s tensors, or
+    None where they are not those of `shapes`."""
+
+    def weight(name: str, shape: tuple[int, int]) -> Int4Weight | None:
+        packed, pairs = tensors.get(f"{name}.packed"), tensors.get(f"{name}.scales_zeros")
+        if packed is None or pairs is None:
+            return None
+        form = (tuple(packed.shape), packed.dtype, tuple(pairs.shape), pairs.dtype)
+        expected = ((shape[0], shape[1] // 2), torch.uint8)
+        expected += ((shape[1] // GROUP, shape[0], 2), torch.bfloat16)
+        return Int4Weight(packed, pairs, shape) if form == expected else None
+
+    matrices = {name: weight(name, shape) for name, shape in shapes.matrices.items()}
+    experts = {
+        prefix: [
+            tuple(weight(f"{prefix}.{e}.{part}", shape) for part, shape in zip(PARTS, sides))
+            for e in range(count)
+        ]
+        for prefix, (count, gate, down) in shapes.expert_groups.items()
+        for sides in [(gate, gate, down)]
+    }
+    every = [*matrices.values(), *(w for held in experts.values() for e in held for w in e)]
+    if any(w is None for w in every) or 2 * len(every) != len(tensors):
+        return None
+    return matrices, experts
 
 
 def adopt(model: torch.nn.Module, held: dict[str, Int4Weight], experts: dict[str, list]) -> None:

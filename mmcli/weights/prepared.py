@@ -1,6 +1,8 @@
 """Prepared weights, made once: the int8 values a `quantize: int8` run computes (norms folded,
-a scale per output channel) are written to the cache by the first run and read back by later
-ones instead of computed again.
+a scale per output channel) and the 4-bit weights a `quantize: int4` run quantizes as it reads
+(torch's int4 CPU layout) are written to the cache by the first run and read back by later ones
+instead of computed again (a 30B MoE's int4 load reads its 4-bit weights instead of quantizing
+30B parameters: the checkpoint's int4 matrices are then not read at all).
 
 A file per checkpoint and recipe (its name: a digest of the checkpoint's identity, each weight
 file's name, size and modification time and config.json's bytes, and the recipe). Inside, the
@@ -9,7 +11,9 @@ file that cannot be read, whose values do not match their CRC, whose tensors are
 or whose key differs is ignored with one line saying so and written again. Written to a file of
 its own beside it and renamed, so a reader sees a whole file or none, and two runs at once
 each write theirs; written by a thread of its own while the run goes on (the write is bound by
-the disk, the run by the CPU), which the interpreter waits for before it exits."""
+the disk, the run by the CPU), which the interpreter waits for before it exits. A partial file
+left by a run that was killed is removed by the next writer once it has not grown for
+STALE_SECONDS. The file read back is mapped, not copied: its tensors are its pages."""
 
 from __future__ import annotations
 
@@ -19,26 +23,49 @@ import json
 import os
 import sys
 import threading
+import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from mmcli.weights import int4
+from mmcli.weights.int4 import GROUP
 from mmcli.weights.int8 import int8_layout, int8_linears, quantize_model
 
-RECIPE = (
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a prepared file holds, in words (part of its name and key), and the code whose
+    output it is (from the package's root)."""
+
+    form: str
+    words: str
+    code: tuple[str, ...]
+
+
+INT8 = Recipe(
+    "int8",
     "int8: symmetric per output channel, norms folded into the linears that read them; "
-    "int8_linear.c's layout"
+    "int8_linear.c's layout",
+    (
+        "weights/int8.py",
+        "weights/prepared.py",
+        "models/layers/quantized.py",
+        "kernels/csrc/int8_weights.c",
+    ),
 )
-# the code whose output the file holds, from the package's root
-CODE = (
-    "weights/int8.py",
-    "weights/prepared.py",
-    "models/layers/quantized.py",
-    "kernels/csrc/int8_weights.c",
+INT4 = Recipe(
+    "int4",
+    f"int4: asymmetric per group of {GROUP} inputs (scale and zero in bfloat16); torch's int4 "
+    "CPU layout",
+    ("weights/int4.py", "weights/prepared.py", "kernels/weight_forms.py"),
 )
+RECIPES = {recipe.form: recipe for recipe in (INT8, INT4)}
+STALE_SECONDS = 600  # a partial file not written to for this long belongs to a run that died
 
 
 def checkpoint_identity(path: Path, config_bytes: bytes | None = None) -> dict:
@@ -53,9 +80,9 @@ def checkpoint_identity(path: Path, config_bytes: bytes | None = None) -> dict:
     }
 
 
-def code_digest() -> str:
+def code_digest(recipe: Recipe = INT8) -> str:
     digest = hashlib.sha256()
-    for name in CODE:
+    for name in recipe.code:
         digest.update((Path(__file__).parent.parent / name).read_bytes())
     return digest.hexdigest()[:16]
 
@@ -71,13 +98,19 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
 
 
 class PreparedWeights:
-    """The cache file of one checkpoint's int8 weights under `directory`."""
+    """The cache file of one checkpoint's weights in one recipe's form under `directory`."""
 
-    def __init__(self, directory: Path, checkpoint: Path, config_bytes: bytes | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        checkpoint: Path,
+        config_bytes: bytes | None = None,
+        recipe: Recipe = INT8,
+    ):
         identity = checkpoint_identity(checkpoint, config_bytes)
-        name = hashlib.sha256(json.dumps([identity, RECIPE]).encode()).hexdigest()[:24]
+        name = hashlib.sha256(json.dumps([identity, recipe.words]).encode()).hexdigest()[:24]
         self.file = Path(directory).expanduser() / "weights" / f"{name}.safetensors"
-        self.key = {"recipe": RECIPE, "code": code_digest(), "torch": torch.__version__}
+        self.key = {"recipe": recipe.words, "code": code_digest(recipe), "torch": torch.__version__}
         self._writer: threading.Thread | None = None
         self._outcome = "prepared weights not written: none were prepared"
         self.status = "prepared weights not used"  # what the load did, for its line
@@ -85,15 +118,13 @@ class PreparedWeights:
     def quantize(self, model: torch.nn.Module) -> None:
         """int8 for `model` (int8.quantize_model), from the file when it holds this key, else
         computed and written (by a thread: `written` waits for it); `status` says which."""
-        prepared, problem = self._read(model)
+        prepared = self._grouped(self._read())
+        if prepared is not None and not _int8_fits(prepared, model):
+            prepared = self._ignored("not this model's linears")
         if prepared is not None:
             quantize_model(model, prepared)
-            self._outcome = self.status = f"prepared weights read from {self.file}"
+            self._read_from()
             return
-        if problem is not None:
-            print(
-                f"mmcli: prepared weights {self.file}: {problem}; preparing again", file=sys.stderr
-            )
         names = list(int8_linears(model))
         quantize_model(model)
         tensors = {
@@ -101,10 +132,23 @@ class PreparedWeights:
             for name in names
             for part, value in model.get_submodule(name).weight.tensors().items()
         }
-        # not a daemon: the interpreter waits for the file before it exits
-        self._writer = threading.Thread(target=self._write, args=(tensors,), name="mmcli-prepared")
-        self._writer.start()
-        self.status = f"prepared weights being written to {self.file}"
+        self._write_aside(tensors)
+
+    def read_int4(self, shapes: int4.Int4Shapes) -> tuple[dict, dict] | None:
+        """The 4-bit weights of `shapes` (matrices by name, experts by prefix) from the file when
+        it holds this key and exactly those weights, else None (the load quantizes as it reads,
+        then `write_int4`)."""
+        tensors = self._read()
+        held = int4.from_tensors(tensors, shapes) if tensors is not None else None
+        if tensors is not None and held is None:
+            self._ignored("not this model's int4 weights")
+        if held is not None:
+            self._read_from()
+        return held
+
+    def write_int4(self, matrices: dict, experts: dict) -> None:
+        """The 4-bit weights a load quantized, written aside (by a thread: `written` waits)."""
+        self._write_aside(int4.as_tensors(matrices, experts))
 
     def written(self) -> str:
         """Where the prepared weights are, once the file being written (if one is) is whole or
@@ -114,31 +158,47 @@ class PreparedWeights:
             self._writer.join()
         return self._outcome
 
-    def _read(self, model) -> tuple[dict | None, str | None]:
+    def _read(self) -> dict | None:
+        """The file's tensors (mapped) when it is whole and holds this key, else None (with one
+        line saying why, where there is a file)."""
         if not self.file.is_file():
-            return None, None
+            return None
         try:
             with safe_open(str(self.file), framework="pt") as f:
                 meta = f.metadata() or {}
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
-            return None, f"unreadable ({str(e)[:120]})"
+            return self._ignored(f"unreadable ({str(e)[:120]})")
         key = json.loads(meta.get("key", "{}"))
         if key != self.key:
             changed = [_KEYS[k] for k in self.key if key.get(k) != self.key[k]]
-            return None, f"written under another {' and '.join(changed)}"
+            return self._ignored(f"written under another {' and '.join(changed)}")
         if meta.get("crc32") != _checksum(tensors):
-            return None, "damaged (its values do not match their CRC-32)"
+            return self._ignored("damaged (its values do not match their CRC-32)")
+        return tensors
+
+    def _ignored(self, problem: str) -> None:
+        print(f"mmcli: prepared weights {self.file}: {problem}; preparing again", file=sys.stderr)
+
+    def _read_from(self) -> None:
+        self._outcome = self.status = f"prepared weights read from {self.file}"
+
+    @staticmethod
+    def _grouped(tensors: dict | None) -> dict[str, dict] | None:
+        """int8's tensors by module: {linear: {part: tensor}}."""
+        if tensors is None:
+            return None
         prepared: dict[str, dict] = {}
         for name, tensor in tensors.items():
             module, part = name.rsplit(".", 1)
             prepared.setdefault(module, {})[part] = tensor
-        linears = int8_linears(model)
-        shapes_match = set(prepared) == set(linears) and all(
-            {part: (tuple(t.shape), t.dtype) for part, t in prepared[n].items()} == int8_layout(m)
-            for n, m in linears.items()
-        )
-        return (prepared, None) if shapes_match else (None, "not this model's linears")
+        return prepared
+
+    def _write_aside(self, tensors: dict[str, torch.Tensor]) -> None:
+        # not a daemon: the interpreter waits for the file before it exits
+        self._writer = threading.Thread(target=self._write, args=(tensors,), name="mmcli-prepared")
+        self._writer.start()
+        self.status = f"prepared weights being written to {self.file}"
 
     def _write(self, tensors: dict[str, torch.Tensor]) -> None:
         """The file written aside and renamed into place; the outcome kept for `written`, and a
@@ -150,6 +210,7 @@ class PreparedWeights:
         )
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            remove_stale(self.file)
             save_file(tensors, str(partial), metadata=metadata)
             with open(partial, "rb") as f:
                 os.fsync(f.fileno())
@@ -164,3 +225,24 @@ class PreparedWeights:
             )
             return
         self._outcome = f"prepared weights written to {self.file}"
+
+
+def _int8_fits(prepared: dict[str, dict], model) -> bool:
+    linears = int8_linears(model)
+    return set(prepared) == set(linears) and all(
+        {part: (tuple(t.shape), t.dtype) for part, t in prepared[n].items()} == int8_layout(m)
+        for n, m in linears.items()
+    )
+
+
+def remove_stale(file: Path, now: float | None = None) -> list[Path]:
+    """The partial files of `file` that no run has written to for STALE_SECONDS (their writer
+    was killed: a full int4 file is tens of GB), removed; returns them."""
+    now = time.time() if now is None else now
+    removed = []
+    for partial in file.parent.glob(f"{file.name}.*.partial"):
+        with contextlib.suppress(OSError):
+            if now - partial.stat().st_mtime > STALE_SECONDS:
+                partial.unlink()
+                removed.append(partial)
+    return removed

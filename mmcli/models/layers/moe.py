@@ -112,6 +112,12 @@ def is_per_expert(name: str) -> bool:
     return _PER_EXPERT.match(name) is not None
 
 
+def experts_prefix(name: str) -> str | None:
+    """The experts' prefix of an experts tensor, held or one expert's, else None."""
+    match = _HELD.match(name) or _PER_EXPERT.match(name)
+    return match.group(1) if match else None
+
+
 def held_name(prefix: str, projection: str) -> str:
     return f"{prefix}.{projection}_proj"
 
