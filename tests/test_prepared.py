@@ -86,7 +86,7 @@ def test_a_damaged_truncated_or_stale_file_is_said_and_prepared_again(
     if spoil == "torch":
         monkeypatch.setattr(prepared_module.torch, "__version__", "0.0.0")
     elif spoil == "code":
-        monkeypatch.setattr(prepared_module, "code_digest", lambda: "edited")
+        monkeypatch.setattr(prepared_module, "code_digest", lambda recipe: "edited")
     else:
         spoil(file)
     capsys.readouterr()
