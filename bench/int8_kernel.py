@@ -1,7 +1,13 @@
-"""int8's kernel against fbgemm's and float32's on the 2B model's shapes, in one run: GOP/s of
-mmcli's int8_linear.c (this CPU's build, and the AVX2 build where this CPU has VNNI), of fbgemm's
-dynamic int8 linear (`torch.ops.quantized.linear_dynamic`, packed beforehand) and of float32
-`x @ w.T`, with fbgemm's packing time per weight, which int8_linear.c does not need.
+"""The quantized kernels against the library's on the 2B model's shapes, in one run.
+
+int8: GOP/s of mmcli's int8_linear.c (this CPU's build, and the AVX2 build where this CPU has
+VNNI), of fbgemm's dynamic int8 linear (`torch.ops.quantized.linear_dynamic`, packed beforehand)
+and of float32 `x @ w.T`, with fbgemm's packing time per weight, which int8_linear.c does not need.
+
+int4 at a decode step's rows: GB/s of 4-bit weights (with their scales and zeros) read by the
+kernels an int4 run takes on this build (amx.c's on AMX) and by torch's int4 kernel, cycling
+through copies larger than the last-level cache as a model's layers do, against the read
+bandwidth measured in the same run (measure.floors: a decode step's floor).
 
 python bench/int8_kernel.py [--smoke]"""
 
@@ -14,14 +20,17 @@ import warnings
 
 import torch
 
-from mmcli.kernels import cpu
-from mmcli.kernels.cpu_ops import int8_matmul
+from mmcli.kernels import cpu, measure
+from mmcli.kernels.cpu_ops import amx_int4_matmul, int8_matmul
 from mmcli.models.layers.linear import Linear
 from mmcli.weights.int8 import int8_linear
 
 # (rows, out, in): decode, a few rows, the ask's prefill and vision, the decoder's down projection
 SHAPES = [(1, 6144, 2048), (8, 6144, 2048), (219, 6144, 2048), (784, 4304, 1152), (219, 2048, 6144)]
 SMOKE = [(1, 64, 96), (37, 80, 264)]
+# int4: a decode step's rows of the 2B model's gate projection, and the copies cycled through
+INT4_ROWS, INT4_SHAPE, INT4_COPIES = [1, 2, 4, 8, 16, 32], (6144, 2048), 24
+INT4_SMOKE = [1, 5], (128, 64), 2
 
 
 def best(fn, tries: int = 5) -> float:
@@ -64,6 +73,38 @@ def float32(rows: int, out: int, width: int) -> float:
     return best(lambda: x @ weight.t())
 
 
+def int4_rates(rows: int, weights: list) -> tuple[str, float, float]:
+    """(the kernel an int4 run takes at `rows`, its GB/s of weights, torch's int4 kernel's)."""
+    x = torch.randn(rows, weights[0].shape[1])
+    nbytes = sum(w.packed.nbytes + w.scales_zeros.nbytes for w in weights)
+    ours = amx_int4_matmul(x, weights[0], None) is not None
+    kernel = "torch int4"
+    if ours:
+        kernel = "amx_int4_rows" if rows <= cpu.INT4_FEW_ROWS else "amx_int4_gemm"
+
+    def run(x, w):
+        return amx_int4_matmul(x, w, None) if ours else measure.torch_int4(x, w)
+
+    mine = best(lambda: [run(x, w) for w in weights])
+    library = best(lambda: [measure.torch_int4(x, w) for w in weights])
+    return kernel, nbytes / mine / 1e9, nbytes / library / 1e9
+
+
+def int4_table(smoke: bool) -> None:
+    os.environ.pop("MMCLI_CPU_KERNEL", None)  # the int8 table's last build: this CPU's again
+    cpu.load.cache_clear()
+    rows, (out, width), copies = INT4_SMOKE if smoke else (INT4_ROWS, INT4_SHAPE, INT4_COPIES)
+    weights = [measure.random_int4(out, width) for _ in range(copies)]
+    read = measure.floors()["read_gb_s"]
+    print(f"\nint4, {copies} copies of {out} x {width}; read bandwidth {read:.1f} GB/s")
+    print("| rows | kernel | GB/s | torch int4 GB/s | against torch | share of the bandwidth |")
+    print("|---|---|---|---|---|---|")
+    for n in rows:
+        kernel, mine, library = int4_rates(n, weights)
+        cells = [kernel, f"{mine:.1f}", f"{library:.1f}", f"{mine / library:.2f}x"]
+        print(f"| {n} | {' | '.join(cells)} | {mine / read:.0%} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes")
@@ -85,6 +126,7 @@ def main() -> None:
             cells.append("-")
         cells.append(f"{ops / float32(rows, out, width) / 1e9:.0f}")
         print(f"| {rows} x {out} x {width} | {' | '.join(cells)} |")
+    int4_table(args.smoke)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def random_int4(outer: int, inner: int) -> Int4Weight:
     return Int4Weight(packed, scales_zeros, (outer, inner))
 
 
-def _torch_int4(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+def torch_int4(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     x2 = x.to(torch.bfloat16)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, GROUP, weight.scales_zeros)
 
@@ -140,7 +140,7 @@ def _int4_tiles() -> dict:
         x = torch.randn(rows, inner)
         ops = 2 * rows * inner * outer
         rates[rows] = (
-            _rate(lambda x=x: _torch_int4(x, weight), ops),
+            _rate(lambda x=x: torch_int4(x, weight), ops),
             _rate(lambda x=x: matrix.int4_tiles_linear(x, weight, None), ops),
         )
     return {
