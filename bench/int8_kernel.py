@@ -29,8 +29,8 @@ from mmcli.weights.int8 import int8_linear
 SHAPES = [(1, 6144, 2048), (8, 6144, 2048), (219, 6144, 2048), (784, 4304, 1152), (219, 2048, 6144)]
 SMOKE = [(1, 64, 96), (37, 80, 264)]
 # int4: a decode step's rows of the 2B model's gate projection, and the copies cycled through
-INT4_ROWS, INT4_SHAPE, INT4_COPIES = [1, 2, 4, 8, 16, 32], (6144, 2048), 24
-INT4_SMOKE = [1, 5], (128, 64), 2
+INT4_ROWS, INT4_SHAPE, INT4_COPIES = [1, 2, 3, 4, 8, 16, 32], (6144, 2048), 24
+INT4_SMOKE = [1, 3, 5], (128, 64), 2
 
 
 def best(fn, tries: int = 5) -> float:
@@ -80,7 +80,8 @@ def int4_rates(rows: int, weights: list) -> tuple[str, float, float]:
     ours = amx_int4_matmul(x, weights[0], None) is not None
     kernel = "torch int4"
     if ours:
-        kernel = "amx_int4_rows" if rows <= cpu.INT4_FEW_ROWS else "amx_int4_gemm"
+        few = "int4_vnni_rows" if rows <= cpu.INT4_VNNI_ROWS else "amx_int4_rows"
+        kernel = few if rows <= cpu.INT4_FEW_ROWS else "amx_int4_gemm"
 
     def run(x, w):
         return amx_int4_matmul(x, w, None) if ours else measure.torch_int4(x, w)

@@ -1,7 +1,7 @@
 """amx.c's kernels on the AMX tiles, where this CPU has them: bfloat16 products against float64
 with each activation rounded as the kernel rounds it, the split products within 16 bits of each
-activation, int8 the very integers of the VNNI build, and the fused decode step on the tiles
-against the decoder's modules."""
+activation, int4's few rows against their int8 rows, int8 the very integers of the VNNI build,
+and the fused decode step on the tiles against the decoder's modules."""
 
 import pytest
 import torch
@@ -80,7 +80,34 @@ def test_int4_on_the_tiles_multiplies_its_weights(amx_build, rows, channels, inp
     if rows <= cpu.INT4_FEW_ROWS:  # the weights' exact values, not rounded to bfloat16
         exact = x.bfloat16().double() @ _int4_values(weight).t() + bias.double()
     assert ((got - exact).abs() <= 4e-6 * magnitude + 1e-5).all()
-    assert cpu_ops.amx_int4_matmul(x[:4], weight, bias) is None  # torch's kernel there
+
+
+def _int8_groups(x: torch.Tensor) -> torch.Tensor:
+    """x as int4_vnni_rows quantizes it: each group of 32 inputs to int8, scale its largest
+    value over 127 (float32 arithmetic, ties to even), returned dequantized in float64."""
+    groups = x.reshape(x.shape[0], -1, 32)
+    largest = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(largest > 0, 127 / largest, torch.zeros_like(largest))
+    q = torch.round(groups * inverse)
+    return (q.double() * (largest / 127).double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("rows", [3, 4])
+@pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024)])
+def test_int4_at_a_few_rows_multiplies_its_weights_by_int8_rows(amx_build, rows, channels, inputs):
+    generator = torch.Generator().manual_seed(rows)
+    weight = quantize_int4(torch.randn(channels, inputs, generator=generator).bfloat16())
+    x, bias = torch.randn(rows, inputs, generator=generator), torch.randn(channels)
+    x[0, :32] = 0  # a group of zeros: scale 0, nothing divided by it
+    values = _int4_values(weight).t()
+    exact = _int8_groups(x) @ values + bias.double()
+    magnitude = x.abs().double() @ values.abs()
+    got = cpu_ops.amx_int4_matmul(x, weight, bias).double()
+    assert ((got - exact).abs() <= 4e-6 * magnitude + 1e-5).all()
+    # against the unquantized rows: int8 per group of 32 is about 1% of the products' magnitude
+    unquantized = x.double() @ values + bias.double()
+    assert ((got - unquantized).abs() <= 0.01 * magnitude + 1e-5).all()
+    assert cpu_ops.amx_int4_matmul(x[:2], weight, bias) is None  # torch's kernel there
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 300])

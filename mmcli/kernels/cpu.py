@@ -47,7 +47,7 @@ HEADERS = [Path(__file__).parent / "csrc" / "float_tiles.h"]
 AMX_SOURCES = [Path(__file__).parent / "csrc" / "amx.c"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
-AMX_FLAGS = [*VNNI_FLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
+AMX_FLAGS = [*VNNI_FLAGS, "-mavx512vbmi", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 AMX_UNITS = frozenset({"amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni"})
 
 
@@ -215,7 +215,7 @@ def _declare(library: ctypes.CDLL) -> None:
     if library.build == "AMX":
         library.amx_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         library.amx_bf16_linear.argtypes += [ctypes.c_int] * 2
-        for name in ("amx_int4_gemm", "amx_int4_rows"):
+        for name in ("amx_int4_gemm", "amx_int4_rows", "int4_vnni_rows"):
             kernel = getattr(library, name)
             kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
@@ -265,26 +265,31 @@ def amx_bf16_linear(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch
     return None if status else out
 
 
-# int4 on the tiles above INT4_TORCH_ROWS (fewer: torch's int4 kernel keeps up), to
-# INT4_FEW_ROWS rows on the weights' integers (amx_int4_rows), more rows on panels dequantized
-# to bfloat16 (amx_int4_gemm): see amx.c
-INT4_TORCH_ROWS, INT4_FEW_ROWS = 4, 16
+# int4 on the AMX build: to INT4_TORCH_ROWS rows torch's int4 kernel (ours only matches it there:
+# bench/int8_kernel.py), to INT4_VNNI_ROWS on the vector units' int8 dot products, each row
+# quantized to int8 per group (int4_vnni_rows), to INT4_FEW_ROWS on the tiles with the weights'
+# integers (amx_int4_rows), more rows on panels dequantized to bfloat16 (amx_int4_gemm): amx.c
+INT4_TORCH_ROWS, INT4_VNNI_ROWS, INT4_FEW_ROWS = 2, 4, 16
 
 
 def amx_int4_gemm(x: torch.Tensor, weight) -> torch.Tensor | None:
-    """x (rows, K) @ W.T on the AMX tiles for an Int4Weight W (torch's CPU layout, group 32), x
-    rounded to bfloat16, float32 out: a few rows on the weights' integers, each group's sums
-    scaled after, more rows on panels dequantized to bfloat16 (amx.c); None where this build or
-    the shapes (N a multiple of 64, K of 32) do not fit."""
+    """x (rows, K) float32 @ W.T for an Int4Weight W (torch's CPU layout, group 32) on the AMX
+    build, float32 out: 1-4 rows quantized to int8 per group of 32 inputs, more rounded to
+    bfloat16 (see INT4_VNNI_ROWS); None where this build or the shapes (N a multiple of 64, K of
+    32) do not fit."""
     library = load()[0]
     if library is None or library.build != "AMX" or not weight.scales_zeros.is_contiguous():
         return None
     rows, width = x.shape
-    x16 = x.to(torch.bfloat16).contiguous()
+    if rows <= INT4_VNNI_ROWS:
+        kernel, x_in = library.int4_vnni_rows, x.float().contiguous()
+    else:
+        few = rows <= INT4_FEW_ROWS
+        kernel = library.amx_int4_rows if few else library.amx_int4_gemm
+        x_in = x.to(torch.bfloat16).contiguous()
     out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    kernel = library.amx_int4_rows if rows <= INT4_FEW_ROWS else library.amx_int4_gemm
     status = kernel(
-        x16.data_ptr(), weight.packed.data_ptr(), weight.scales_zeros.data_ptr(),
+        x_in.data_ptr(), weight.packed.data_ptr(), weight.scales_zeros.data_ptr(),
         out.data_ptr(), rows, weight.shape[0], width, torch.get_num_threads(),
     )  # fmt: skip
     return None if status else out

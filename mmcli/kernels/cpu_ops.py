@@ -127,8 +127,8 @@ def amx_split_matmul(x, weight, bias, activation) -> torch.Tensor | None:
 
 
 def amx_int4_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x @ W.T (+ bias) for an Int4Weight on the AMX tiles (cpu.amx_int4_gemm) above
-    cpu.INT4_TORCH_ROWS rows; None (torch's int4 kernel) for fewer rows or shapes off the tiles."""
+    """x @ W.T (+ bias) for an Int4Weight on the AMX build's kernels (cpu.amx_int4_gemm) above
+    cpu.INT4_TORCH_ROWS rows; None (torch's int4 kernel) for fewer rows or shapes off them."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] <= cpu.INT4_TORCH_ROWS or x.device.type != "cpu" or not cpu.eager():
         return None

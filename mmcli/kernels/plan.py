@@ -249,8 +249,9 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
     if shape.quantize != "int4":
         return NONE
     if _tiles(shape, machine):
-        kernel = f"AMX tiles (the integers to {cpu.INT4_FEW_ROWS} rows, dequantized panels above)"
-        kernel += f", torch int4 to {cpu.INT4_TORCH_ROWS} rows"
+        kernel = f"torch int4 to {cpu.INT4_TORCH_ROWS} rows, int8 dot products to "
+        kernel += f"{cpu.INT4_VNNI_ROWS}, AMX tiles (the integers to {cpu.INT4_FEW_ROWS} rows, "
+        kernel += "dequantized panels above)"
         why = "the weights as stored, on AMX-BF16"
         return Choice("amx_int4", kernel, why, _function(cpu_ops.amx_int4_matmul))
     if not shape.eager_cpu():
