@@ -45,12 +45,19 @@ def best(fn, tries: int = 5) -> float:
 
 def ours(rows: int, out: int, width: int, build: str) -> float:
     """Seconds per call of the int8 Linear (activations quantized in the call, as a run does)."""
+    before = os.environ.get("MMCLI_CPU_KERNEL")
     os.environ["MMCLI_CPU_KERNEL"] = "avx2" if build == "AVX2" else "1"
     cpu.load.cache_clear()
     layer = int8_linear(Linear(width, out, bias=False).requires_grad_(False))
     layer.kernel = int8_matmul  # what the kernel plan installs in an int8 run
     x = torch.randn(rows, width)
-    return best(lambda: layer(x))
+    seconds = best(lambda: layer(x))
+    if before is None:
+        del os.environ["MMCLI_CPU_KERNEL"]
+    else:
+        os.environ["MMCLI_CPU_KERNEL"] = before
+    cpu.load.cache_clear()  # the build the environment names again
+    return seconds
 
 
 def fbgemm(rows: int, out: int, width: int) -> tuple[float, float]:
@@ -78,10 +85,7 @@ def int4_rates(rows: int, weights: list) -> tuple[str, float, float]:
     x = torch.randn(rows, weights[0].shape[1])
     nbytes = sum(w.packed.nbytes + w.scales_zeros.nbytes for w in weights)
     ours = amx_int4_matmul(x, weights[0], None) is not None
-    kernel = "torch int4"
-    if ours:
-        few = "int4_vnni_rows" if rows <= cpu.INT4_VNNI_ROWS else "amx_int4_rows"
-        kernel = few if rows <= cpu.INT4_FEW_ROWS else "amx_int4_gemm"
+    kernel = cpu.amx_int4_kernel(rows) if ours else "torch int4"
 
     def run(x, w):
         return amx_int4_matmul(x, w, None) if ours else measure.torch_int4(x, w)
@@ -92,8 +96,6 @@ def int4_rates(rows: int, weights: list) -> tuple[str, float, float]:
 
 
 def int4_table(smoke: bool) -> None:
-    os.environ.pop("MMCLI_CPU_KERNEL", None)  # the int8 table's last build: this CPU's again
-    cpu.load.cache_clear()
     rows, (out, width), copies = INT4_SMOKE if smoke else (INT4_ROWS, INT4_SHAPE, INT4_COPIES)
     weights = [measure.random_int4(out, width) for _ in range(copies)]
     read = measure.floors()["read_gb_s"]

@@ -272,6 +272,13 @@ def amx_bf16_linear(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch
 INT4_TORCH_ROWS, INT4_VNNI_ROWS, INT4_FEW_ROWS = 2, 4, 16
 
 
+def amx_int4_kernel(rows: int) -> str:
+    """The AMX build's int4 kernel for `rows` rows (its name in amx.c)."""
+    if rows <= INT4_VNNI_ROWS:
+        return "int4_vnni_rows"
+    return "amx_int4_rows" if rows <= INT4_FEW_ROWS else "amx_int4_gemm"
+
+
 def amx_int4_gemm(x: torch.Tensor, weight) -> torch.Tensor | None:
     """x (rows, K) float32 @ W.T for an Int4Weight W (torch's CPU layout, group 32) on the AMX
     build, float32 out: 1-4 rows quantized to int8 per group of 32 inputs, more rounded to
@@ -281,12 +288,10 @@ def amx_int4_gemm(x: torch.Tensor, weight) -> torch.Tensor | None:
     if library is None or library.build != "AMX" or not weight.scales_zeros.is_contiguous():
         return None
     rows, width = x.shape
-    if rows <= INT4_VNNI_ROWS:
-        kernel, x_in = library.int4_vnni_rows, x.float().contiguous()
-    else:
-        few = rows <= INT4_FEW_ROWS
-        kernel = library.amx_int4_rows if few else library.amx_int4_gemm
-        x_in = x.to(torch.bfloat16).contiguous()
+    name = amx_int4_kernel(rows)
+    # int4_vnni_rows quantizes float32 rows itself; the tiles take them rounded to bfloat16
+    x_in = (x.float() if name == "int4_vnni_rows" else x.to(torch.bfloat16)).contiguous()
+    kernel = getattr(library, name)
     out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
     status = kernel(
         x_in.data_ptr(), weight.packed.data_ptr(), weight.scales_zeros.data_ptr(),
