@@ -7,7 +7,9 @@ a call: too small for a share of the peak); and where the few-rows kernel (decod
 the GEMM (linear.KERNEL_ROWS). Each figure is a share of the float32 matmul peak (2048-cubed)
 measured just before it, the median of --repeats rounds (this shared machine's peak moves by up
 to 2x within a minute). Weights cycle through copies larger than the last-level cache, as a
-model's do.
+model's do. Last, at a decode step's rows, the GB/s of bfloat16 weights each few-rows kernel reads
+(bf16_linear.c, amx.c's tiles on AMX, oneDNN's bfloat16 linear) against the read bandwidth measured
+in the same run (measure.floors: a decode step's floor).
 
 python bench/float_kernels.py [--smoke] [--repeats 7]
 
@@ -25,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mmcli.kernels import cpu
+from mmcli.kernels import cpu, measure
 from mmcli.kernels.cpu_ops import bf16_matmul
 from mmcli.models.layers.linear import upcast_linear
 
@@ -46,6 +48,9 @@ SMOKE_ATTENTION = [(100, 2, 2, 64, False), (50, 4, 2, 32, True)]
 # (rows, width): a decode step's norms (the hidden state, 16 query heads), the prefill's
 NORMS = [(1, 2048), (16, 128), (219, 2048)]
 CROSSOVER_ROWS = [8, 12, 16, 24, 32]
+# a decode step's rows of the 2B model's gate projection, and the copies cycled through
+DECODE_ROWS, DECODE_SHAPE, DECODE_COPIES = [1, 2, 4, 8, 16, 32], (6144, 2048), 24
+DECODE_SMOKE = [1, 3], (128, 64), 2
 
 
 def seconds(fn) -> float:
@@ -144,6 +149,37 @@ def crossover_row(rows: int, out: int, width: int, repeats: int, peak) -> str:
     return f"| {rows} x {out} x {width} | " + " | ".join(f"{v:.0%}" for v in shares.values()) + " |"
 
 
+def decode_table(smoke: bool) -> None:
+    """GB/s of bfloat16 weights read by each few-rows kernel at a decode step's rows, the best
+    of 3 passes over copies larger than the last-level cache."""
+    rows, (out, width), copies = (
+        DECODE_SMOKE if smoke else (DECODE_ROWS, DECODE_SHAPE, DECODE_COPIES)
+    )
+    weights = [torch.randn(out, width).bfloat16() for _ in range(copies)]
+    kernels = {"bf16_linear.c": cpu.bf16_linear}
+    if cpu.name() == "AMX":
+        kernels["amx.c tiles"] = lambda x, w: cpu.amx_bf16_linear(x, w, False)
+    kernels["oneDNN bfloat16"] = lambda x, w: F.linear(x.bfloat16(), w)
+    read = measure.floors()["read_gb_s"]
+    print(
+        f"\nbfloat16, {copies} copies of {out} x {width}; GB/s of weights (share of the read "
+        f"bandwidth, {read:.1f} GB/s)"
+    )
+    print(f"| rows | {' | '.join(kernels)} |")
+    print("|---|" + "---|" * len(kernels))
+    for n in rows:
+        x = torch.randn(n, width)
+        rates = [weights_read(kernel, x, weights) for kernel in kernels.values()]
+        print(f"| {n} | " + " | ".join(f"{r:.1f} ({r / read:.0%})" for r in rates) + " |")
+
+
+def weights_read(kernel, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    """GB/s of `weights` read by `kernel` on x: the best of 3 passes over them all."""
+    kernel(x, weights[0])
+    best = min(seconds(lambda: [kernel(x, w) for w in weights]) for _ in range(3))
+    return sum(w.nbytes for w in weights) / best / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one round")
@@ -183,6 +219,7 @@ def main() -> None:
     print("|---|---|---|")
     for rows in CROSSOVER_ROWS[:1] if args.smoke else CROSSOVER_ROWS:
         print(crossover_row(rows, *((64, 96) if args.smoke else (6144, 2048)), repeats, peak))
+    decode_table(args.smoke)
 
 
 if __name__ == "__main__":

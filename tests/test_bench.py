@@ -122,6 +122,8 @@ def test_float_kernels_bench_smoke():
         "| 1 x 2048 |",
     ):
         assert row in stdout
+    decode = stdout[stdout.index("bfloat16, 2 copies") :]
+    assert all(f"| {rows} | " in decode for rows in (1, 3))
 
 
 @pytest.mark.slow

@@ -85,8 +85,8 @@ static void pack_columns(const float *x, int64_t M, int64_t K, int split, int64_
     }
 }
 
-/* No software prefetch: the tile loads' 16 (to 64) row streams are what the hardware's
-   prefetchers follow best (fetching ahead in each row or in order measured slower). */
+/* No software prefetch: the tile loads' 16 row streams are what the hardware's prefetchers
+   follow best (fetching ahead in each row or in order measured slower). */
 
 static void bf16_block1(const uint16_t *w, const uint32_t *xb, int64_t K, int64_t n0, int nb,
                         float *out) {
@@ -119,39 +119,12 @@ static void bf16_block1(const uint16_t *w, const uint32_t *xb, int64_t K, int64_
     _tile_stored(3, out + 48, 256);
 }
 
-static void bf16_blocks4(const uint16_t *w, const uint32_t *xb, int64_t K, int64_t n0, float *out) {
-    /* four channel blocks against one column block: A in tmm4/5, B in tmm6, C in tmm0..3 */
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const int64_t stride = K * 2;
-    for (int64_t k = 0; k < K; k += 32) {
-        _tile_loadd(6, xb + (k / 2) * 16, 64);
-        _tile_loadd(4, w + n0 * K + k, stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(5, w + (n0 + 16) * K + k, stride);
-        _tile_dpbf16ps(1, 5, 6);
-        _tile_loadd(4, w + (n0 + 32) * K + k, stride);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_loadd(5, w + (n0 + 48) * K + k, stride);
-        _tile_dpbf16ps(3, 5, 6);
+/* y[m][n0 .. n0 + 15] from out[channel][column] (64 floats a channel) */
+static void store_columns(const float *out, int64_t n0, int64_t M, int64_t N, int split, float *y) {
+    for (int i = 0; i < 16; i++) {
+        const float *sums = out + i * 64;
+        for (int64_t m = 0; m < M; m++) y[m * N + n0 + i] = split ? sums[m] + sums[M + m] : sums[m];
     }
-    _tile_stored(0, out, 256);
-    _tile_stored(1, out + 16 * 64, 256);
-    _tile_stored(2, out + 32 * 64, 256);
-    _tile_stored(3, out + 48 * 64, 256);
-}
-
-/* y[m][n] from out[channel][column] (16 channels a block, 64 floats a channel) */
-static void store_columns(const float *out, int blocks, int64_t n0, int64_t M, int64_t N, int split,
-                          float *y) {
-    for (int b = 0; b < blocks; b++)
-        for (int i = 0; i < 16; i++) {
-            const float *sums = out + (b * 16 + i) * 64;
-            for (int64_t m = 0; m < M; m++)
-                y[m * N + n0 + b * 16 + i] = split ? sums[m] + sums[M + m] : sums[m];
-        }
 }
 
 /* The B operand's buffer, kept by the calling thread and grown as needed: a fresh one a call
@@ -178,24 +151,17 @@ int amx_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int6
     uint32_t *xb = column_buffer((size_t)nb * (K / 2) * 16 * 4);
     if (!xb) return 1;
     for (int j = 0; j < nb; j++) pack_columns(x, M, K, split, j, xb + j * (K / 2) * 16);
-    /* channel blocks a pass: 4 against one column block, else 1 (16 row streams: two blocks
-       against two column blocks measured 15% slower at 32 rows) */
-    const int per = nb == 1 ? 4 : 1;
-    const int64_t passes = N / 16 / per, rest = N / 16 % per;
+    /* one channel block at a time against every column block: 16 row streams of weights, which
+       the hardware prefetchers follow (four blocks' 64 streams measured 5-16 GB/s against 20 at
+       1-16 rows, bench/float_kernels.py) */
 #pragma omp parallel num_threads(threads)
     {
-        float out[4 * 16 * 64] __attribute__((aligned(64)));
+        float out[16 * 64] __attribute__((aligned(64)));
         configure_rows(32); /* every tile 16 x 64 bytes */
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < passes + rest; p++) {
-            /* whole passes first; the rest's channel blocks one at a time */
-            const int64_t n0 = p < passes ? p * per * 16 : (passes * per + (p - passes)) * 16;
-            const int blocks = p < passes ? per : 1;
-            if (blocks == 4)
-                bf16_blocks4(w, xb, K, n0, out);
-            else
-                bf16_block1(w, xb, K, n0, nb, out);
-            store_columns(out, blocks, n0, M, N, split, y);
+        for (int64_t n0 = 0; n0 < N; n0 += 16) {
+            bf16_block1(w, xb, K, n0, nb, out);
+            store_columns(out, n0, M, N, split, y);
         }
         _tile_release();
     }
