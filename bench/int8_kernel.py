@@ -4,6 +4,9 @@ int8: GOP/s of mmcli's int8_linear.c (this CPU's build, and the AVX2 build where
 VNNI), of fbgemm's dynamic int8 linear (`torch.ops.quantized.linear_dynamic`, packed beforehand)
 and of float32 `x @ w.T`, with fbgemm's packing time per weight, which int8_linear.c does not need.
 
+int8 at a decode step's rows: GB/s of int8 weights read by int8_linear.c on the vector units and,
+on AMX, on the tiles (the same integers: the build hands over at cpu.INT8_VNNI_ROWS).
+
 int4 at a decode step's rows: GB/s of 4-bit weights (with their scales and zeros) read by the
 kernels an int4 run takes on this build (amx.c's on AMX) and by torch's int4 kernel, cycling
 through copies larger than the last-level cache as a model's layers do, against the read
@@ -31,6 +34,7 @@ SMOKE = [(1, 64, 96), (37, 80, 264)]
 # int4: a decode step's rows of the 2B model's gate projection, and the copies cycled through
 INT4_ROWS, INT4_SHAPE, INT4_COPIES = [1, 2, 3, 4, 8, 16, 32], (6144, 2048), 24
 INT4_SMOKE = [1, 3, 5], (128, 64), 2
+DECODE_ROWS = [1, 2, 4, 8, 12, 16, 32]
 
 
 def best(fn, tries: int = 5) -> float:
@@ -95,6 +99,32 @@ def int4_rates(rows: int, weights: list) -> tuple[str, float, float]:
     return kernel, nbytes / mine / 1e9, nbytes / library / 1e9
 
 
+def int8_rows_table(smoke: bool) -> None:
+    """GB/s of int8 weights (values only) read at a decode step's rows, each kernel the AMX build
+    can take."""
+    rows, (out, width), copies = INT4_SMOKE if smoke else (DECODE_ROWS, INT4_SHAPE, INT4_COPIES)
+    weights = [measure.random_int8(out, width)[0] for _ in range(copies)]
+    kernels = {"vector units": 1 << 30}
+    if cpu.name() == "AMX":
+        kernels["AMX tiles"] = 0
+    read = measure.floors()["read_gb_s"]
+    print(
+        f"\nint8, {copies} copies of {out} x {width} ({cpu.name()} build); GB/s of weights (share "
+        f"of the read bandwidth, {read:.1f} GB/s)"
+    )
+    print(f"| rows | {' | '.join(kernels)} |")
+    print("|---|" + "---|" * len(kernels))
+    for n in rows:
+        rates = [int8_rate(torch.randn(n, width), weights, vnni) for vnni in kernels.values()]
+        print(f"| {n} | " + " | ".join(f"{r:.1f} ({r / read:.0%})" for r in rates) + " |")
+
+
+def int8_rate(x: torch.Tensor, weights: list, vnni_rows: int) -> float:
+    """GB/s of the weights' values read by int8_linear.c on x, `vnni_rows` as the build's."""
+    seconds = best(lambda: [cpu.int8_linear(x, w, vnni_rows) for w in weights])
+    return sum(w.values.nbytes for w in weights) / seconds / 1e9
+
+
 def int4_table(smoke: bool) -> None:
     rows, (out, width), copies = INT4_SMOKE if smoke else (INT4_ROWS, INT4_SHAPE, INT4_COPIES)
     weights = [measure.random_int4(out, width) for _ in range(copies)]
@@ -129,6 +159,7 @@ def main() -> None:
             cells.append("-")
         cells.append(f"{ops / float32(rows, out, width) / 1e9:.0f}")
         print(f"| {rows} x {out} x {width} | {' | '.join(cells)} |")
+    int8_rows_table(args.smoke)
     int4_table(args.smoke)
 
 

@@ -109,6 +109,8 @@ def test_moe_bench_smoke(tmp_path):
 def test_int8_kernel_bench_smoke():
     out = _smoke("int8_kernel.py")
     assert "| 37 x 80 x 264 |" in out
+    int8 = out[out.index("int8, 2 copies") : out.index("int4, 2 copies")]
+    assert all(f"| {rows} | " in int8 for rows in (1, 3, 5))
     int4 = out[out.index("int4, 2 copies") :]
     assert all(f"| {rows} | " in int4 for rows in (1, 3, 5))
 

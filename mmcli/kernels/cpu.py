@@ -200,7 +200,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.decode_layer.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64]
     library.decode_layer.argtypes += [ctypes.c_void_p] * 5 + [ctypes.c_int]
     library.decode_layer.restype = None
-    library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_int]
     library.int8_linear.restype = None
     library.quantize_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
     library.quantize_rows.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
@@ -471,9 +471,15 @@ def decode_layer(
     )
 
 
-def int8_linear(x: torch.Tensor, weight) -> torch.Tensor:
+# int8 on the AMX build: to INT8_VNNI_ROWS rows on the vector units' int8 dot products, which read
+# the weights faster there (bench/int8_kernel.py), more on the tiles; both sum the same integers
+INT8_VNNI_ROWS = 8
+
+
+def int8_linear(x: torch.Tensor, weight, vnni_rows: int = INT8_VNNI_ROWS) -> torch.Tensor:
     """x (rows, in) float32, contiguous, @ an Int8Weight (models/layers/quantized.py), each row
-    quantized to 7 bits with its own scale on the way; float32 (rows, padded out) out."""
+    quantized to 7 bits with its own scale on the way; float32 (rows, padded out) out. On the
+    AMX build, more than `vnni_rows` rows on the tiles."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
@@ -497,6 +503,7 @@ def int8_linear(x: torch.Tensor, weight) -> torch.Tensor:
         rows,
         padded_out,
         padded_in,
+        vnni_rows,
         threads,
     )
     return out

@@ -220,10 +220,11 @@ def _int8(shape: RunShape, machine: Machine) -> Choice:
 
 
 def _int8_tiles() -> Choice:
-    """int8_linear.c's AMX build: the tiles read its layout as stored, at every row count (no
-    copy to oneDNN's, which the tiles outrun 2.5x at 256 rows: docs/performance.md)."""
-    why = "AMX-INT8 on the weights as stored, at every row count"
-    kernel = f"{INT8_OURS} on AMX tiles"
+    """int8_linear.c's AMX build: the tiles read its layout as stored above a decode step's few
+    rows (no copy to oneDNN's, which the tiles outrun 2.5x at 256 rows: docs/performance.md),
+    the vector units' dot products below, which read it faster there: the same integers."""
+    why = "AMX-INT8 on the weights as stored; VNNI, the same integers, at a decode step's few rows"
+    kernel = f"{INT8_OURS}, VNNI to {cpu.INT8_VNNI_ROWS} rows, AMX tiles above"
     return Choice("int8_linear.c+amx_tiles", kernel, why, _function(cpu_ops.int8_matmul))
 
 

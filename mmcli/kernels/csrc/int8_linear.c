@@ -185,13 +185,17 @@ int amx_int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, con
                     int64_t Kp, int threads);
 
 /* y is M x Np float32; w_sum, w_scale and bias hold Np values (zero past the layer's own
-   channels). The AMX build computes on the tiles (amx.c: the same integers) where the shapes
-   fit them. */
+   channels). The AMX build computes more than `vnni_rows` rows on the tiles (amx.c: the same
+   integers) where the shapes fit them. */
 void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
                  const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
-                 int64_t Kp, int threads) {
+                 int64_t Kp, int64_t vnni_rows, int threads) {
 #ifdef __AMX_INT8__
-    if (!amx_int8_linear(x, x_scale, w, w_sum, w_scale, bias, y, M, Np, Kp, threads)) return;
+    if (M > vnni_rows &&
+        !amx_int8_linear(x, x_scale, w, w_sum, w_scale, bias, y, M, Np, Kp, threads))
+        return;
+#else
+    (void)vnni_rows;
 #endif
     const int64_t width = NV * VLEN, tiles = (Np + width - 1) / width;
 /* a tile at a time to whichever thread is free, as bf16_linear.c shares out its rows */
