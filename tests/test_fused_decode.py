@@ -14,6 +14,7 @@ from mmcli.models.cache import AttentionBatch, DecoderCache
 from mmcli.models.config import TextConfig
 from mmcli.models.qwen3_vl.text import TextDecoder
 from mmcli.testing import make_tiny_checkpoint
+from mmcli.weights.int8 import quantize_linears
 
 pytestmark = pytest.mark.skipif(
     cpu.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
@@ -89,6 +90,42 @@ def test_the_fused_step_matches_the_layers_it_replaces(build, shape, prompts):
     for i in range(cfg.num_hidden_layers):
         for ours, theirs in zip(cache.layer(i), ref_cache.layer(i)):
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+        dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=1, head_dim=16),
+    ],
+)
+def test_an_int8_step_matches_the_int8_layers_it_replaces(build, shape):
+    """int8 weights (int8_linear.c's layout, no padding): each product's rows quantized once in
+    the kernel as each Int8Linear quantizes its own, the same integers summed."""
+    half = shape["head_dim"] // 2
+    cfg = TextConfig(
+        **shape,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        vocab_size=16,
+        mrope_section=(half - 2 * (half // 3), half // 3, half // 3),
+    )
+    decoder = _decoder(cfg, seed=shape["head_dim"])
+    assert quantize_linears(decoder) == 7 * cfg.num_hidden_layers
+    with_cpu_kernels(decoder, quantize="int8").kernel = None
+    prompts = {2: 3, 0: 9, 1: 1}
+    reference, ref_cache = _steps(decoder, cfg, steps=12, prompts=prompts, seed=1)
+    decoder.kernel = FusedDecode.for_decoder(decoder, cfg)
+    assert decoder.kernel is not None and decoder.kernel.structs[0].int8 == 1
+    fused, cache = _steps(decoder, cfg, steps=12, prompts=prompts, seed=1)
+    torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+    for i in range(cfg.num_hidden_layers):
+        for ours, theirs in zip(cache.layer(i), ref_cache.layer(i)):
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    padded = dataclasses.replace(cfg, intermediate_size=72)  # out padded to 80: not the kernel's
+    decoder = _decoder(padded, seed=0)
+    quantize_linears(decoder)
+    assert FusedDecode.for_decoder(decoder, padded) is None
 
 
 def test_only_layers_it_reproduces_take_it():

@@ -133,18 +133,23 @@ def _run_together(commands) -> None:
         raise failed
 
 
+class DecodeMatrix(ctypes.Structure):
+    """decode_layer.c's struct decode_matrix: a linear's bfloat16 weights (values only) or its
+    Int8Weight's tensors."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("values", "sums", "scale", "bias")]
+
+
 class DecodeLayer(ctypes.Structure):
     """decode_layer.c's struct decode_layer: one layer's weights and sizes."""
 
-    _fields_ = [
-        (name, ctypes.c_void_p)
-        for name in ("input_norm", "post_norm", "q_norm", "k_norm", "q", "k", "v", "o")
-        + ("gate", "up", "down")
-    ]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "q_norm", "k_norm")]
+    _fields_ += [(name, DecodeMatrix) for name in ("q", "k", "v", "o", "gate", "up", "down")]
     _fields_ += [
         (name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "d", "intermediate")
     ]
-    _fields_ += [("eps", ctypes.c_float), ("tiles", ctypes.c_int32)]
+    _fields_ += [("eps", ctypes.c_float), ("tiles", ctypes.c_int32), ("int8", ctypes.c_int32)]
+    _fields_ += [("vnni_rows", ctypes.c_int64)]
 
 
 @functools.cache
@@ -431,9 +436,11 @@ def int4_dequantize(weight, group: int, start: int, stop: int) -> torch.Tensor:
 
 def decode_scratch(layer: DecodeLayer, rows: int, context: int) -> torch.Tensor:
     """The floats decode_layer.c works in for `rows` rows reaching `context` columns (one buffer
-    for every layer of a step)."""
+    for every layer of a step): its float32 rows, then int8 rows' levels and scales."""
     per_row = 2 * layer.hidden + 2 * (layer.heads + layer.kv_heads) * layer.d
-    return torch.empty(rows * (per_row + 2 * layer.intermediate) + layer.heads * context)
+    widest = max(layer.hidden, layer.heads * layer.d, layer.intermediate)
+    levels = rows + (rows * widest + 3) // 4  # a scale a row, a byte a value
+    return torch.empty(rows * (per_row + 2 * layer.intermediate) + levels + layer.heads * context)
 
 
 def decode_layer(

@@ -1,9 +1,9 @@
-"""A decode step of up to KERNEL_ROWS sequences through a dense decoder in one kernel call a layer
-(cpu.decode_layer, decode_layer.c): for attention layers with bfloat16 weights computing in
-float32 on the CPU, the default precision there. Any other layer, batch or backend keeps the
-decoder's modules, which this reproduces operation for operation (tests/test_fused_decode.py
-compares the two). The decoder hands its layers over as FusableLayer: the kernels import no
-model."""
+"""A decode step of a few sequences through a dense decoder in one kernel call a layer
+(cpu.decode_layer, decode_layer.c): for attention layers with bfloat16 weights (the default
+precision on the CPU) or int8 ones (int8_linear.c's layout), computing in float32. Any other
+layer, batch or backend keeps the decoder's modules, which this reproduces operation for
+operation (tests/test_fused_decode.py compares the two). The decoder hands its layers over as
+FusableLayer: the kernels import no model."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from mmcli.kernels import cpu
 from mmcli.kernels.cpu_ops import KERNEL_ROWS
+from mmcli.kernels.weight_forms import Int8Weight
 
 NORMS = ("input_norm", "post_norm", "q_norm", "k_norm")
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -35,15 +36,26 @@ class FusableLayer:
         return (
             not self.output_gate
             and rotary_dim == self.head_dim
-            and all(map(_matrix, self.linears.values()))
+            and (all(map(_bf16, self.linears.values())) or all(map(_int8, self.linears.values())))
             and all(map(_norm, self.norms.values()))
         )
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return {name: module.weight for name, module in {**self.norms, **self.linears}.items()}
+    def int8(self) -> bool:
+        return all(map(_int8, self.linears.values()))
+
+    def tensors(self) -> dict[str, dict[str, torch.Tensor] | torch.Tensor]:
+        """The norms' weights, and each matrix's tensors by decode_matrix's names."""
+        norms = {name: module.weight for name, module in self.norms.items()}
+        return norms | {name: _matrix(linear) for name, linear in self.linears.items()}
 
 
-def _matrix(linear) -> bool:
+def _matrix(linear) -> dict[str, torch.Tensor]:
+    if isinstance(linear.weight, Int8Weight):
+        return {name: getattr(linear.weight, name) for name in ("values", "sums", "scale", "bias")}
+    return {"values": linear.weight}
+
+
+def _bf16(linear) -> bool:
     weight = getattr(linear, "weight", None)
     return (
         getattr(linear, "work", None) == "upcast"  # a Linear as loaded, not a quantized form
@@ -54,6 +66,26 @@ def _matrix(linear) -> bool:
     )
 
 
+def _int8(linear) -> bool:
+    """An Int8Linear in int8_linear.c's layout whose padding is none (the kernel's rows are the
+    layer's)."""
+    weight = getattr(linear, "weight", None)
+    return (
+        getattr(linear, "work", None) == "int8"
+        and isinstance(weight, Int8Weight)
+        and weight.layout == "interleaved"
+        and linear.per_token
+        and tuple(weight.values.shape) == (linear.out_features, linear.in_features)
+        and all(t.is_contiguous() for t in weight.tensors().values())
+    )
+
+
+def _flat(tensors) -> list[torch.Tensor]:
+    return [
+        t for entry in tensors for t in (entry.values() if isinstance(entry, dict) else [entry])
+    ]
+
+
 def _norm(norm) -> bool:
     return (
         not norm.unit_offset and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
@@ -61,25 +93,35 @@ def _norm(norm) -> bool:
 
 
 class FusedDecode:
-    """The decoder's layers as decode_layer.c's structs; `tiles`: their products in bfloat16 on
-    the AMX tiles (up to cpu.AMX_ROWS rows), else float32 FMAs (up to KERNEL_ROWS)."""
+    """The decoder's layers as decode_layer.c's structs; `tiles`: bfloat16 products on the AMX
+    tiles (up to cpu.AMX_ROWS rows), else float32 FMAs (up to KERNEL_ROWS). int8 layers take up
+    to cpu.AMX_ROWS rows on int8_linear.c, as a layer-by-layer step does."""
 
     def __init__(self, layers: list[FusableLayer], eps: float, tiles: bool = False):
-        self.max_rows = cpu.AMX_ROWS if tiles else KERNEL_ROWS
-        self.structs, self._weights = [], []  # the structs, and the tensors they point into
+        int8 = layers[0].int8()
+        self.max_rows = cpu.AMX_ROWS if tiles or int8 else KERNEL_ROWS
+        self.structs, self._tensors = [], []  # the structs, and the tensors they point into
         for layer in layers:
-            weights = layer.weights()
-            self._weights.append(weights)
+            tensors = layer.tensors()
+            self._tensors.append(tensors)
+            norms = {name: tensors[name].data_ptr() for name in layer.norms}
+            matrices = {
+                name: cpu.DecodeMatrix(**{k: t.data_ptr() for k, t in tensors[name].items()})
+                for name in layer.linears
+            }
             self.structs.append(
                 cpu.DecodeLayer(
-                    **{name: tensor.data_ptr() for name, tensor in weights.items()},
-                    hidden=weights["input_norm"].shape[0],
+                    **norms,
+                    **matrices,
+                    hidden=tensors["input_norm"].shape[0],
                     heads=layer.heads,
                     kv_heads=layer.kv_heads,
                     d=layer.head_dim,
-                    intermediate=weights["gate"].shape[0],
+                    intermediate=tensors["gate"]["values"].shape[0],
                     eps=eps,
-                    tiles=int(tiles),
+                    tiles=int(tiles and not int8),
+                    int8=int(int8),
+                    vnni_rows=cpu.INT8_VNNI_ROWS,
                 )
             )
 
@@ -92,7 +134,9 @@ class FusedDecode:
         layers = decoder.fusable_layers()
         if cpu.load()[0] is None or not layers:
             return None
-        on_cpu = all(w.device.type == "cpu" for layer in layers for w in layer.weights().values())
+        on_cpu = all(
+            t.device.type == "cpu" for layer in layers for t in _flat(layer.tensors().values())
+        )
         if not on_cpu or not all(layer.fits(cfg.rotary_dim) for layer in layers):
             return None
         return cls(layers, cfg.rms_norm_eps, tiles and cpu.name() == "AMX")

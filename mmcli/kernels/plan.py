@@ -304,16 +304,22 @@ def _with_fallback(kernel: Callable) -> Callable:
 
 
 def _decode_step(shape: RunShape, machine: Machine) -> Choice:
-    if not shape.fusable_decode or shape.quantize != "none" or shape.loaded != "bfloat16":
-        why = "decode_layer.c takes dense bfloat16 layers only"
+    int8 = shape.quantize == "int8"
+    bf16 = shape.quantize == "none" and shape.loaded == "bfloat16"
+    if not shape.fusable_decode or not (bf16 or int8):
+        why = "decode_layer.c takes dense bfloat16 or int8 layers only"
         return Choice("layer_by_layer", "layer by layer", why)
-    if shape.bf16_products() and _tiles(shape, machine):
+    if bf16 and shape.bf16_products() and _tiles(shape, machine):
         install = functools.partial(fused_decode.FusedDecode.for_decoder, tiles=True)
         why = f"bfloat16 products, float32 sums, to {cpu.AMX_ROWS} rows"
         return Choice("decode_layer.c+amx_tiles", "decode_layer.c on AMX tiles", why, install)
-    choice = _c_kernel("decode_layer.c", shape, machine, fused_decode.FusedDecode.for_decoder)
+    work = "decode_layer.c+int8_linear.c" if int8 else "decode_layer.c"
+    choice = _c_kernel(work, shape, machine, fused_decode.FusedDecode.for_decoder)
     if choice.install is None:
         return Choice("layer_by_layer", "layer by layer", choice.why)
+    if int8:
+        why = f"int8_linear.c's products to {cpu.AMX_ROWS} rows, each row's levels made once"
+        return Choice(work, "decode_layer.c, int8 on int8_linear.c", why, choice.install)
     return choice
 
 

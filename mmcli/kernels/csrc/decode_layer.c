@@ -1,10 +1,11 @@
 /* A decode step (one token of each of a few sequences) through a Qwen3 attention layer with
-   bfloat16 weights and float32 arithmetic, built by kernels/cpu.py: the same operations as the
-   decoder's DecoderLayer (the norms, q/k/v, the q/k norms, the rotary, the cache write, attention
-   over each row's own context, o, the MLP, both residual adds) in one call. A step's weight reads
-   are bf16_linear's; what this saves is the two dozen tensor operations around them, each of which
-   costs more to dispatch than to compute for a few tokens (and runs slower still after a weight
-   read has flushed the caches), and the batched step's copy of every row's context. */
+   bfloat16 or int8 weights and float32 arithmetic, built by kernels/cpu.py: the same operations as
+   the decoder's DecoderLayer (the norms, q/k/v, the q/k norms, the rotary, the cache write,
+   attention over each row's own context, o, the MLP, both residual adds) in one call. A step's
+   weight reads are bf16_linear's, amx.c's or int8_linear's; what this saves is the two dozen
+   tensor operations around them, each of which costs more to dispatch than to compute for a few
+   tokens (and runs slower still after a weight read has flushed the caches), and the batched
+   step's copy of every row's context. */
 #include <string.h>
 
 #include "float_tiles.h"
@@ -18,26 +19,60 @@ void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t r
 void silu_times(float *gate, const float *up, int64_t n, int threads);
 int amx_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                     int split, int threads);
+void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp, float *x_scale,
+                   int threads);
+void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
+                 const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
+                 int64_t Kp, int64_t vnni_rows, int threads);
 
-/* A layer's weights (bfloat16 bits for the matrices, float32 for the norms) and sizes, set once
-   by cpu.DecodeLayer. */
-struct decode_layer {
-    const float *input_norm, *post_norm, *q_norm, *k_norm;
-    const uint16_t *q, *k, *v, *o, *gate, *up, *down;
-    int64_t hidden, heads, kv_heads, d, intermediate;
-    float eps;
-    int32_t tiles; /* bfloat16 products on the AMX tiles (the run's precision has them) */
+/* A linear's weights (out x in): bfloat16 bits as loaded, or int8 in int8_linear.c's layout with
+   each output channel's sum of values, scale and bias (sums, scale and bias NULL for bfloat16). */
+struct decode_matrix {
+    const void *values;
+    const int32_t *sums;
+    const float *scale, *bias;
 };
 
-/* The step's products: on the AMX tiles where the layer asks for them and this build has them
-   (at every row count: a tile product sums each row alone, so a sequence's logits do not depend
-   on how many share its step), else bf16_linear's float32 FMAs. */
-static void linear(const struct decode_layer *l, const float *x, const uint16_t *w, float *y,
-                   int64_t M, int64_t N, int64_t K, int threads) {
+/* A layer's weights (the norms float32) and sizes, set once by cpu.DecodeLayer. */
+struct decode_layer {
+    const float *input_norm, *post_norm, *q_norm, *k_norm;
+    struct decode_matrix q, k, v, o, gate, up, down;
+    int64_t hidden, heads, kv_heads, d, intermediate;
+    float eps;
+    int32_t tiles;     /* bfloat16 products on the AMX tiles (the run's precision has them) */
+    int32_t int8;      /* int8 weights: each product's rows quantized a row at a time */
+    int64_t vnni_rows; /* int8_linear's: the AMX build's tiles above this many rows */
+};
+
+/* A product's input rows: float32, and for int8 weights their levels and scales (quantize_rows),
+   made once for the products that share them (q, k and v; gate and up). */
+struct rows_in {
+    const float *x;
+    uint8_t *levels;
+    float *scale;
+};
+
+static void take_rows(const struct decode_layer *l, struct rows_in *in, const float *x, int64_t M,
+                      int64_t K) {
+    in->x = x;
+    if (l->int8) quantize_rows(x, M, K, in->levels, K, in->scale, 1);
+}
+
+/* The step's products: int8 on int8_linear; bfloat16 on the AMX tiles where the layer asks for
+   them and this build has them (at every row count: a tile product sums each row alone, so a
+   sequence's logits do not depend on how many share its step), else bf16_linear's float32 FMAs. */
+static void linear(const struct decode_layer *l, const struct rows_in *in,
+                   const struct decode_matrix *w, float *y, int64_t M, int64_t N, int64_t K,
+                   int threads) {
+    if (l->int8) {
+        int8_linear(in->levels, in->scale, w->values, w->sums, w->scale, w->bias, y, M, N, K,
+                    l->vnni_rows, threads);
+        return;
+    }
 #ifdef __AMX_BF16__
-    if (l->tiles && !amx_bf16_linear(x, w, y, M, N, K, 0, threads)) return;
+    if (l->tiles && !amx_bf16_linear(in->x, w->values, y, M, N, K, 0, threads)) return;
 #endif
-    bf16_linear(x, w, y, M, N, K, threads);
+    bf16_linear(in->x, w->values, y, M, N, K, threads);
 }
 
 static float dot(const float *a, const float *b, int64_t d) {
@@ -108,21 +143,27 @@ static void attend_row(const struct decode_layer *l, const float *q, const float
 /* x (rows x hidden) <- the layer's output for each row's token: row r's key and value written
    at column positions[r] of cache row slots[r] (k_cache and v_cache: [cache rows, kv_heads,
    columns, d], contiguous) and attended over positions[r] + 1 columns. cos/sin: d values a row.
-   scratch: rows * (hidden * 2 + heads * d * 2 + kv_heads * d * 2 + intermediate * 2) + heads *
-   (the largest position + 1) floats. */
+   scratch: rows * (hidden * 2 + heads * d * 2 + kv_heads * d * 2 + intermediate * 2 + 1) floats,
+   then rows * (the widest of hidden, heads * d and intermediate) bytes rounded up to floats, then
+   heads * (the largest position + 1) floats (cpu.decode_scratch). */
 void decode_layer(const struct decode_layer *l, float *x, int64_t rows, float *k_cache,
                   float *v_cache, int64_t columns, const int64_t *slots, const int64_t *positions,
                   const float *cos, const float *sin, float *scratch, int threads) {
     const int64_t H = l->hidden, d = l->d, Q = l->heads * d, KV = l->kv_heads * d;
     const int64_t I = l->intermediate, head_stride = columns * d;
     const int64_t slot_stride = l->kv_heads * head_stride;
+    const int64_t widest = H > Q ? (H > I ? H : I) : (Q > I ? Q : I);
     float *normed = scratch, *q = normed + rows * H, *k = q + rows * Q, *v = k + rows * KV;
     float *attn = v + rows * KV, *out = attn + rows * Q, *gate = out + rows * H;
-    float *up = gate + rows * I, *scores = up + rows * I;
+    float *up = gate + rows * I, *level_scale = up + rows * I;
+    uint8_t *levels = (uint8_t *)(level_scale + rows);
+    float *scores = level_scale + rows + (rows * widest + 3) / 4;
+    struct rows_in in = {normed, levels, level_scale};
     rms_norm(x, H, l->input_norm, normed, rows, H, l->eps, 1);
-    linear(l, normed, l->q, q, rows, Q, H, threads);
-    linear(l, normed, l->k, k, rows, KV, H, threads);
-    linear(l, normed, l->v, v, rows, KV, H, threads);
+    take_rows(l, &in, normed, rows, H);
+    linear(l, &in, &l->q, q, rows, Q, H, threads);
+    linear(l, &in, &l->k, k, rows, KV, H, threads);
+    linear(l, &in, &l->v, v, rows, KV, H, threads);
     rms_norm(q, d, l->q_norm, q, rows * l->heads, d, l->eps, 1);
     rms_norm(k, d, l->k_norm, k, rows * l->kv_heads, d, l->eps, 1);
     rotary(q, Q, d, q, rows, l->heads, d, cos, sin, d, threads);
@@ -137,12 +178,15 @@ void decode_layer(const struct decode_layer *l, float *x, int64_t rows, float *k
         attend_row(l, q + r * Q, k_row, v_row, head_stride, positions[r] + 1, scores, attn + r * Q,
                    threads);
     }
-    linear(l, attn, l->o, out, rows, H, Q, threads);
+    take_rows(l, &in, attn, rows, Q);
+    linear(l, &in, &l->o, out, rows, H, Q, threads);
     add_into(x, out, rows * H);
     rms_norm(x, H, l->post_norm, normed, rows, H, l->eps, 1);
-    linear(l, normed, l->gate, gate, rows, I, H, threads);
-    linear(l, normed, l->up, up, rows, I, H, threads);
+    take_rows(l, &in, normed, rows, H);
+    linear(l, &in, &l->gate, gate, rows, I, H, threads);
+    linear(l, &in, &l->up, up, rows, I, H, threads);
     silu_times(gate, up, rows * I, threads);
-    linear(l, gate, l->down, out, rows, H, I, threads);
+    take_rows(l, &in, gate, rows, I);
+    linear(l, &in, &l->down, out, rows, H, I, threads);
     add_into(x, out, rows * H);
 }
