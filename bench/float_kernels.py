@@ -150,8 +150,7 @@ def crossover_row(rows: int, out: int, width: int, repeats: int, peak) -> str:
 
 
 def decode_table(smoke: bool) -> None:
-    """GB/s of bfloat16 weights read by each few-rows kernel at a decode step's rows, the best
-    of 3 passes over copies larger than the last-level cache."""
+    """GB/s of bfloat16 weights read by each few-rows kernel at a decode step's rows."""
     rows, (out, width), copies = (
         DECODE_SMOKE if smoke else (DECODE_ROWS, DECODE_SHAPE, DECODE_COPIES)
     )
@@ -160,24 +159,30 @@ def decode_table(smoke: bool) -> None:
     if cpu.name() == "AMX":
         kernels["amx.c tiles"] = lambda x, w: cpu.amx_bf16_linear(x, w, False)
     kernels["oneDNN bfloat16"] = lambda x, w: F.linear(x.bfloat16(), w)
+    passes = {
+        name: lambda x, kernel=kernel: [kernel(x, w) for w in weights]
+        for name, kernel in kernels.items()
+    }
+    title = f"bfloat16, {copies} copies of {out} x {width}"
+    rows_table(title, passes, rows, width, sum(w.nbytes for w in weights))
+
+
+def rows_table(title: str, passes: dict, rows: list[int], width: int, nbytes: int) -> None:
+    """GB/s at a decode step's rows: each of `passes` (x -> one pass over `nbytes` of weights
+    larger than the last-level cache) the best of 3, against the read bandwidth measured now."""
     read = measure.floors()["read_gb_s"]
-    print(
-        f"\nbfloat16, {copies} copies of {out} x {width}; GB/s of weights (share of the read "
-        f"bandwidth, {read:.1f} GB/s)"
-    )
-    print(f"| rows | {' | '.join(kernels)} |")
-    print("|---|" + "---|" * len(kernels))
+    print(f"\n{title}; GB/s of weights (share of the read bandwidth, {read:.1f} GB/s)")
+    print(f"| rows | {' | '.join(passes)} |")
+    print("|---|" + "---|" * len(passes))
     for n in rows:
         x = torch.randn(n, width)
-        rates = [weights_read(kernel, x, weights) for kernel in kernels.values()]
+        rates = [nbytes / _best_pass(one_pass, x) / 1e9 for one_pass in passes.values()]
         print(f"| {n} | " + " | ".join(f"{r:.1f} ({r / read:.0%})" for r in rates) + " |")
 
 
-def weights_read(kernel, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
-    """GB/s of `weights` read by `kernel` on x: the best of 3 passes over them all."""
-    kernel(x, weights[0])
-    best = min(seconds(lambda: [kernel(x, w) for w in weights]) for _ in range(3))
-    return sum(w.nbytes for w in weights) / best / 1e9
+def _best_pass(one_pass, x: torch.Tensor) -> float:
+    one_pass(x)  # warm: the kernel loaded, its buffers sized
+    return min(seconds(lambda: one_pass(x)) for _ in range(3))
 
 
 def main() -> None:

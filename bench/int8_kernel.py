@@ -22,6 +22,7 @@ import time
 import warnings
 
 import torch
+from float_kernels import rows_table
 
 from mmcli.kernels import cpu, measure
 from mmcli.kernels.cpu_ops import amx_int4_matmul, int8_matmul
@@ -104,25 +105,13 @@ def int8_rows_table(smoke: bool) -> None:
     can take."""
     rows, (out, width), copies = INT4_SMOKE if smoke else (DECODE_ROWS, INT4_SHAPE, INT4_COPIES)
     weights = [measure.random_int8(out, width)[0] for _ in range(copies)]
-    kernels = {"vector units": 1 << 30}
-    if cpu.name() == "AMX":
-        kernels["AMX tiles"] = 0
-    read = measure.floors()["read_gb_s"]
-    print(
-        f"\nint8, {copies} copies of {out} x {width} ({cpu.name()} build); GB/s of weights (share "
-        f"of the read bandwidth, {read:.1f} GB/s)"
-    )
-    print(f"| rows | {' | '.join(kernels)} |")
-    print("|---|" + "---|" * len(kernels))
-    for n in rows:
-        rates = [int8_rate(torch.randn(n, width), weights, vnni) for vnni in kernels.values()]
-        print(f"| {n} | " + " | ".join(f"{r:.1f} ({r / read:.0%})" for r in rates) + " |")
-
-
-def int8_rate(x: torch.Tensor, weights: list, vnni_rows: int) -> float:
-    """GB/s of the weights' values read by int8_linear.c on x, `vnni_rows` as the build's."""
-    seconds = best(lambda: [cpu.int8_linear(x, w, vnni_rows) for w in weights])
-    return sum(w.values.nbytes for w in weights) / seconds / 1e9
+    vnni_rows = {"vector units": 1 << 30} | ({"AMX tiles": 0} if cpu.name() == "AMX" else {})
+    passes = {
+        name: lambda x, v=v: [cpu.int8_linear(x, w, v) for w in weights]
+        for name, v in vnni_rows.items()
+    }
+    title = f"int8, {copies} copies of {out} x {width} ({cpu.name()} build)"
+    rows_table(title, passes, rows, width, sum(w.values.nbytes for w in weights))
 
 
 def int4_table(smoke: bool) -> None:

@@ -36,6 +36,18 @@ def _decoder(cfg: TextConfig, seed: int) -> TextDecoder:
     return decoder
 
 
+def _config(shape: dict, intermediate_size: int) -> TextConfig:
+    """Two layers of `shape` (sizes and heads), the rotary's sections split over head_dim."""
+    half = shape["head_dim"] // 2
+    return TextConfig(
+        **shape,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=2,
+        vocab_size=16,
+        mrope_section=(half - 2 * (half // 3), half // 3, half // 3),
+    )
+
+
 def _steps(decoder, cfg, steps: int, prompts: dict[int, int], seed: int):
     """Prompts (cache row: length) written to their rows one at a time, then `steps` decode
     steps of all of them together, rows in the dict's order, each at its own position: each
@@ -73,14 +85,7 @@ def _steps(decoder, cfg, steps: int, prompts: dict[int, int], seed: int):
 )
 @pytest.mark.parametrize("prompts", [{0: 5}, {2: 3, 0: 9, 1: 1}])
 def test_the_fused_step_matches_the_layers_it_replaces(build, shape, prompts):
-    half = shape["head_dim"] // 2
-    cfg = TextConfig(
-        **shape,
-        intermediate_size=72,
-        num_hidden_layers=2,
-        vocab_size=16,
-        mrope_section=(half - 2 * (half // 3), half // 3, half // 3),
-    )
+    cfg = _config(shape, intermediate_size=72)
     decoder = _decoder(cfg, seed=shape["head_dim"])
     reference, ref_cache = _steps(decoder, cfg, steps=20, prompts=prompts, seed=1)
     decoder.kernel = FusedDecode.for_decoder(decoder, cfg)
@@ -102,14 +107,7 @@ def test_the_fused_step_matches_the_layers_it_replaces(build, shape, prompts):
 def test_an_int8_step_matches_the_int8_layers_it_replaces(build, shape):
     """int8 weights (int8_linear.c's layout, no padding): each product's rows quantized once in
     the kernel as each Int8Linear quantizes its own, the same integers summed."""
-    half = shape["head_dim"] // 2
-    cfg = TextConfig(
-        **shape,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        vocab_size=16,
-        mrope_section=(half - 2 * (half // 3), half // 3, half // 3),
-    )
+    cfg = _config(shape, intermediate_size=96)
     decoder = _decoder(cfg, seed=shape["head_dim"])
     assert quantize_linears(decoder) == 7 * cfg.num_hidden_layers
     with_cpu_kernels(decoder, quantize="int8").kernel = None
