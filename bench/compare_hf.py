@@ -152,6 +152,13 @@ def phase_timers(cap) -> dict[str, float]:
     return spent
 
 
+def precision_record(cap) -> dict:
+    """The run's precision in words: its Precision's record, or the dict that a tree from before
+    7b323d4 holds (`bench/cpu.py --against` runs one)."""
+    precision = cap.precision
+    return precision.record() if hasattr(precision, "record") else dict(precision)
+
+
 def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: dict) -> dict:
     from dataclasses import replace
 
@@ -202,8 +209,9 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
     # A decode step reads every text weight but the embedding (one row of it), and the lm_head (tied
     # or not).
     shapes = expected_shapes(cap.model.cfg)
+    precision = precision_record(cap)
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int4": 0.625}[
-        cap.precision.weights
+        precision["weights"]
     ]
     decode_bytes = itemsize * sum(
         math.prod(shape)
@@ -231,7 +239,7 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
         "input_wait": cap.engine.input_wait / elapsed,
         "generated": sum(lengths),
         "spent": split,
-        "precision": cap.precision.record(),
+        "precision": precision,
     }
 
 

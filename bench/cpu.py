@@ -137,7 +137,7 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
         "input_tokens": result.num_input_tokens,
         "weight_bytes": cap.weight_bytes,
         "kv_bytes": cap.runner.cache.nbytes,
-        "precision": cap.precision.record(),
+        "precision": compare_hf.precision_record(cap),
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
 
