@@ -120,6 +120,14 @@ def test_an_int8_step_matches_the_int8_layers_it_replaces(build, shape):
     for i in range(cfg.num_hidden_layers):
         for ours, theirs in zip(cache.layer(i), ref_cache.layer(i)):
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    mixed = _decoder(cfg, seed=shape["head_dim"])  # the last layer's linears kept as loaded
+    quantize_linears(mixed, keep=tuple(mixed.layers[-1].modules()))
+    with_cpu_kernels(mixed, quantize="int8").kernel = None
+    reference, _ = _steps(mixed, cfg, steps=4, prompts=prompts, seed=1)
+    mixed.kernel = FusedDecode.for_decoder(mixed, cfg)
+    assert [layer.int8 for layer in mixed.kernel.structs] == [1, 0]
+    fused, _ = _steps(mixed, cfg, steps=4, prompts=prompts, seed=1)
+    torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
     padded = dataclasses.replace(cfg, intermediate_size=72)  # out padded to 80: not the kernel's
     decoder = _decoder(padded, seed=0)
     quantize_linears(decoder)

@@ -95,14 +95,15 @@ def _norm(norm) -> bool:
 class FusedDecode:
     """The decoder's layers as decode_layer.c's structs; `tiles`: bfloat16 products on the AMX
     tiles (up to cpu.AMX_ROWS rows), else float32 FMAs (up to KERNEL_ROWS). int8 layers take up
-    to cpu.AMX_ROWS rows on int8_linear.c, as a layer-by-layer step does."""
+    to cpu.AMX_ROWS rows on int8_linear.c, as a layer-by-layer step does; each layer is of its
+    own form (a decoder may keep some layers' linears unquantized)."""
 
     def __init__(self, layers: list[FusableLayer], eps: float, tiles: bool = False):
-        int8 = layers[0].int8()
-        self.max_rows = cpu.AMX_ROWS if tiles or int8 else KERNEL_ROWS
+        all_int8 = all(layer.int8() for layer in layers)
+        self.max_rows = cpu.AMX_ROWS if tiles or all_int8 else KERNEL_ROWS
         self.structs, self._tensors = [], []  # the structs, and the tensors they point into
         for layer in layers:
-            tensors = layer.tensors()
+            int8, tensors = layer.int8(), layer.tensors()
             self._tensors.append(tensors)
             norms = {name: tensors[name].data_ptr() for name in layer.norms}
             matrices = {
