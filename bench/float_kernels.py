@@ -158,6 +158,9 @@ def decode_table(smoke: bool) -> None:
     kernels = {"bf16_linear.c": cpu.bf16_linear}
     if cpu.name() == "AMX":
         kernels["amx.c tiles"] = lambda x, w: cpu.amx_bf16_linear(x, w, False)
+    if cpu.name() in cpu.BF16_DOT_BUILDS:
+        kernels["bf16_dot.c"] = lambda x, w: cpu.bf16_dot_linear(x, w, False)
+        kernels["bf16_dot.c split"] = lambda x, w: cpu.bf16_dot_linear(x, w, True)
     kernels["oneDNN bfloat16"] = lambda x, w: F.linear(x.bfloat16(), w)
     passes = {
         name: lambda x, kernel=kernel: [kernel(x, w) for w in weights]

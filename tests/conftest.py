@@ -62,6 +62,12 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bf16_dir(tmp_path_factory) -> Path:
+    """The tiny checkpoint with its matrices in bfloat16, as the released ones hold them."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("bf16") / "m", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
 def variant_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("variants")
     forms = {

@@ -10,7 +10,6 @@ from conftest import assert_same_choices, forced_logits, photo
 from mmcli.api.labeler import Labeler
 from mmcli.config import load_config
 from mmcli.kernels import cpu, cpu_features, cpu_ops, matrix, measure
-from mmcli.testing import make_tiny_checkpoint
 from mmcli.weights.int4 import quantize_int4
 
 AMX_HERE = cpu.AMX_UNITS <= cpu_features.real_units() and cpu.why_unavailable() is None
@@ -52,7 +51,7 @@ def test_shapes_off_the_tiles_are_refused_and_the_callers_fall_back(amx_build):
     # the callers take bf16_linear.c's float32 products where the tiles do not
     many = torch.randn(40, 64)
     torch.testing.assert_close(
-        cpu_ops.amx_matmul(many, weight, split=True),
+        cpu_ops.bf16_rows_matmul(many, weight, split=True),
         cpu_ops.bf16_matmul(many, weight, None, None),
     )
 
@@ -127,11 +126,6 @@ def test_int8_on_the_tiles_gives_the_vnni_builds_very_values(monkeypatch, rows, 
     monkeypatch.undo()
     cpu.load.cache_clear()
     assert torch.equal(tiles, vectors)
-
-
-@pytest.fixture(scope="module")
-def bf16_dir(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiles") / "m", dtype="bfloat16")
 
 
 # bfloat16 products on both sides, rounded at different places (the modules' oneDNN GEMM rounds

@@ -18,16 +18,11 @@ from mmcli.config import load_config
 from mmcli.kernels import cpu
 from mmcli.models.layers.linear import Linear
 from mmcli.models.layers.quantized import X_MAX, Int8Linear
-from mmcli.testing import make_outlier_checkpoint, make_tiny_checkpoint
+from mmcli.testing import make_outlier_checkpoint
 from mmcli.weights.checkpoint import expected_shapes
 from mmcli.weights.int8 import int8_linear, quantize_int8, quantize_linears
 
 IMAGE = [SAMPLES / "chelsea.jpg"]
-
-
-@pytest.fixture(scope="module")
-def bf16_dir(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("bf16") / "m", dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")

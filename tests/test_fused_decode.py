@@ -13,7 +13,6 @@ from mmcli.kernels.fused_decode import FusedDecode
 from mmcli.models.cache import AttentionBatch, DecoderCache
 from mmcli.models.config import TextConfig
 from mmcli.models.qwen3_vl.text import TextDecoder
-from mmcli.testing import make_tiny_checkpoint
 from mmcli.weights.int8 import quantize_linears
 
 pytestmark = pytest.mark.skipif(
@@ -163,11 +162,6 @@ def test_only_layers_it_reproduces_take_it():
     elsewhere = AttentionBatch(torch.tensor([0, 2]), torch.tensor([1, 2]), context_len=3)
     with pytest.raises(IndexError, match=r"cache rows \[0, 2\] outside its 2 rows"):
         fused(hidden[:2], cos_sin, cos_sin, elsewhere, cache)
-
-
-@pytest.fixture(scope="module")
-def bf16_dir(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("fused") / "m", dtype="bfloat16")
 
 
 # The fused step and the modules' are float32 throughout (vector_units: float32 products; the

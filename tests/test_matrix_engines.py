@@ -144,6 +144,23 @@ def test_avx512_bf16_chooses_by_this_machines_measurement(ours):
         assert plan.upcast.why == "measured (by hand)"
 
 
+@pytest.mark.parametrize("above", [None, 16])
+def test_avx512_bf16_dot_products_take_the_few_rows_and_the_decode_step(above):
+    """On our AVX-512 BF16 build (no tiles) bf16_dot.c's bfloat16 products take the few rows
+    (to the measured crossover; past the rows measured, oneDNN's GEMM) and the decode step; the
+    logits keep float32 products; the VNNI build on the same units keeps bf16_linear.c."""
+    plan = choose(shape_on(AVX512_BF16), machine(AVX512_BF16, "AVX-512 BF16", above=above))
+    rows = above if above is not None else max(measure.BF16_ROWS)
+    assert plan.upcast.id == "onednn_bf16+bf16_dot.c"
+    assert plan.upcast.kernel.endswith(f"above {rows} rows, bf16_dot.c to {rows}")
+    assert plan.decode_step.id == "decode_layer.c+bf16_dot.c"
+    assert plan.head.id == "bf16_linear.c"
+    vnni = choose(shape_on(AVX512_BF16), machine(AVX512_BF16, "AVX-512 VNNI", above=above))
+    assert vnni.decode_step.id == "decode_layer.c" and "bf16_dot" not in vnni.upcast.id
+    int8 = choose(shape_on(AVX512_BF16, quantize="int8"), machine(AVX512_BF16, "AVX-512 BF16"))
+    assert int8.decode_step.id == "decode_layer.c+int8_linear.c"
+
+
 def test_the_plan_is_a_function_of_the_shape_and_the_machine(monkeypatch):
     """choose() reads no environment, builds nothing and measures nothing: the same shape and
     machine give the same plan whatever the process around them says."""
@@ -173,7 +190,7 @@ def test_mmcli_cpu_prefer_stands_in_for_every_measurement(monkeypatch, prefer):
     library = prefer == "library"
     assert set(here.crossovers) == set(comparisons(here.cpu, here.build))
     plan = choose(shape_on(AVX512_BF16, quantize="int8"), here)
-    assert (plan.upcast.id == "onednn_bf16+bf16_linear.c") == library
+    assert ("above 0 rows" in plan.upcast.kernel) == library
     assert (plan.attention.id == "flash_bf16") == library
     assert (plan.vision_int8.id == ONEDNN_INT8) == library
     int4 = choose(shape_on(AVX2, quantize="int4"), here).int4

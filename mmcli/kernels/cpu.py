@@ -45,9 +45,12 @@ SOURCES = [
 HEADERS = [Path(__file__).parent / "csrc" / "float_tiles.h"]
 # the tiles' kernels, in the AMX build only (their instructions exist nowhere else)
 AMX_SOURCES = [Path(__file__).parent / "csrc" / "amx.c"]
+# AVX-512 BF16's dot products, in the builds for CPUs that have them (AMX's and the BF16 one)
+BF16_SOURCES = [Path(__file__).parent / "csrc" / "bf16_dot.c"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
-AMX_FLAGS = [*VNNI_FLAGS, "-mavx512vbmi", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
+BF16_FLAGS = [*VNNI_FLAGS, "-mavx512bf16"]
+AMX_FLAGS = [*BF16_FLAGS, "-mavx512vbmi", "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 AMX_UNITS = frozenset({"amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni"})
 
 
@@ -71,6 +74,12 @@ def has_amx() -> bool:
     """AMX-BF16 and AMX-INT8 (with AVX-512 BF16 and VNNI) among the CPU's real units and the
     units the plan sees: MMCLI_CPU_FEATURES can take them out of our build, never put them in."""
     return AMX_UNITS <= cpu_features.real_units() & cpu_features.detect().units and has_vnni()
+
+
+def has_bf16_dot() -> bool:
+    """AVX-512 BF16 (with VNNI) among the CPU's real units and the units the plan sees."""
+    units = cpu_features.real_units() & cpu_features.detect().units
+    return "avx512_bf16" in units and has_vnni()
 
 
 def cache_dir() -> Path:
@@ -148,7 +157,8 @@ class DecodeLayer(ctypes.Structure):
     _fields_ += [
         (name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "d", "intermediate")
     ]
-    _fields_ += [("eps", ctypes.c_float), ("tiles", ctypes.c_int32), ("int8", ctypes.c_int32)]
+    _fields_ += [("eps", ctypes.c_float), ("bf16_products", ctypes.c_int32)]
+    _fields_ += [("int8", ctypes.c_int32)]
     _fields_ += [("vnni_rows", ctypes.c_int64)]
 
 
@@ -160,7 +170,8 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         return None, reason
     # the AMX build, else the VNNI one where the CPU has them; what the compiler cannot make, the
     # next (AVX2 last)
-    builds = [("AMX", AMX_FLAGS, [*SOURCES, *AMX_SOURCES])] if has_amx() else []
+    builds = [("AMX", AMX_FLAGS, [*SOURCES, *AMX_SOURCES, *BF16_SOURCES])] if has_amx() else []
+    builds += [("AVX-512 BF16", BF16_FLAGS, [*SOURCES, *BF16_SOURCES])] if has_bf16_dot() else []
     builds += [("AVX-512 VNNI", VNNI_FLAGS, SOURCES)] if has_vnni() else []
     for build, extra, sources in [*builds, ("AVX2", [], SOURCES)]:
         try:
@@ -179,6 +190,10 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         return None, reason
     _declare(library)
     return library, ""
+
+
+# the builds with bf16_dot.c
+BF16_DOT_BUILDS = ("AMX", "AVX-512 BF16")
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -217,6 +232,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.int4_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5
     library.int4_dequantize.argtypes += [ctypes.c_void_p, ctypes.c_int]
     library.int4_dequantize.restype = None
+    if library.build in BF16_DOT_BUILDS:
+        library.bf16_dot_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        library.bf16_dot_linear.argtypes += [ctypes.c_int] * 2
     if library.build == "AMX":
         library.amx_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         library.amx_bf16_linear.argtypes += [ctypes.c_int] * 2
@@ -268,6 +286,28 @@ def amx_bf16_linear(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch
         return None
     out, status = _products(library.amx_bf16_linear, x, weight, int(split))
     return None if status else out
+
+
+def bf16_dot_linear(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch.Tensor | None:
+    """x (rows, K) float32 @ weight.T (N, K) bfloat16 on AVX-512 BF16's dot products (bf16_dot.c),
+    float32 out: x rounded to bfloat16, or with `split` as two bfloat16 (16 bits of each value);
+    None where this build has no such kernel."""
+    library = load()[0]
+    if library is None or library.build not in BF16_DOT_BUILDS:
+        return None
+    out, status = _products(library.bf16_dot_linear, x, weight, int(split))
+    if status:
+        raise MemoryError("bf16_dot.c could not allocate its rows")
+    return out
+
+
+def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch.Tensor | None:
+    """bfloat16 products of a few rows (up to AMX_ROWS) on this build's unit for them: the AMX
+    tiles (amx.c), else AVX-512 BF16's dot products (bf16_dot.c); None where neither is built or
+    the shapes are not the kernel's."""
+    if name() == "AMX":
+        return amx_bf16_linear(x, weight, split)
+    return bf16_dot_linear(x, weight, split)
 
 
 # int4 on the AMX build: to INT4_TORCH_ROWS rows torch's int4 kernel (ours only matches it there:

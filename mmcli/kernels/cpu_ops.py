@@ -99,31 +99,31 @@ def bf16_matmul(
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def amx_matmul(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch.Tensor | None:
-    """x (float32) @ weight.T (bfloat16) on the AMX tiles (amx.c), up to cpu.AMX_ROWS rows: x
-    rounded to bfloat16, or with `split` to 16 bits of each value (the logits' products at the
-    memory's rate where float32 FMAs fall behind); bf16_matmul's float32 FMAs for other rows,
-    shapes or builds."""
+def bf16_rows_matmul(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torch.Tensor | None:
+    """x (float32) @ weight.T (bfloat16) in bfloat16 products, on the AMX tiles (amx.c, up to
+    cpu.AMX_ROWS rows) or AVX-512 BF16's dot products (bf16_dot.c): x rounded to bfloat16, or
+    with `split` to 16 bits of each value (the logits' products at the memory's rate where
+    float32 FMAs fall behind); bf16_matmul's float32 FMAs for other rows, shapes or builds."""
     x2 = x.reshape(-1, x.shape[-1])
     if (
         x.dtype == torch.float32
         and weight.dtype == torch.bfloat16
         and weight.is_contiguous()
-        and 1 <= x2.shape[0] <= cpu.AMX_ROWS
+        and x2.shape[0] >= 1
         and cpu.eager()
     ):
-        y = cpu.amx_bf16_linear(x2.contiguous(), weight, split)
+        y = cpu.bf16_rows_linear(x2.contiguous(), weight, split)
         if y is not None:
             return y.reshape(*x.shape[:-1], weight.shape[0])
     return bf16_matmul(x, weight, None, None)
 
 
 def amx_split_matmul(x, weight, bias, activation) -> torch.Tensor | None:
-    """The head's kernel on the tiles: amx_matmul with each activation split (a bias or an
+    """The head's kernel on the tiles: bf16_rows_matmul with each activation split (a bias or an
     activation: bf16_matmul's)."""
     if bias is not None or activation is not None:
         return bf16_matmul(x, weight, bias, activation)
-    return amx_matmul(x, weight, split=True)
+    return bf16_rows_matmul(x, weight, split=True)
 
 
 def amx_int4_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -93,14 +93,15 @@ def _norm(norm) -> bool:
 
 
 class FusedDecode:
-    """The decoder's layers as decode_layer.c's structs; `tiles`: bfloat16 products on the AMX
-    tiles (up to cpu.AMX_ROWS rows), else float32 FMAs (up to KERNEL_ROWS). int8 layers take up
+    """The decoder's layers as decode_layer.c's structs; `bf16_products`: bfloat16 products up to
+    cpu.AMX_ROWS rows (on the AMX tiles, else AVX-512 BF16's dot products: cpu.bf16_rows_linear),
+    else float32 FMAs (up to KERNEL_ROWS). int8 layers take up
     to cpu.AMX_ROWS rows on int8_linear.c, as a layer-by-layer step does; each layer is of its
     own form (a decoder may keep some layers' linears unquantized)."""
 
-    def __init__(self, layers: list[FusableLayer], eps: float, tiles: bool = False):
+    def __init__(self, layers: list[FusableLayer], eps: float, bf16_products: bool = False):
         all_int8 = all(layer.int8() for layer in layers)
-        self.max_rows = cpu.AMX_ROWS if tiles or all_int8 else KERNEL_ROWS
+        self.max_rows = cpu.AMX_ROWS if bf16_products or all_int8 else KERNEL_ROWS
         self.structs, self._tensors = [], []  # the structs, and the tensors they point into
         for layer in layers:
             int8, tensors = layer.int8(), layer.tensors()
@@ -120,17 +121,18 @@ class FusedDecode:
                     d=layer.head_dim,
                     intermediate=tensors["gate"]["values"].shape[0],
                     eps=eps,
-                    tiles=int(tiles and not int8),
+                    bf16_products=int(bf16_products and not int8),
                     int8=int(int8),
                     vnni_rows=cpu.INT8_VNNI_ROWS,
                 )
             )
 
     @classmethod
-    def for_decoder(cls, decoder, cfg=None, tiles: bool = False) -> FusedDecode | None:
+    def for_decoder(cls, decoder, cfg=None, bf16_products: bool = False) -> FusedDecode | None:
         """The fused step for `decoder` (a family's `language_model`, its weights in their form;
         `cfg` its TextConfig, the decoder's own by default), or None where a layer, its weights
-        or this machine do not fit it. `tiles`: as the class's."""
+        or this machine do not fit it. `bf16_products`: as the class's, where this build has a
+        kernel for them."""
         cfg = cfg or decoder.cfg
         layers = decoder.fusable_layers()
         if cpu.load()[0] is None or not layers:
@@ -140,7 +142,8 @@ class FusedDecode:
         )
         if not on_cpu or not all(layer.fits(cfg.rotary_dim) for layer in layers):
             return None
-        return cls(layers, cfg.rms_norm_eps, tiles and cpu.name() == "AMX")
+        bf16_products = bf16_products and cpu.name() in cpu.BF16_DOT_BUILDS
+        return cls(layers, cfg.rms_norm_eps, bf16_products)
 
     def fits(self, hidden: torch.Tensor, batch, deepstack) -> bool:
         """A decode step of the kernels' few rows, eager, in float32 on the CPU."""

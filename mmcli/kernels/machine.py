@@ -22,6 +22,7 @@ PREFER = "MMCLI_CPU_PREFER"
 # what the environment may say about the kernels: read by here(), one Machine for each
 ENVIRONMENT = (OVERRIDE, "MMCLI_CPU_KERNEL", "CC", PREFER)
 TILE_UNITS = frozenset({"amx_bf16", "amx_int8"})
+BF16_DOT_BUILD = "AVX-512 BF16"  # the build with bf16_dot.c and no tiles
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Crossover:
 @dataclass(frozen=True)
 class Machine:
     cpu: CpuFeatures
-    build: str = ""  # our C kernels' build here ("AMX", "AVX-512 VNNI", "AVX2"); "": none
+    build: str = ""  # our C kernels' build ("AMX", "AVX-512 BF16", "AVX-512 VNNI", "AVX2") or ""
     unavailable: str = ""  # why no build loads (where none does)
     crossovers: Mapping[str, Crossover] = field(default_factory=dict)
     # the floors, where asked for (`mmcli doctor`, the benches): the read bandwidth a decode step
@@ -54,6 +55,11 @@ class Machine:
         """Whether amx.c's kernels run here: the units (as the machine sees them) include AMX
         and our AMX build is loaded."""
         return TILE_UNITS <= self.cpu.units and self.build == "AMX"
+
+    def bf16_dot(self) -> bool:
+        """Whether bf16_dot.c's dot products make the bfloat16 products of few rows here: the
+        units include AVX-512 BF16 and our BF16 build (no tiles) is loaded."""
+        return "avx512_bf16" in self.cpu.units and self.build == BF16_DOT_BUILD
 
     def crossover(self, name: str) -> Crossover:
         if name not in self.crossovers:

@@ -43,18 +43,19 @@ def bf16_linear(
     return y if activation is None else F.gelu(y, approximate="tanh")
 
 
-def bf16_products(above: int, tiles: bool = False):
+def bf16_products(above: int, few_rows: bool = False):
     """The `upcast` kernel of a run with bfloat16 products: more than `above` rows on oneDNN's
     bfloat16 GEMM, fewer on bf16_linear.c (a few rows: decode reads each weight once, bound by
-    memory) or, with `tiles`, on amx.c's tiles (where bf16_linear.c's float32 FMAs fall behind
-    the memory from 4 rows; at every row count, so that a row's products do not depend on how
-    many share its step)."""
+    memory) or, with `few_rows`, on this build's kernel for bfloat16 products of few rows, the
+    AMX tiles or AVX-512 BF16's dot products (where bf16_linear.c's float32 FMAs fall behind the
+    memory from 4 rows; at every row count, so that a row's products do not depend on how many
+    share its step)."""
 
     def matmul(x, weight, bias, activation):
         if weight.dtype == torch.bfloat16 and _library_rows(x, above):
             return bf16_linear(x, weight, bias, activation)
-        if tiles and bias is None and activation is None:
-            return cpu_ops.amx_matmul(x, weight, split=False)
+        if few_rows and bias is None and activation is None:
+            return cpu_ops.bf16_rows_matmul(x, weight, split=False)
         return cpu_ops.bf16_matmul(x, weight, bias, activation)
 
     return matmul

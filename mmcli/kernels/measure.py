@@ -63,19 +63,28 @@ def crossover(rates: dict[int, tuple[float, float]]) -> int | None:
 
 
 def _bf16_gemm() -> dict:
+    """Ours against oneDNN's bfloat16 GEMM: bf16_dot.c's bfloat16 products where this build has
+    them (AVX-512 BF16), else bf16_linear.c's float32 ones."""
     inner, outer = SHAPE
     weight = torch.randn(outer, inner).mul_(0.02).bfloat16()
+    dot = cpu.name() in cpu.BF16_DOT_BUILDS
+
+    def ours(x):
+        if dot:
+            return cpu.bf16_dot_linear(x, weight, False)
+        return cpu_ops.bf16_matmul(x, weight, None, None)
+
     rates = {}
     for rows in BF16_ROWS:
         x = torch.randn(rows, inner)
         ops = 2 * rows * inner * outer
         rates[rows] = (
-            _rate(lambda x=x: cpu_ops.bf16_matmul(x, weight, None, None), ops),
+            _rate(lambda x=x: ours(x), ops),
             _rate(lambda x=x: matrix.bf16_linear(x, weight, None, None), ops),
         )
     return {
-        "kernels": ["bf16_linear.c", "oneDNN bfloat16"],
-        "units": ["float32", "bfloat16"],
+        "kernels": ["bf16_dot.c" if dot else "bf16_linear.c", "oneDNN bfloat16"],
+        "units": ["bfloat16" if dot else "float32", "bfloat16"],
         "rates": rates,
     }
 
@@ -237,6 +246,7 @@ def code_digest() -> str:
     sources = [
         *cpu.SOURCES,
         *cpu.AMX_SOURCES,
+        *cpu.BF16_SOURCES,
         *cpu.HEADERS,
         here / "cpu_ops.py",
         here / "matrix.py",

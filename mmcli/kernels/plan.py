@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 
 from mmcli.kernels import attention, cpu, cpu_ops, delta_rule, experts, fused_decode, matrix
 from mmcli.kernels.machine import Machine
+from mmcli.kernels.measure import BF16_ROWS
 
 # a layer -> the kernel to install in it (None: its own torch code)
 Install = Callable[[object], object]
@@ -142,6 +143,11 @@ def _tiles(shape: RunShape, machine: Machine) -> bool:
     return shape.eager_cpu() and machine.tiles()
 
 
+def _bf16_dot(shape: RunShape, machine: Machine) -> bool:
+    """Whether bf16_dot.c runs this shape's few rows: eager on the CPU of a machine with it."""
+    return shape.eager_cpu() and machine.bf16_dot()
+
+
 def _upcast(shape: RunShape, machine: Machine) -> Choice:
     # quantized runs keep some matrices as loaded too: a tied lm_head, int4's vision tower
     if shape.loaded == shape.compute:
@@ -175,10 +181,13 @@ def _head(shape: RunShape, machine: Machine, upcast: Choice) -> Choice:
 def _bf16_crossover(machine: Machine) -> tuple[int | None, str]:
     """The rows above which oneDNN's bfloat16 GEMM beats ours, and why: KERNEL_ROWS on AMX
     (three times ours there), measured on AVX-512 BF16 and Arm's BF16; None where ours wins at
-    every measured row count."""
+    every measured row count, but for bf16_dot.c (a few rows' kernel, not a GEMM), which hands
+    over above the most rows measured."""
     if "amx_bf16" in machine.cpu.units:
         return cpu_ops.KERNEL_ROWS, "AMX-BF16: the matrix engine above the few-rows kernel"
     measured = machine.crossover("bf16_gemm")
+    if measured.above is None and machine.bf16_dot():
+        return max(BF16_ROWS), f"{measured.why}; oneDNN above the rows measured"
     return measured.above, measured.why
 
 
@@ -188,9 +197,13 @@ def _bf16_products(shape: RunShape, machine: Machine) -> Choice | None:
         return None
     if _tiles(shape, machine):
         kernel = f"oneDNN bfloat16 (AMX) above {above} rows, AMX tiles to {above}"
-        install = _function(matrix.bf16_products(above, tiles=True))
+        install = _function(matrix.bf16_products(above, few_rows=True))
         return Choice("onednn_bf16+amx_tiles", kernel, why, install)
     engine = machine.cpu.engine()
+    if _bf16_dot(shape, machine):
+        kernel = f"oneDNN bfloat16 ({engine}) above {above} rows, bf16_dot.c to {above}"
+        install = _function(matrix.bf16_products(above, few_rows=True))
+        return Choice("onednn_bf16+bf16_dot.c", kernel, why, install)
     kernel = f"oneDNN bfloat16 ({engine}) above {above} rows, bf16_linear.c to {above}"
     return Choice("onednn_bf16+bf16_linear.c", kernel, why, _function(matrix.bf16_products(above)))
 
@@ -309,10 +322,13 @@ def _decode_step(shape: RunShape, machine: Machine) -> Choice:
     if not shape.fusable_decode or not (bf16 or int8):
         why = "decode_layer.c takes dense bfloat16 or int8 layers only"
         return Choice("layer_by_layer", "layer by layer", why)
-    if bf16 and shape.bf16_products() and _tiles(shape, machine):
-        install = functools.partial(fused_decode.FusedDecode.for_decoder, tiles=True)
+    if bf16 and shape.bf16_products() and (_tiles(shape, machine) or _bf16_dot(shape, machine)):
+        install = functools.partial(fused_decode.FusedDecode.for_decoder, bf16_products=True)
         why = f"bfloat16 products, float32 sums, to {cpu.AMX_ROWS} rows"
-        return Choice("decode_layer.c+amx_tiles", "decode_layer.c on AMX tiles", why, install)
+        if _tiles(shape, machine):
+            return Choice("decode_layer.c+amx_tiles", "decode_layer.c on AMX tiles", why, install)
+        kernel = "decode_layer.c on AVX-512 BF16 dot products (bf16_dot.c)"
+        return Choice("decode_layer.c+bf16_dot.c", kernel, why, install)
     work = "decode_layer.c+int8_linear.c" if int8 else "decode_layer.c"
     choice = _c_kernel(work, shape, machine, fused_decode.FusedDecode.for_decoder)
     if choice.install is None:

@@ -19,6 +19,8 @@ void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t r
 void silu_times(float *gate, const float *up, int64_t n, int threads);
 int amx_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                     int split, int threads);
+int bf16_dot_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
+                    int split, int threads);
 void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp, float *x_scale,
                    int threads);
 void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
@@ -39,9 +41,9 @@ struct decode_layer {
     struct decode_matrix q, k, v, o, gate, up, down;
     int64_t hidden, heads, kv_heads, d, intermediate;
     float eps;
-    int32_t tiles;     /* bfloat16 products on the AMX tiles (the run's precision has them) */
-    int32_t int8;      /* int8 weights: each product's rows quantized a row at a time */
-    int64_t vnni_rows; /* int8_linear's: the AMX build's tiles above this many rows */
+    int32_t bf16_products; /* bfloat16 products (the run's precision has them): AMX, BF16 */
+    int32_t int8;          /* int8 weights: each product's rows quantized a row at a time */
+    int64_t vnni_rows;     /* int8_linear's: the AMX build's tiles above this many rows */
 };
 
 /* A product's input rows: float32, and for int8 weights their levels and scales (quantize_rows),
@@ -58,9 +60,10 @@ static void take_rows(const struct decode_layer *l, struct rows_in *in, const fl
     if (l->int8) quantize_rows(x, M, K, in->levels, K, in->scale, 1);
 }
 
-/* The step's products: int8 on int8_linear; bfloat16 on the AMX tiles where the layer asks for
-   them and this build has them (at every row count: a tile product sums each row alone, so a
-   sequence's logits do not depend on how many share its step), else bf16_linear's float32 FMAs. */
+/* The step's products: int8 on int8_linear; bfloat16 where the layer asks for them, on the AMX
+   tiles where this build has them, else on AVX-512 BF16's dot products (at every row count: both
+   sum each row alone, so a sequence's logits do not depend on how many share its step); else
+   bf16_linear's float32 FMAs. */
 static void linear(const struct decode_layer *l, const struct rows_in *in,
                    const struct decode_matrix *w, float *y, int64_t M, int64_t N, int64_t K,
                    int threads) {
@@ -70,7 +73,10 @@ static void linear(const struct decode_layer *l, const struct rows_in *in,
         return;
     }
 #ifdef __AMX_BF16__
-    if (l->tiles && !amx_bf16_linear(in->x, w->values, y, M, N, K, 0, threads)) return;
+    if (l->bf16_products && !amx_bf16_linear(in->x, w->values, y, M, N, K, 0, threads)) return;
+#endif
+#ifdef __AVX512BF16__
+    if (l->bf16_products && !bf16_dot_linear(in->x, w->values, y, M, N, K, 0, threads)) return;
 #endif
     bf16_linear(in->x, w->values, y, M, N, K, threads);
 }

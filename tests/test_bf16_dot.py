@@ -1,0 +1,84 @@
+"""bf16_dot.c's kernel on AVX-512 BF16's dot products, where this CPU has them: bfloat16 products
+against float64 with each activation rounded as the kernel rounds it, the split products within
+16 bits of each activation, a row's products the same bits whichever rows share its call, and the
+fused decode step on them against the decoder's modules."""
+
+import pytest
+import torch
+from conftest import assert_same_choices, forced_logits, photo
+
+from mmcli.api.labeler import Labeler
+from mmcli.config import load_config
+from mmcli.kernels import cpu, cpu_features, cpu_ops
+
+DOT_HERE = {"avx512_bf16", "avx512_vnni"} <= cpu_features.real_units()
+pytestmark = pytest.mark.skipif(
+    not DOT_HERE or cpu.why_unavailable() is not None, reason="this CPU has no AVX-512 BF16"
+)
+
+
+@pytest.fixture
+def bf16_build(monkeypatch):
+    """Our AVX-512 BF16 build (on an AMX CPU too: its tiles masked)."""
+    units = cpu_features.real_units() - {"amx_bf16", "amx_int8"}
+    monkeypatch.setenv("MMCLI_CPU_FEATURES", ",".join(sorted(units)))
+    cpu.load.cache_clear()
+    assert cpu.name() == "AVX-512 BF16", cpu.load()[1]
+    yield
+    monkeypatch.undo()
+    cpu.load.cache_clear()
+
+
+# rows across the tiles' 1-4 and past 32; channels off and on a block of 16; inputs off a step
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 33])
+@pytest.mark.parametrize("channels,inputs", [(16, 32), (37, 45), (1024, 2048)])
+def test_dot_products_are_bfloat16_products_summed_in_float32(bf16_build, rows, channels, inputs):
+    generator = torch.Generator().manual_seed(rows * channels)
+    x = torch.randn(rows, inputs, generator=generator)
+    weight = torch.randn(channels, inputs, generator=generator).bfloat16()
+    magnitude = x.abs().double() @ weight.abs().double().t()  # what the errors scale with
+    summed = 2e-6 * magnitude + 1e-6  # float32 sums of `inputs` terms
+    rounded = x.bfloat16().double() @ weight.double().t()
+    assert ((cpu.bf16_dot_linear(x, weight, False).double() - rounded).abs() <= summed).all()
+    # split: x as two bfloat16, 2^-16 of each value at most
+    exact = x.double() @ weight.double().t()
+    error = (cpu.bf16_dot_linear(x, weight, True).double() - exact).abs()
+    assert (error <= 2**-16 * magnitude + summed).all()
+
+
+def test_a_rows_products_do_not_depend_on_the_rows_beside_it(bf16_build):
+    """Each output is summed alone, in one order: the same bits at 1, 3 or 32 rows a call."""
+    x, weight = torch.randn(32, 200), torch.randn(70, 200).bfloat16()
+    together = cpu.bf16_dot_linear(x, weight, False)
+    for rows in (1, 3, 7):
+        alone = cpu.bf16_dot_linear(x[:rows].contiguous(), weight, False)
+        assert torch.equal(alone, together[:rows])
+    assert torch.equal(cpu_ops.bf16_rows_matmul(x, weight, split=False), together)
+
+
+# bfloat16 products on both sides, rounded at different places (the modules' oneDNN GEMM rounds
+# its outputs past 64 rows, the fused step's attention sums in another order), of the logits'
+# spread; a wrong layout or scale moves them by all of it
+DOT_MARGIN = 0.2
+
+
+@pytest.mark.parametrize("batch", [5, 20])
+def test_the_fused_step_on_dot_products_keeps_the_modules_choices(bf16_build, bf16_dir, batch):
+    """`batch` sequences decoded together on the fused step (bf16_dot.c's products) against the
+    decoder's modules, teacher-forced on the modules' tokens."""
+    cfg = load_config(None, {"engine": {"max_seqs": 32}})
+    labeler = Labeler.from_pretrained(str(bf16_dir), device="cpu", config=cfg)
+    assert "decode_step decode_layer.c on AVX-512 BF16 dot products" in labeler.kernels
+    requests = [
+        labeler.request(f"k{i}", [photo("chelsea.jpg")], f"Describe image {i}.",
+                        labeler.sampling(max_new_tokens=6))[0]
+        for i in range(batch)
+    ]  # fmt: skip
+    decoder = labeler.model.language_model
+    fused, decoder.kernel = decoder.kernel, None
+    tokens = [[3 + i, 7, 11, 5, 2, 9] for i in range(batch)]
+    reference = forced_logits(labeler, requests, tokens)
+    decoder.kernel = fused
+    assert fused is not None and fused.max_rows == cpu.AMX_ROWS
+    for logits, expected in zip(forced_logits(labeler, requests, tokens), reference):
+        assert_same_choices(logits, expected, DOT_MARGIN * expected.std().item())
