@@ -26,7 +26,6 @@ from dataclasses import dataclass, field, fields
 
 from mmcli.kernels import attention, cpu, cpu_ops, delta_rule, experts, fused_decode, matrix
 from mmcli.kernels.machine import Machine
-from mmcli.kernels.measure import BF16_ROWS
 
 # a layer -> the kernel to install in it (None: its own torch code)
 Install = Callable[[object], object]
@@ -181,13 +180,15 @@ def _head(shape: RunShape, machine: Machine, upcast: Choice) -> Choice:
 def _bf16_crossover(machine: Machine) -> tuple[int | None, str]:
     """The rows above which oneDNN's bfloat16 GEMM beats ours, and why: KERNEL_ROWS on AMX
     (three times ours there), measured on AVX-512 BF16 and Arm's BF16; None where ours wins at
-    every measured row count, but for bf16_dot.c (a few rows' kernel, not a GEMM), which hands
-    over above the most rows measured."""
+    every measured row count. bf16_dot.c, as the tiles, takes KERNEL_ROWS rows at most: a
+    prompt's rows then meet oneDNN's GEMM whichever prompts are prefilled beside it (its outputs
+    are rounded to bfloat16, ours are not), and a decode step's rows are the fused step's."""
     if "amx_bf16" in machine.cpu.units:
         return cpu_ops.KERNEL_ROWS, "AMX-BF16: the matrix engine above the few-rows kernel"
     measured = machine.crossover("bf16_gemm")
-    if measured.above is None and machine.bf16_dot():
-        return max(BF16_ROWS), f"{measured.why}; oneDNN above the rows measured"
+    if machine.bf16_dot():
+        above = min(cpu_ops.KERNEL_ROWS, measured.above if measured.above is not None else 1 << 30)
+        return above, f"{measured.why}; bf16_dot.c to {cpu_ops.KERNEL_ROWS} rows at most"
     return measured.above, measured.why
 
 
