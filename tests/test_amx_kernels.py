@@ -120,6 +120,7 @@ def test_int8_on_the_tiles_gives_the_vnni_builds_very_values(monkeypatch, rows, 
     tiles = cpu.int8_linear(x, weight, vnni_rows=0)  # the tiles at every row count
     assert torch.equal(cpu_ops.int8_matmul(x, weight), tiles)  # as a run takes them
     monkeypatch.setattr(cpu, "has_amx", lambda: False)
+    monkeypatch.setattr(cpu, "has_bf16_dot", lambda: False)
     cpu.load.cache_clear()
     assert cpu.name() == "AVX-512 VNNI"
     vectors = cpu_ops.int8_matmul(x, weight)

@@ -4,7 +4,8 @@ attention and the decoder's prefill attention, both on the float32 tiles of `flo
 `rms_norm.c` (the decoder's norms in one call each), `pointwise.c` (the rotary and the SwiGLU, one
 pass each), `decode_layer.c` (a dense decoder layer's step for a few tokens in one call),
 `int8_linear.c`, int8 weights in a layout that is stored as it runs, and `int8_weights.c`, which
-quantizes a checkpoint's weights into that layout in one pass.
+quantizes a checkpoint's weights into that layout in one pass; where the CPU has them, `amx.c` (the
+AMX tiles) and `bf16_dot.c` (AVX-512 BF16's dot products: bfloat16 products of a few rows).
 
 PyTorch has no bfloat16-weight, float32-activation kernel: its bfloat16 GEMM rounds the
 activations, and converting weights in one call and multiplying in another writes and reads a
