@@ -373,6 +373,49 @@ def forced_logits(labeler, requests, tokens: list[list[int]]):
     return list(torch.stack(logits, dim=1).float().unbind(0))
 
 
+def assert_bfloat16_products(products, rows: int, channels: int, inputs: int) -> None:
+    """`products(x, weight, split)` (float32 x, bfloat16 weight) against float64: with each
+    activation rounded to bfloat16, within float32 sums' error; `split` (each activation as two
+    bfloat16), within 2^-16 of each activation's magnitude."""
+    import torch
+
+    generator = torch.Generator().manual_seed(rows * channels)
+    x = torch.randn(rows, inputs, generator=generator)
+    weight = torch.randn(channels, inputs, generator=generator).bfloat16()
+    magnitude = x.abs().double() @ weight.abs().double().t()  # what the errors scale with
+    summed = 2e-6 * magnitude + 1e-6  # float32 sums of `inputs` terms
+    rounded = x.bfloat16().double() @ weight.double().t()
+    assert ((products(x, weight, False).double() - rounded).abs() <= summed).all()
+    exact = x.double() @ weight.double().t()
+    error = (products(x, weight, True).double() - exact).abs()
+    assert (error <= 2**-16 * magnitude + summed).all()
+
+
+def assert_fused_step_keeps_the_modules_choices(checkpoint, batch: int, unit: str, margin: float):
+    """`batch` sequences decoded together on the fused step on `unit` (as the plan names it)
+    against the decoder's modules, teacher-forced on fixed tokens: within `margin` of each
+    reference's spread (assert_same_choices)."""
+    from mmcli.api.labeler import Labeler
+    from mmcli.config import load_config
+
+    cfg = load_config(None, {"engine": {"max_seqs": 32}})
+    labeler = Labeler.from_pretrained(str(checkpoint), device="cpu", config=cfg)
+    assert f"decode_step decode_layer.c on {unit}" in labeler.kernels
+    requests = [
+        labeler.request(f"k{i}", [photo("chelsea.jpg")], f"Describe image {i}.",
+                        labeler.sampling(max_new_tokens=6))[0]
+        for i in range(batch)
+    ]  # fmt: skip
+    decoder = labeler.model.language_model
+    fused, decoder.kernel = decoder.kernel, None
+    tokens = [[3 + i, 7, 11, 5, 2, 9] for i in range(batch)]
+    reference = forced_logits(labeler, requests, tokens)
+    decoder.kernel = fused
+    assert fused is not None and fused.max_rows >= batch
+    for logits, expected in zip(forced_logits(labeler, requests, tokens), reference):
+        assert_same_choices(logits, expected, margin * expected.std().item())
+
+
 def assert_same_choices(logits, reference, margin: float) -> int:
     """Two kernels' teacher-forced logits along the reference's tokens: within `margin` at every
     step, so that each step whose reference top-2 gap exceeds twice the margin picks the

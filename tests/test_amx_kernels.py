@@ -5,10 +5,11 @@ and the fused decode step on the tiles against the decoder's modules."""
 
 import pytest
 import torch
-from conftest import assert_same_choices, forced_logits, photo
+from conftest import (
+    assert_bfloat16_products,
+    assert_fused_step_keeps_the_modules_choices,
+)
 
-from mmcli.api.labeler import Labeler
-from mmcli.config import load_config
 from mmcli.kernels import cpu, cpu_features, cpu_ops, matrix, measure
 from mmcli.weights.int4 import quantize_int4
 
@@ -29,17 +30,7 @@ def amx_build():
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
 @pytest.mark.parametrize("channels,inputs", [(16, 32), (80, 96), (1024, 2048)])
 def test_tile_products_are_bfloat16_products_summed_in_float32(amx_build, rows, channels, inputs):
-    generator = torch.Generator().manual_seed(rows * channels)
-    x = torch.randn(rows, inputs, generator=generator)
-    weight = torch.randn(channels, inputs, generator=generator).bfloat16()
-    magnitude = x.abs().double() @ weight.abs().double().t()  # what the errors scale with
-    summed = 2e-6 * magnitude + 1e-6  # float32 sums of `inputs` terms
-    rounded = x.bfloat16().double() @ weight.double().t()
-    assert ((cpu.amx_bf16_linear(x, weight, False).double() - rounded).abs() <= summed).all()
-    # split: x as two bfloat16 of 8 bits each, 2^-16 of each value at most
-    exact = x.double() @ weight.double().t()
-    error = (cpu.amx_bf16_linear(x, weight, True).double() - exact).abs()
-    assert (error <= 2**-16 * magnitude + summed).all()
+    assert_bfloat16_products(cpu.amx_bf16_linear, rows, channels, inputs)
 
 
 def test_shapes_off_the_tiles_are_refused_and_the_callers_fall_back(amx_build):
@@ -140,18 +131,4 @@ def test_the_fused_step_on_the_tiles_keeps_the_modules_choices(amx_build, bf16_d
     """`batch` sequences decoded together (the fused step on the tiles; at 20, past
     KERNEL_ROWS, the modules on oneDNN's GEMM) against the decoder's modules, teacher-forced on
     the modules' tokens."""
-    cfg = load_config(None, {"engine": {"max_seqs": 32}})
-    labeler = Labeler.from_pretrained(str(bf16_dir), device="cpu", config=cfg)
-    assert "decode_step decode_layer.c on AMX tiles" in labeler.kernels
-    requests = [
-        labeler.request(f"k{i}", [photo("chelsea.jpg")], f"Describe image {i}.",
-                        labeler.sampling(max_new_tokens=6))[0]
-        for i in range(batch)
-    ]  # fmt: skip
-    decoder = labeler.model.language_model
-    fused, decoder.kernel = decoder.kernel, None
-    tokens = [[3 + i, 7, 11, 5, 2, 9] for i in range(batch)]
-    reference = forced_logits(labeler, requests, tokens)
-    decoder.kernel = fused
-    for logits, expected in zip(forced_logits(labeler, requests, tokens), reference):
-        assert_same_choices(logits, expected, TILES_MARGIN * expected.std().item())
+    assert_fused_step_keeps_the_modules_choices(bf16_dir, batch, "AMX tiles", TILES_MARGIN)

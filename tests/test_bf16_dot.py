@@ -5,10 +5,11 @@ fused decode step on them against the decoder's modules."""
 
 import pytest
 import torch
-from conftest import assert_same_choices, forced_logits, photo
+from conftest import (
+    assert_bfloat16_products,
+    assert_fused_step_keeps_the_modules_choices,
+)
 
-from mmcli.api.labeler import Labeler
-from mmcli.config import load_config
 from mmcli.kernels import cpu, cpu_features, cpu_ops
 
 DOT_HERE = {"avx512_bf16", "avx512_vnni"} <= cpu_features.real_units()
@@ -33,17 +34,7 @@ def bf16_build(monkeypatch):
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 33])
 @pytest.mark.parametrize("channels,inputs", [(16, 32), (37, 45), (1024, 2048)])
 def test_dot_products_are_bfloat16_products_summed_in_float32(bf16_build, rows, channels, inputs):
-    generator = torch.Generator().manual_seed(rows * channels)
-    x = torch.randn(rows, inputs, generator=generator)
-    weight = torch.randn(channels, inputs, generator=generator).bfloat16()
-    magnitude = x.abs().double() @ weight.abs().double().t()  # what the errors scale with
-    summed = 2e-6 * magnitude + 1e-6  # float32 sums of `inputs` terms
-    rounded = x.bfloat16().double() @ weight.double().t()
-    assert ((cpu.bf16_dot_linear(x, weight, False).double() - rounded).abs() <= summed).all()
-    # split: x as two bfloat16, 2^-16 of each value at most
-    exact = x.double() @ weight.double().t()
-    error = (cpu.bf16_dot_linear(x, weight, True).double() - exact).abs()
-    assert (error <= 2**-16 * magnitude + summed).all()
+    assert_bfloat16_products(cpu.bf16_dot_linear, rows, channels, inputs)
 
 
 def test_a_rows_products_do_not_depend_on_the_rows_beside_it(bf16_build):
@@ -57,7 +48,7 @@ def test_a_rows_products_do_not_depend_on_the_rows_beside_it(bf16_build):
 
 
 # bfloat16 products on both sides, rounded at different places (the modules' oneDNN GEMM rounds
-# its outputs past 64 rows, the fused step's attention sums in another order), of the logits'
+# its outputs past 16 rows, the fused step's attention sums in another order), of the logits'
 # spread; a wrong layout or scale moves them by all of it
 DOT_MARGIN = 0.2
 
@@ -66,19 +57,5 @@ DOT_MARGIN = 0.2
 def test_the_fused_step_on_dot_products_keeps_the_modules_choices(bf16_build, bf16_dir, batch):
     """`batch` sequences decoded together on the fused step (bf16_dot.c's products) against the
     decoder's modules, teacher-forced on the modules' tokens."""
-    cfg = load_config(None, {"engine": {"max_seqs": 32}})
-    labeler = Labeler.from_pretrained(str(bf16_dir), device="cpu", config=cfg)
-    assert "decode_step decode_layer.c on AVX-512 BF16 dot products" in labeler.kernels
-    requests = [
-        labeler.request(f"k{i}", [photo("chelsea.jpg")], f"Describe image {i}.",
-                        labeler.sampling(max_new_tokens=6))[0]
-        for i in range(batch)
-    ]  # fmt: skip
-    decoder = labeler.model.language_model
-    fused, decoder.kernel = decoder.kernel, None
-    tokens = [[3 + i, 7, 11, 5, 2, 9] for i in range(batch)]
-    reference = forced_logits(labeler, requests, tokens)
-    decoder.kernel = fused
-    assert fused is not None and fused.max_rows == cpu.AMX_ROWS
-    for logits, expected in zip(forced_logits(labeler, requests, tokens), reference):
-        assert_same_choices(logits, expected, DOT_MARGIN * expected.std().item())
+    words = "AVX-512 BF16 dot products"
+    assert_fused_step_keeps_the_modules_choices(bf16_dir, batch, words, DOT_MARGIN)
