@@ -373,6 +373,18 @@ def forced_logits(labeler, requests, tokens: list[list[int]]):
     return list(torch.stack(logits, dim=1).float().unbind(0))
 
 
+def int4_values_f64(weight):
+    """An Int4Weight's (q - 8) * scale + zero in float64, [out, in] (torch's layout read back)."""
+    import torch
+
+    out, inner = weight.shape
+    packed = weight.packed.view(out // 64, inner, 32)
+    q = torch.cat([packed & 0xF, packed >> 4], -1).permute(0, 2, 1).reshape(out, inner)
+    sz = weight.scales_zeros.double()  # [in / 32, out, 2]
+    scale, zero = (sz[..., i].t().repeat_interleave(32, 1) for i in (0, 1))
+    return (q.double() - 8) * scale + zero
+
+
 def assert_bfloat16_products(products, rows: int, channels: int, inputs: int) -> None:
     """`products(x, weight, split)` (float32 x, bfloat16 weight) against float64: with each
     activation rounded to bfloat16, within float32 sums' error; `split` (each activation as two

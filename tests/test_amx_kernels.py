@@ -8,6 +8,7 @@ import torch
 from conftest import (
     assert_bfloat16_products,
     assert_fused_step_keeps_the_modules_choices,
+    int4_values_f64,
 )
 
 from mmcli.kernels import cpu, cpu_features, cpu_ops, matrix, measure
@@ -47,16 +48,6 @@ def test_shapes_off_the_tiles_are_refused_and_the_callers_fall_back(amx_build):
     )
 
 
-def _int4_values(weight) -> torch.Tensor:
-    """An Int4Weight's (q - 8) * scale + zero in float64, [out, in] (torch's layout read back)."""
-    out, inner = weight.shape
-    packed = weight.packed.view(out // 64, inner, 32)
-    q = torch.cat([packed & 0xF, packed >> 4], -1).permute(0, 2, 1).reshape(out, inner)
-    sz = weight.scales_zeros.double()  # [in / 32, out, 2]
-    scale, zero = (sz[..., i].t().repeat_interleave(32, 1) for i in (0, 1))
-    return (q.double() - 8) * scale + zero
-
-
 @pytest.mark.parametrize("rows", [5, 7, 16, 17, 32, 33, 600])
 @pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024)])
 def test_int4_on_the_tiles_multiplies_its_weights(amx_build, rows, channels, inputs):
@@ -68,36 +59,8 @@ def test_int4_on_the_tiles_multiplies_its_weights(amx_build, rows, channels, inp
     magnitude = x.abs().double() @ dequantized.abs()
     got = cpu_ops.amx_int4_matmul(x, weight, bias).double()
     if rows <= cpu.INT4_FEW_ROWS:  # the weights' exact values, not rounded to bfloat16
-        exact = x.bfloat16().double() @ _int4_values(weight).t() + bias.double()
+        exact = x.bfloat16().double() @ int4_values_f64(weight).t() + bias.double()
     assert ((got - exact).abs() <= 4e-6 * magnitude + 1e-5).all()
-
-
-def _int8_groups(x: torch.Tensor) -> torch.Tensor:
-    """x as int4_vnni_rows quantizes it: each group of 32 inputs to int8, scale its largest
-    value over 127 (float32 arithmetic, ties to even), returned dequantized in float64."""
-    groups = x.reshape(x.shape[0], -1, 32)
-    largest = groups.abs().amax(-1, keepdim=True)
-    inverse = torch.where(largest > 0, 127 / largest, torch.zeros_like(largest))
-    q = torch.round(groups * inverse)
-    return (q.double() * (largest / 127).double()).reshape(x.shape)
-
-
-@pytest.mark.parametrize("rows", [3, 4])
-@pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024)])
-def test_int4_at_a_few_rows_multiplies_its_weights_by_int8_rows(amx_build, rows, channels, inputs):
-    generator = torch.Generator().manual_seed(rows)
-    weight = quantize_int4(torch.randn(channels, inputs, generator=generator).bfloat16())
-    x, bias = torch.randn(rows, inputs, generator=generator), torch.randn(channels)
-    x[0, :32] = 0  # a group of zeros: scale 0, nothing divided by it
-    values = _int4_values(weight).t()
-    exact = _int8_groups(x) @ values + bias.double()
-    magnitude = x.abs().double() @ values.abs()
-    got = cpu_ops.amx_int4_matmul(x, weight, bias).double()
-    assert ((got - exact).abs() <= 4e-6 * magnitude + 1e-5).all()
-    # against the unquantized rows: int8 per group of 32 is about 1% of the products' magnitude
-    unquantized = x.double() @ values + bias.double()
-    assert ((got - unquantized).abs() <= 0.01 * magnitude + 1e-5).all()
-    assert cpu_ops.amx_int4_matmul(x[:2], weight, bias) is None  # torch's kernel there
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 300])

@@ -48,6 +48,9 @@ HEADERS = [Path(__file__).parent / "csrc" / "float_tiles.h"]
 AMX_SOURCES = [Path(__file__).parent / "csrc" / "amx.c"]
 # AVX-512 BF16's dot products, in the builds for CPUs that have them (AMX's and the BF16 one)
 BF16_SOURCES = [Path(__file__).parent / "csrc" / "bf16_dot.c"]
+# int4 on VNNI's int8 dot products, in the AVX-512 builds of CPUs with VBMI's byte permutes
+VBMI_SOURCES = [Path(__file__).parent / "csrc" / "int4_vnni.c"]
+VBMI_FLAGS = ["-mavx512vbmi"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 BF16_FLAGS = [*VNNI_FLAGS, "-mavx512bf16"]
@@ -63,12 +66,22 @@ def has_vnni() -> bool:
         forced.overridden and "avx512_vnni" not in forced.units
     ):
         return False
+    return {"avx512_vnni", "avx512bw", "avx512vl"} <= _cpu_flags()
+
+
+def _cpu_flags() -> set[str]:
+    """The kernel's flags for the CPU (x86's /proc/cpuinfo), empty where it has none."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
-    return {"avx512_vnni", "avx512bw", "avx512vl"} <= set(flags)
+        return set()
+    return set(next((line.split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def has_vbmi() -> bool:
+    """AVX-512 VBMI among the kernel's CPU flags (AMD Zen 4 and 5, Intel since Ice Lake; not
+    Cascade or Cooper Lake)."""
+    return "avx512vbmi" in _cpu_flags()
 
 
 def has_amx() -> bool:
@@ -174,12 +187,16 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     builds = [("AMX", AMX_FLAGS, [*SOURCES, *AMX_SOURCES, *BF16_SOURCES])] if has_amx() else []
     builds += [("AVX-512 BF16", BF16_FLAGS, [*SOURCES, *BF16_SOURCES])] if has_bf16_dot() else []
     builds += [("AVX-512 VNNI", VNNI_FLAGS, SOURCES)] if has_vnni() else []
+    # every AVX-512 build takes int4_vnni.c where the CPU has VBMI (AMX's flags have it)
+    vbmi = (VBMI_FLAGS, VBMI_SOURCES) if has_vbmi() else ([], [])
+    builds = [(build, [*flags, *vbmi[0]], [*sources, *vbmi[1]]) for build, flags, sources in builds]
     for build, extra, sources in [*builds, ("AVX2", [], SOURCES)]:
         try:
             torch_lib = Path(torch.__file__).parent / "lib"
             path = _build(os.environ.get("CC", "cc"), torch_lib, extra, sources)
             library = ctypes.CDLL(str(path))
             library.build = build
+            library.int4_vnni = bool(VBMI_SOURCES[0] in sources)
             break
         except (OSError, subprocess.SubprocessError) as error:
             detail = getattr(error, "stderr", b"") or b""
@@ -239,9 +256,10 @@ def _declare(library: ctypes.CDLL) -> None:
     if library.build == "AMX":
         library.amx_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         library.amx_bf16_linear.argtypes += [ctypes.c_int] * 2
-        for name in ("amx_int4_gemm", "amx_int4_rows", "int4_vnni_rows"):
-            kernel = getattr(library, name)
-            kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    int4 = ("amx_int4_gemm", "amx_int4_rows") if library.build == "AMX" else ()
+    for name in (*int4, *(("int4_vnni_rows",) if library.int4_vnni else ())):
+        kernel = getattr(library, name)
+        kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
 
 def eager() -> bool:
@@ -331,17 +349,36 @@ def amx_int4_gemm(x: torch.Tensor, weight) -> torch.Tensor | None:
     bfloat16 (see INT4_VNNI_ROWS); None where this build or the shapes (N a multiple of 64, K of
     32) do not fit."""
     library = load()[0]
-    if library is None or library.build != "AMX" or not weight.scales_zeros.is_contiguous():
+    if library is None or library.build != "AMX":
         return None
-    rows, width = x.shape
-    name = amx_int4_kernel(rows)
+    name = amx_int4_kernel(x.shape[0])
+    if name == "int4_vnni_rows" and not library.int4_vnni:  # no VBMI: the tiles
+        name = "amx_int4_rows"
     # int4_vnni_rows quantizes float32 rows itself; the tiles take them rounded to bfloat16
-    x_in = (x.float() if name == "int4_vnni_rows" else x.to(torch.bfloat16)).contiguous()
-    kernel = getattr(library, name)
-    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    x_in = x.float() if name == "int4_vnni_rows" else x.to(torch.bfloat16)
+    return _int4_products(getattr(library, name), x_in.contiguous(), weight)
+
+
+def int4_vnni_linear(x: torch.Tensor, weight) -> torch.Tensor | None:
+    """x (rows, K) float32 @ W.T for an Int4Weight W on the vector units' int8 dot products
+    (int4_vnni.c), each row quantized to int8 per group of 32 inputs, float32 out; None where
+    this build has no such kernel (no VBMI) or the shapes (N a multiple of 64, K of 32) do not
+    fit."""
+    library = load()[0]
+    if library is None or not library.int4_vnni:
+        return None
+    return _int4_products(library.int4_vnni_rows, x.float().contiguous(), weight)
+
+
+def _int4_products(kernel, x: torch.Tensor, weight) -> torch.Tensor | None:
+    """An int4 kernel's (x, packed, scales_zeros, y, M, N, K, threads) float32 y, or None where
+    it refused the shapes (or the scales are not contiguous)."""
+    if not weight.scales_zeros.is_contiguous():
+        return None
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     status = kernel(
-        x_in.data_ptr(), weight.packed.data_ptr(), weight.scales_zeros.data_ptr(),
-        out.data_ptr(), rows, weight.shape[0], width, torch.get_num_threads(),
+        x.data_ptr(), weight.packed.data_ptr(), weight.scales_zeros.data_ptr(), out.data_ptr(),
+        x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads(),
     )  # fmt: skip
     return None if status else out
 

@@ -129,10 +129,23 @@ def amx_split_matmul(x, weight, bias, activation) -> torch.Tensor | None:
 def amx_int4_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x @ W.T (+ bias) for an Int4Weight on the AMX build's kernels (cpu.amx_int4_gemm) above
     cpu.INT4_TORCH_ROWS rows; None (torch's int4 kernel) for fewer rows or shapes off them."""
+    return _int4_rows(cpu.amx_int4_gemm, x, weight, bias)
+
+
+def int4_vnni_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ W.T (+ bias) for an Int4Weight on the vector units' int8 dot products
+    (cpu.int4_vnni_linear) above cpu.INT4_TORCH_ROWS rows; None (torch's int4 kernel) for fewer
+    rows or shapes off them."""
+    return _int4_rows(cpu.int4_vnni_linear, x, weight, bias)
+
+
+def _int4_rows(kernel, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """An int4 kernel of ours above cpu.INT4_TORCH_ROWS rows (fewer: torch's, where ours only
+    matches it and a single sequence's numbers stay torch's)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] <= cpu.INT4_TORCH_ROWS or x.device.type != "cpu" or not cpu.eager():
         return None
-    y = cpu.amx_int4_gemm(x2, weight)
+    y = kernel(x2, weight)
     if y is None:
         return None
     if bias is not None:

@@ -44,6 +44,7 @@ class Machine:
     read_gb_s: float | None = None
     peaks: Mapping[str, float] = field(default_factory=dict)
     libraries: frozenset[str] = frozenset()  # optional kernel libraries installed: fla
+    int4_vnni: bool = False  # our build has int4_vnni.c (AVX-512 VNNI and VBMI)
 
     def key(self) -> str:
         """What this machine's measurements are cached under."""
@@ -117,7 +118,10 @@ def _made(environment: tuple[str | None, ...], floors: bool) -> Machine:
     crossovers = {
         name: _crossover(name, units, build, unavailable) for name in comparisons(units, build)
     }
-    machine = Machine(units, build, unavailable, crossovers, libraries=installed_libraries())
+    machine = Machine(
+        units, build, unavailable, crossovers, libraries=installed_libraries(),
+        int4_vnni=bool(library is not None and library.int4_vnni),
+    )  # fmt: skip
     if not floors:
         return machine
     read = measure.measured("floors", machine.key())["read_gb_s"]

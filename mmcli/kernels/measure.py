@@ -142,19 +142,26 @@ def _int8_prefill() -> dict:
 
 
 def _int4_tiles() -> dict:
+    """Ours against the dequantized tiles on oneDNN's bfloat16 GEMM: int4_vnni.c where this
+    build has it, else torch's int4 kernel."""
     inner = outer = 2048
     weight = random_int4(outer, inner)
+    vnni = cpu.load()[0] is not None and cpu.load()[0].int4_vnni
+
+    def ours(x):
+        return cpu.int4_vnni_linear(x, weight) if vnni else torch_int4(x, weight)
+
     rates = {}
     for rows in INT4_ROWS:
         x = torch.randn(rows, inner)
         ops = 2 * rows * inner * outer
         rates[rows] = (
-            _rate(lambda x=x: torch_int4(x, weight), ops),
+            _rate(lambda x=x: ours(x), ops),
             _rate(lambda x=x: matrix.int4_tiles_linear(x, weight, None), ops),
         )
     return {
-        "kernels": ["torch int4", "int4 tiles + oneDNN bfloat16"],
-        "units": ["float32", "bfloat16"],
+        "kernels": ["int4_vnni.c" if vnni else "torch int4", "int4 tiles + oneDNN bfloat16"],
+        "units": ["int8" if vnni else "float32", "bfloat16"],
         "rates": rates,
     }
 
@@ -247,6 +254,7 @@ def code_digest() -> str:
         *cpu.SOURCES,
         *cpu.AMX_SOURCES,
         *cpu.BF16_SOURCES,
+        *cpu.VBMI_SOURCES,
         *cpu.HEADERS,
         here / "cpu_ops.py",
         here / "matrix.py",

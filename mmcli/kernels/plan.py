@@ -272,6 +272,8 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
     if not shape.eager_cpu():
         return Choice("torch_int4", "torch int4", "torch's int4 kernel")
     measured = machine.crossover("int4_tiles")
+    if machine.int4_vnni:
+        return _int4_vnni(measured.above, measured.why)
     if measured.above is None:
         return Choice("torch_int4", "torch int4", measured.why)
     above = measured.above
@@ -279,6 +281,17 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
     return Choice(
         "int4_tiles+torch_int4", kernel, measured.why, _function(matrix.int4_matmul(above))
     )
+
+
+def _int4_vnni(above: int | None, why: str) -> Choice:
+    """int4 on int4_vnni.c's int8 dot products above torch's few rows, to a decode step's rows at
+    most (cpu.AMX_ROWS: its rows quantized to int8 per group, which a prompt's products are not),
+    and on oneDNN's bfloat16 GEMM (tiles dequantized) above, or above the measured crossover."""
+    above = cpu.AMX_ROWS if above is None else min(above, cpu.AMX_ROWS)
+    kernel = f"torch int4 to {cpu.INT4_TORCH_ROWS} rows, int4_vnni.c (int8 dot products) to "
+    kernel += f"{above}, int4 tiles + oneDNN bfloat16 above"
+    install = _function(matrix.int4_matmul(above, vnni=True))
+    return Choice("int4_vnni.c+int4_tiles", kernel, why, install)
 
 
 def _attention(shape: RunShape, machine: Machine) -> Choice:

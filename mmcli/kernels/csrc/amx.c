@@ -14,9 +14,9 @@
    4 inputs interleaved) is the tiles' B layout as it is, its activations (7 bits plus 64,
    unsigned) the A operand, int32 sums exact (tdpbusd), the same integers.
 
-   int4_vnni_rows, amx_int4_rows and amx_int4_gemm, int4 weights in torch's CPU layout: a few rows
-   on the weights' integers (int8 rows on the vector units, bfloat16 rows on the tiles), each
-   group's sums scaled after; more rows on panels dequantized once. */
+   amx_int4_rows and amx_int4_gemm, int4 weights in torch's CPU layout: a few rows on the
+   weights' integers (bfloat16 rows on the tiles), each group's sums scaled after; more rows on
+   panels dequantized once (fewer rows: int4_vnni.c, the vector units' int8 dot products). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -177,13 +177,6 @@ int amx_bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int6
    1.6x the dequantized tiles on oneDNN at 256); amx_int4_rows takes fewer. */
 #define PANEL_CHANNELS 64
 #define PANEL_TILE 512 /* bfloat16 a B tile */
-
-/* scale and zero of 16 channels from their bfloat16 pairs (scale the lower half) */
-static inline void scale_zero(const uint32_t *pairs, __m512 *scale, __m512 *zero) {
-    const __m512i sz = _mm512_loadu_si512(pairs);
-    *scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-    *zero = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(~0xFFFF)));
-}
 
 /* int4 weights in torch's CPU layout (blocks of 64 channels, each input's 64 values in 32
    bytes, the low nibbles the block's first 32; scales_zeros [K / 32][N][2] bfloat16): value =
@@ -401,122 +394,6 @@ int amx_int4_rows(const uint16_t *x, const uint8_t *packed, const uint16_t *scal
     }
     free(x_sums);
     return 0;
-}
-
-/* ---- int4_vnni_rows: three or four rows ---- */
-
-/* For a decode step's few rows the tiles' per-group stores cost more than the products: the
-   vector units' int8 dot products (vpdpbusd) take the weights' integers q (0..15) as they are,
-   each row quantized to int8 per group of 32 inputs (scale its largest value over 127, as
-   llama.cpp's Q8 activations), and the sums stay in registers across the group:
-   (q - 8) * scale + zero summed over a group is scale * sum(xq * q) + (zero - 8 scale) * sum(xq),
-   times the row's group scale. */
-
-#define VNNI_ROWS 4
-
-/* inputs k .. k + 3 of a block (4 x 32 contiguous bytes) as vpdpbusd's quadruples: lane c of
-   w[t] holds channel 16 t + c's q for the 4 inputs (w[0], w[1]: the low nibbles of bytes 0..15
-   and 16..31; w[2], w[3]: their high nibbles, channels 32..63) */
-static inline void int4_quads(const uint8_t *first, __m512i w[4]) {
-    const __m512i low = _mm512_set1_epi8(0x0F), lanes = _mm512_set1_epi32(0x60402000);
-    const __m512i step = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    /* byte j of lane c: byte c of input j (j * 32 + c) of the 128 */
-    const __m512i first_half =
-        _mm512_add_epi8(lanes, _mm512_mullo_epi32(step, _mm512_set1_epi32(0x01010101)));
-    const __m512i second_half = _mm512_add_epi8(first_half, _mm512_set1_epi8(16));
-    const __m512i a = _mm512_loadu_si512(first), b = _mm512_loadu_si512(first + 64);
-    const __m512i p0 = _mm512_permutex2var_epi8(a, first_half, b);
-    const __m512i p1 = _mm512_permutex2var_epi8(a, second_half, b);
-    w[0] = _mm512_and_si512(p0, low);
-    w[1] = _mm512_and_si512(p1, low);
-    w[2] = _mm512_and_si512(_mm512_srli_epi16(p0, 4), low);
-    w[3] = _mm512_and_si512(_mm512_srli_epi16(p1, 4), low);
-}
-
-/* x (rows x K float32) as int8 per group of 32 inputs: xq, each group's scale and sum(xq) */
-static void quantize_groups(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
-                            int32_t *sums) {
-    for (int64_t i = 0; i < rows * (K / 32); i++) {
-        const float *v = x + i * 32;
-        float largest = 0.0f;
-        for (int k = 0; k < 32; k++) largest = fmaxf(largest, fabsf(v[k]));
-        const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
-        int32_t total = 0;
-        for (int k = 0; k < 32; k++) {
-            xq[i * 32 + k] = (int8_t)lrintf(v[k] * inverse);
-            total += xq[i * 32 + k];
-        }
-        scales[i] = largest / 127.0f;
-        sums[i] = total;
-    }
-}
-
-/* y's `rows` (a constant once inlined: the sums in registers) x the 64 channels of `block` */
-static inline __attribute__((always_inline)) void
-int4_vnni_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
-                const uint8_t *packed, const uint32_t *pairs_of, int64_t K, int64_t N,
-                int64_t block, const int rows, float *y) {
-    const int64_t groups = K / 32;
-    const uint8_t *bytes = packed + block * K * 32;
-    __m512 acc[VNNI_ROWS][4];
-    for (int m = 0; m < rows; m++)
-        for (int t = 0; t < 4; t++) acc[m][t] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m512i sums[VNNI_ROWS][4];
-        for (int m = 0; m < rows; m++)
-            for (int t = 0; t < 4; t++) sums[m][t] = _mm512_setzero_si512();
-        for (int r = 0; r < 8; r++) {
-            __m512i w[4];
-            int4_quads(bytes + (g * 32 + 4 * r) * 32, w);
-            for (int m = 0; m < rows; m++) {
-                const int32_t four = ((const int32_t *)xq)[m * (K / 4) + g * 8 + r];
-                const __m512i x4 = _mm512_set1_epi32(four);
-                for (int t = 0; t < 4; t++) sums[m][t] = _mm512_dpbusd_epi32(sums[m][t], w[t], x4);
-            }
-        }
-        const uint32_t *pairs = pairs_of + g * N + block * 64;
-        for (int t = 0; t < 4; t++) {
-            __m512 scale, zero;
-            scale_zero(pairs + t * 16, &scale, &zero);
-            const __m512 shift = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
-            for (int m = 0; m < rows; m++) {
-                const int64_t at = m * groups + g;
-                __m512 v = _mm512_mul_ps(shift, _mm512_set1_ps((float)x_sums[at]));
-                v = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums[m][t]), v);
-                acc[m][t] = _mm512_fmadd_ps(_mm512_set1_ps(x_scales[at]), v, acc[m][t]);
-            }
-        }
-    }
-    for (int m = 0; m < rows; m++)
-        for (int t = 0; t < 4; t++) _mm512_storeu_ps(y + m * N + block * 64 + t * 16, acc[m][t]);
-}
-
-/* y (M x N, float32) = x (M x K, float32) @ W.T for int4 W in torch's CPU layout (group 32),
-   1 <= M <= VNNI_ROWS; nonzero (nothing computed) otherwise. */
-int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
-                   int64_t M, int64_t N, int64_t K, int threads) {
-    if (M < 1 || M > VNNI_ROWS || N % 64 || K % 32) return 1;
-    int8_t *xq = malloc((size_t)(M * K));
-    float *scales = malloc((size_t)(M * (K / 32)) * sizeof(float));
-    int32_t *sums = malloc((size_t)(M * (K / 32)) * sizeof(int32_t));
-    const int failed = !xq || !scales || !sums;
-    if (!failed) {
-        quantize_groups(x, M, K, xq, scales, sums);
-        const uint32_t *pairs = (const uint32_t *)scales_zeros;
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t block = 0; block < N / 64; block++) {
-            switch (M) { /* each row count its own loop, the sums held in registers */
-            case 1: int4_vnni_block(xq, scales, sums, packed, pairs, K, N, block, 1, y); break;
-            case 2: int4_vnni_block(xq, scales, sums, packed, pairs, K, N, block, 2, y); break;
-            case 3: int4_vnni_block(xq, scales, sums, packed, pairs, K, N, block, 3, y); break;
-            default: int4_vnni_block(xq, scales, sums, packed, pairs, K, N, block, 4, y); break;
-            }
-        }
-    }
-    free(xq);
-    free(scales);
-    free(sums);
-    return failed;
 }
 
 /* ---- amx_int8_linear ---- */

@@ -55,6 +55,13 @@ static inline vec widen(const uint16_t *p) { /* 16 bfloat16 -> float32, exactly 
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+/* int4's scale and zero of 16 channels from their bfloat16 pairs (scale the lower half) */
+static inline void scale_zero(const uint32_t *pairs, __m512 *scale, __m512 *zero) {
+    const __m512i sz = _mm512_loadu_si512(pairs);
+    *scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+    *zero = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(~0xFFFF)));
+}
+
 /* r[i][j] -> r[j][i] for a 16 x 16 block */
 static inline void transpose(vec r[16]) {
     vec t[16];

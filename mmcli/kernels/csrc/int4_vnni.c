@@ -1,0 +1,141 @@
+/* int4 weights in torch's CPU layout (blocks of 64 output channels, each input's 64 values in 32
+   bytes, the low nibbles the block's first 32; scales and zeros [K / 32][N][2] bfloat16) times a
+   decode step's few rows on the vector units' int8 dot products (AVX-512 VNNI, with VBMI's byte
+   permutes to spread the nibbles): built where the CPU has both (kernels/cpu.py). For a decode
+   step's few rows the weights' integers are multiplied as they are, where torch's int4 kernel and
+   the tiles' panels dequantize every weight first. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "float_tiles.h"
+
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+
+/* For a decode step's few rows the tiles' per-group stores cost more than the products: the
+   vector units' int8 dot products (vpdpbusd) take the weights' integers q (0..15) as they are,
+   each row quantized to int8 per group of 32 inputs (scale its largest value over 127, as
+   llama.cpp's Q8 activations), and the sums stay in registers across the group:
+   (q - 8) * scale + zero summed over a group is scale * sum(xq * q) + (zero - 8 scale) * sum(xq),
+   times the row's group scale. */
+
+#define VNNI_ROWS 4 /* rows a block's sums hold in registers; more rows pass again */
+
+/* inputs k .. k + 3 of a block (4 x 32 contiguous bytes) as vpdpbusd's quadruples: lane c of
+   w[t] holds channel 16 t + c's q for the 4 inputs (w[0], w[1]: the low nibbles of bytes 0..15
+   and 16..31; w[2], w[3]: their high nibbles, channels 32..63) */
+static inline void int4_quads(const uint8_t *first, __m512i w[4]) {
+    const __m512i low = _mm512_set1_epi8(0x0F), lanes = _mm512_set1_epi32(0x60402000);
+    const __m512i step = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    /* byte j of lane c: byte c of input j (j * 32 + c) of the 128 */
+    const __m512i first_half =
+        _mm512_add_epi8(lanes, _mm512_mullo_epi32(step, _mm512_set1_epi32(0x01010101)));
+    const __m512i second_half = _mm512_add_epi8(first_half, _mm512_set1_epi8(16));
+    const __m512i a = _mm512_loadu_si512(first), b = _mm512_loadu_si512(first + 64);
+    const __m512i p0 = _mm512_permutex2var_epi8(a, first_half, b);
+    const __m512i p1 = _mm512_permutex2var_epi8(a, second_half, b);
+    w[0] = _mm512_and_si512(p0, low);
+    w[1] = _mm512_and_si512(p1, low);
+    w[2] = _mm512_and_si512(_mm512_srli_epi16(p0, 4), low);
+    w[3] = _mm512_and_si512(_mm512_srli_epi16(p1, 4), low);
+}
+
+/* x (rows x K float32) as int8 per group of 32 inputs: xq, each group's scale and sum(xq) */
+static void quantize_groups(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
+                            int32_t *sums) {
+    for (int64_t i = 0; i < rows * (K / 32); i++) {
+        const float *v = x + i * 32;
+        float largest = 0.0f;
+        for (int k = 0; k < 32; k++) largest = fmaxf(largest, fabsf(v[k]));
+        const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+        int32_t total = 0;
+        for (int k = 0; k < 32; k++) {
+            xq[i * 32 + k] = (int8_t)lrintf(v[k] * inverse);
+            total += xq[i * 32 + k];
+        }
+        scales[i] = largest / 127.0f;
+        sums[i] = total;
+    }
+}
+
+/* y's `rows` (a constant once inlined: the sums in registers) x the 64 channels of `block` */
+static inline __attribute__((always_inline)) void
+int4_vnni_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
+                const uint8_t *packed, const uint32_t *pairs_of, int64_t K, int64_t N,
+                int64_t block, const int rows, float *y) {
+    const int64_t groups = K / 32;
+    const uint8_t *bytes = packed + block * K * 32;
+    __m512 acc[VNNI_ROWS][4];
+    for (int m = 0; m < rows; m++)
+        for (int t = 0; t < 4; t++) acc[m][t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i sums[VNNI_ROWS][4];
+        for (int m = 0; m < rows; m++)
+            for (int t = 0; t < 4; t++) sums[m][t] = _mm512_setzero_si512();
+        for (int r = 0; r < 8; r++) {
+            __m512i w[4];
+            int4_quads(bytes + (g * 32 + 4 * r) * 32, w);
+            for (int m = 0; m < rows; m++) {
+                const int32_t four = ((const int32_t *)xq)[m * (K / 4) + g * 8 + r];
+                const __m512i x4 = _mm512_set1_epi32(four);
+                for (int t = 0; t < 4; t++) sums[m][t] = _mm512_dpbusd_epi32(sums[m][t], w[t], x4);
+            }
+        }
+        const uint32_t *pairs = pairs_of + g * N + block * 64;
+        for (int t = 0; t < 4; t++) {
+            __m512 scale, zero;
+            scale_zero(pairs + t * 16, &scale, &zero);
+            const __m512 shift = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
+            for (int m = 0; m < rows; m++) {
+                const int64_t at = m * groups + g;
+                __m512 v = _mm512_mul_ps(shift, _mm512_set1_ps((float)x_sums[at]));
+                v = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums[m][t]), v);
+                acc[m][t] = _mm512_fmadd_ps(_mm512_set1_ps(x_scales[at]), v, acc[m][t]);
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int t = 0; t < 4; t++) _mm512_storeu_ps(y + m * N + block * 64 + t * 16, acc[m][t]);
+}
+
+/* rows m .. m + VNNI_ROWS (at most M) of `block`: each row count its own loop, the sums held in
+   registers */
+static void rows_of_block(const int8_t *xq, const float *scales, const int32_t *sums,
+                          const uint8_t *packed, const uint32_t *pairs, int64_t K, int64_t N,
+                          int64_t block, int64_t m, int64_t M, float *y) {
+    const int64_t groups = K / 32;
+    xq += m * K, scales += m * groups, sums += m * groups, y += m * N;
+    switch (M - m) {
+    case 1: int4_vnni_block(xq, scales, sums, packed, pairs, K, N, block, 1, y); break;
+    case 2: int4_vnni_block(xq, scales, sums, packed, pairs, K, N, block, 2, y); break;
+    case 3: int4_vnni_block(xq, scales, sums, packed, pairs, K, N, block, 3, y); break;
+    default: int4_vnni_block(xq, scales, sums, packed, pairs, K, N, block, 4, y); break;
+    }
+}
+
+/* y (M x N, float32) = x (M x K, float32) @ W.T for int4 W in torch's CPU layout (group 32),
+   VNNI_ROWS rows at a time over each block of 64 channels (its weights, 32 bytes an input, read
+   again from the cache); nonzero (nothing computed) where N is not a multiple of 64 or K of 32. */
+int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
+                   int64_t M, int64_t N, int64_t K, int threads) {
+    if (M < 1 || N % 64 || K % 32) return 1;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *scales = malloc((size_t)(M * (K / 32)) * sizeof(float));
+    int32_t *sums = malloc((size_t)(M * (K / 32)) * sizeof(int32_t));
+    const int failed = !xq || !scales || !sums;
+    if (!failed) {
+        quantize_groups(x, M, K, xq, scales, sums);
+        const uint32_t *pairs = (const uint32_t *)scales_zeros;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t block = 0; block < N / 64; block++) {
+            for (int64_t m = 0; m < M; m += VNNI_ROWS)
+                rows_of_block(xq, scales, sums, packed, pairs, K, N, block, m, M, y);
+        }
+    }
+    free(xq);
+    free(scales);
+    free(sums);
+    return failed;
+}
+
+#endif
