@@ -25,7 +25,7 @@ import torch
 from float_kernels import rows_table
 
 from mmcli.kernels import cpu, measure
-from mmcli.kernels.cpu_ops import amx_int4_matmul, int8_matmul
+from mmcli.kernels.cpu_ops import amx_int4_matmul, int4_vnni_matmul, int8_matmul
 from mmcli.models.layers.linear import Linear
 from mmcli.weights.int8 import int8_linear
 
@@ -86,14 +86,17 @@ def float32(rows: int, out: int, width: int) -> float:
 
 
 def int4_rates(rows: int, weights: list) -> tuple[str, float, float]:
-    """(the kernel an int4 run takes at `rows`, its GB/s of weights, torch's int4 kernel's)."""
+    """(the kernel an int4 run takes at `rows`, its GB/s of weights, torch's int4 kernel's): the
+    AMX build's, else int4_vnni.c where the build has it."""
     x = torch.randn(rows, weights[0].shape[1])
     nbytes = sum(w.packed.nbytes + w.scales_zeros.nbytes for w in weights)
-    ours = amx_int4_matmul(x, weights[0], None) is not None
-    kernel = cpu.amx_int4_kernel(rows) if ours else "torch int4"
+    matmul = amx_int4_matmul if cpu.name() == "AMX" else int4_vnni_matmul
+    ours = matmul(x, weights[0], None) is not None
+    name = cpu.amx_int4_kernel(rows) if cpu.name() == "AMX" else "int4_vnni.c"
+    kernel = name if ours else "torch int4"
 
     def run(x, w):
-        return amx_int4_matmul(x, w, None) if ours else measure.torch_int4(x, w)
+        return matmul(x, w, None) if ours else measure.torch_int4(x, w)
 
     mine = best(lambda: [run(x, w) for w in weights])
     library = best(lambda: [measure.torch_int4(x, w) for w in weights])
