@@ -148,14 +148,14 @@ def test_avx512_bf16_chooses_by_this_machines_measurement(ours):
 def test_avx512_bf16_dot_products_take_the_few_rows_and_the_decode_step(above):
     """On our AVX-512 BF16 build (no tiles) bf16_dot.c's bfloat16 products take the few rows
     (to the measured crossover, KERNEL_ROWS at most: more are a prompt's, oneDNN's whatever
-    prompts share its call) and the decode step; the logits keep float32 products; the VNNI
-    build on the same units keeps bf16_linear.c."""
+    prompts share its call) and the decode step; the logits take it split (16 bits of each
+    activation), as on the tiles; the VNNI build on the same units keeps bf16_linear.c."""
     plan = choose(shape_on(AVX512_BF16), machine(AVX512_BF16, "AVX-512 BF16", above=above))
     rows = 8 if above == 8 else cpu_ops.KERNEL_ROWS
     assert plan.upcast.id == "onednn_bf16+bf16_dot.c"
     assert plan.upcast.kernel.endswith(f"above {rows} rows, bf16_dot.c to {rows}")
     assert plan.decode_step.id == "decode_layer.c+bf16_dot.c"
-    assert plan.head.id == "bf16_linear.c"
+    assert plan.head.id == "bf16_dot_split"
     vnni = choose(shape_on(AVX512_BF16), machine(AVX512_BF16, "AVX-512 VNNI", above=above))
     assert vnni.decode_step.id == "decode_layer.c" and "bf16_dot" not in vnni.upcast.id
     int8 = choose(shape_on(AVX512_BF16, quantize="int8"), machine(AVX512_BF16, "AVX-512 BF16"))

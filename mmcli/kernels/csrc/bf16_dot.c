@@ -2,9 +2,9 @@
    and no AMX tiles (AMD Zen 4 and 5, Intel Cooper Lake): y (M x N, float32) = x (M x K, float32,
    rounded to bfloat16) @ w.T (N x K bfloat16, as loaded), float32 sums. vdpbf16ps multiplies 32
    bfloat16 pairs into 16 float32 lanes in one instruction where bf16_linear's FMAs widen each
-   weight and make 16 products: at a decode step's 8 to 32 rows the FMAs fall behind the memory's
-   rate, these do not. With `split` each activation is taken as two bfloat16 (the value rounded,
-   then its remainder rounded: 16 bits of it), for the logits.
+   weight and make 16 products: 1.4-1.8x their rate at a decode step's 8 to 32 rows, where both
+   are bound by their arithmetic. With `split` each activation is taken as two bfloat16 (the value
+   rounded, then its remainder rounded: 16 bits of it), for the logits.
 
    Each output is one accumulator of 16 lanes summed over the inputs in order and then across
    its lanes by one fixed tree (sum16), whatever the tile it was made in: a row's products are
