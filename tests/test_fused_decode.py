@@ -12,7 +12,9 @@ from mmcli.kernels import cpu
 from mmcli.kernels.fused_decode import FusedDecode
 from mmcli.models.cache import AttentionBatch, DecoderCache
 from mmcli.models.config import TextConfig
+from mmcli.models.layers.linear import Linear
 from mmcli.models.qwen3_vl.text import TextDecoder
+from mmcli.weights.int4 import adopt, quantize_int4
 from mmcli.weights.int8 import quantize_linears
 
 pytestmark = pytest.mark.skipif(
@@ -209,3 +211,27 @@ def test_sequences_decoded_together_get_the_modules_logits(bf16_dir, monkeypatch
     decoder.kernel = None
     for logits, reference in zip(fused, forced_logits(labeler, requests, tokens)):
         assert_same_choices(logits, reference, FUSED_MARGIN)
+
+
+@pytest.mark.skipif(not (cpu.has_vnni() and cpu.has_vbmi()), reason="no int4_vnni.c here")
+def test_an_int4_step_matches_the_int4_layers_it_replaces():
+    """int4 weights (torch's layout) on int4_vnni.c in the step as in each Int4Linear: the same
+    products from 3 rows; 1 and 2 rows stay the modules' (torch's int4 kernel)."""
+    shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    cfg = _config(shape, intermediate_size=128)
+    decoder = _decoder(cfg, seed=3)
+    linears = [(n, m) for n, m in decoder.named_modules() if isinstance(m, Linear)]
+    adopt(decoder, {f"{n}.weight": quantize_int4(m.weight) for n, m in linears}, {})
+    with_cpu_kernels(decoder, quantize="int4").kernel = None
+    prompts = {2: 3, 0: 9, 1: 1, 3: 4}
+    reference, ref_cache = _steps(decoder, cfg, steps=8, prompts=prompts, seed=1)
+    decoder.kernel = FusedDecode.for_decoder(decoder, cfg)
+    assert decoder.kernel is not None and decoder.kernel.structs[0].int4 == 1
+    assert decoder.kernel.min_rows == cpu.INT4_TORCH_ROWS + 1
+    fused, cache = _steps(decoder, cfg, steps=8, prompts=prompts, seed=1)
+    torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+    for i in range(cfg.num_hidden_layers):
+        for ours, theirs in zip(cache.layer(i), ref_cache.layer(i)):
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    two = AttentionBatch(slots=torch.tensor([0, 1]), positions=torch.tensor([9, 1]))
+    assert not decoder.kernel.fits(torch.zeros(2, cfg.hidden_size), two, None)

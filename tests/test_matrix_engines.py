@@ -165,13 +165,19 @@ def test_avx512_bf16_dot_products_take_the_few_rows_and_the_decode_step(above):
 @pytest.mark.parametrize("above", [None, 16, 256])
 def test_int4_takes_int4_vnni_at_a_decode_steps_rows_where_it_is_built(above):
     """With int4_vnni.c (AVX-512 VNNI and VBMI, no tiles) int4 takes it above torch's two rows,
-    to the measured crossover with the tiles on oneDNN, a decode step's 32 rows at most."""
+    to the measured crossover with the tiles on oneDNN, a decode step's 32 rows at most, and the
+    decode step takes int4 layers."""
     built = dataclasses.replace(machine(AVX512_BF16, "AVX-512 BF16", above=above), int4_vnni=True)
     int4 = choose(shape_on(AVX512_BF16, quantize="int4"), built).int4
     rows = 16 if above == 16 else cpu.AMX_ROWS
     assert int4.id == "int4_vnni.c+int4_tiles" and f"to {rows}, int4 tiles" in int4.kernel
+    assert choose(shape_on(AVX512_BF16, quantize="int4"), built).decode_step.id == (
+        "decode_layer.c+int4_vnni.c"
+    )
     unbuilt = choose(shape_on(AVX512_BF16, quantize="int4"), machine(AVX512_BF16, "AVX-512 BF16"))
-    assert unbuilt.int4.id == "torch_int4"
+    assert unbuilt.int4.id == "torch_int4" and unbuilt.decode_step.id == "layer_by_layer"
+    amx = dataclasses.replace(machine(AMX, "AMX"), int4_vnni=True)  # the tiles' own kernels
+    assert choose(shape_on(AMX, quantize="int4"), amx).decode_step.id == "layer_by_layer"
 
 
 def test_the_plan_is_a_function_of_the_shape_and_the_machine(monkeypatch):

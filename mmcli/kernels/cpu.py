@@ -157,10 +157,12 @@ def _run_together(commands) -> None:
 
 
 class DecodeMatrix(ctypes.Structure):
-    """decode_layer.c's struct decode_matrix: a linear's bfloat16 weights (values only) or its
-    Int8Weight's tensors."""
+    """decode_layer.c's struct decode_matrix: a linear's bfloat16 weights (values only), its
+    Int8Weight's tensors or its Int4Weight's (values: the packed ones, and scales_zeros)."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("values", "sums", "scale", "bias")]
+    _fields_ = [
+        (name, ctypes.c_void_p) for name in ("values", "sums", "scale", "bias", "scales_zeros")
+    ]
 
 
 class DecodeLayer(ctypes.Structure):
@@ -173,7 +175,7 @@ class DecodeLayer(ctypes.Structure):
     ]
     _fields_ += [("eps", ctypes.c_float), ("bf16_products", ctypes.c_int32)]
     _fields_ += [("int8", ctypes.c_int32)]
-    _fields_ += [("vnni_rows", ctypes.c_int64)]
+    _fields_ += [("vnni_rows", ctypes.c_int64), ("int4", ctypes.c_int32)]
 
 
 @functools.cache

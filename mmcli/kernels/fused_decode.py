@@ -1,6 +1,7 @@
 """A decode step of a few sequences through a dense decoder in one kernel call a layer
 (cpu.decode_layer, decode_layer.c): for attention layers with bfloat16 weights (the default
-precision on the CPU) or int8 ones (int8_linear.c's layout), computing in float32. Any other
+precision on the CPU), int8 ones (int8_linear.c's layout) or int4 ones (torch's layout, where
+the build has int4_vnni.c), computing in float32. Any other
 layer, batch or backend keeps the decoder's modules, which this reproduces operation for
 operation (tests/test_fused_decode.py compares the two). The decoder hands its layers over as
 FusableLayer: the kernels import no model."""
@@ -13,7 +14,7 @@ import torch
 
 from mmcli.kernels import cpu
 from mmcli.kernels.cpu_ops import KERNEL_ROWS
-from mmcli.kernels.weight_forms import Int8Weight
+from mmcli.kernels.weight_forms import Int4Weight, Int8Weight
 
 NORMS = ("input_norm", "post_norm", "q_norm", "k_norm")
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -36,12 +37,15 @@ class FusableLayer:
         return (
             not self.output_gate
             and rotary_dim == self.head_dim
-            and (all(map(_bf16, self.linears.values())) or all(map(_int8, self.linears.values())))
+            and any(all(map(form, self.linears.values())) for form in (_bf16, _int8, _int4))
             and all(map(_norm, self.norms.values()))
         )
 
     def int8(self) -> bool:
         return all(map(_int8, self.linears.values()))
+
+    def int4(self) -> bool:
+        return all(map(_int4, self.linears.values()))
 
     def tensors(self) -> dict[str, dict[str, torch.Tensor] | torch.Tensor]:
         """The norms' weights, and each matrix's tensors by decode_matrix's names."""
@@ -52,6 +56,8 @@ class FusableLayer:
 def _matrix(linear) -> dict[str, torch.Tensor]:
     if isinstance(linear.weight, Int8Weight):
         return {name: getattr(linear.weight, name) for name in ("values", "sums", "scale", "bias")}
+    if isinstance(linear.weight, Int4Weight):
+        return {"values": linear.weight.packed, "scales_zeros": linear.weight.scales_zeros}
     return {"values": linear.weight}
 
 
@@ -80,6 +86,24 @@ def _int8(linear) -> bool:
     )
 
 
+def _int4(linear) -> bool:
+    """An Int4Linear without a bias in shapes int4_vnni.c takes (blocks of 64 channels, groups of
+    32 inputs), on a build that has it."""
+    weight = getattr(linear, "weight", None)
+    library = cpu.load()[0]
+    return (
+        getattr(linear, "work", None) == "int4"
+        and isinstance(weight, Int4Weight)
+        and linear.bias is None
+        and weight.shape[0] % 64 == 0
+        and weight.shape[1] % 32 == 0
+        and weight.packed.is_contiguous()
+        and weight.scales_zeros.is_contiguous()
+        and library is not None
+        and library.int4_vnni
+    )
+
+
 def _flat(tensors) -> list[torch.Tensor]:
     return [
         t for entry in tensors for t in (entry.values() if isinstance(entry, dict) else [entry])
@@ -96,15 +120,18 @@ class FusedDecode:
     """The decoder's layers as decode_layer.c's structs; `bf16_products`: bfloat16 products up to
     cpu.AMX_ROWS rows (on the AMX tiles, else AVX-512 BF16's dot products: cpu.bf16_rows_linear),
     else float32 FMAs (up to KERNEL_ROWS). int8 layers take up
-    to cpu.AMX_ROWS rows on int8_linear.c, as a layer-by-layer step does; each layer is of its
-    own form (a decoder may keep some layers' linears unquantized)."""
+    to cpu.AMX_ROWS rows on int8_linear.c, as a layer-by-layer step does; int4 layers from
+    cpu.INT4_TORCH_ROWS + 1 rows (fewer are torch's int4 kernel's) to cpu.AMX_ROWS on
+    int4_vnni.c; each layer is of its own form (a decoder may keep some layers' linears
+    unquantized)."""
 
     def __init__(self, layers: list[FusableLayer], eps: float, bf16_products: bool = False):
-        all_int8 = all(layer.int8() for layer in layers)
-        self.max_rows = cpu.AMX_ROWS if bf16_products or all_int8 else KERNEL_ROWS
+        quantized = all(layer.int8() or layer.int4() for layer in layers)
+        self.max_rows = cpu.AMX_ROWS if bf16_products or quantized else KERNEL_ROWS
+        self.min_rows = cpu.INT4_TORCH_ROWS + 1 if any(layer.int4() for layer in layers) else 1
         self.structs, self._tensors = [], []  # the structs, and the tensors they point into
         for layer in layers:
-            int8, tensors = layer.int8(), layer.tensors()
+            int8, int4, tensors = layer.int8(), layer.int4(), layer.tensors()
             self._tensors.append(tensors)
             norms = {name: tensors[name].data_ptr() for name in layer.norms}
             matrices = {
@@ -121,9 +148,10 @@ class FusedDecode:
                     d=layer.head_dim,
                     intermediate=tensors["gate"]["values"].shape[0],
                     eps=eps,
-                    bf16_products=int(bf16_products and not int8),
+                    bf16_products=int(bf16_products and not (int8 or int4)),
                     int8=int(int8),
                     vnni_rows=cpu.INT8_VNNI_ROWS,
+                    int4=int(int4),
                 )
             )
 
@@ -150,7 +178,7 @@ class FusedDecode:
         return (
             batch.seqlens is None
             and not batch.fixed_shapes
-            and 1 <= batch.slots.shape[0] <= self.max_rows
+            and self.min_rows <= batch.slots.shape[0] <= self.max_rows
             and batch.slots.device.type == "cpu"
             and deepstack is None
             and hidden.dtype == torch.float32

@@ -336,10 +336,21 @@ def _with_fallback(kernel: Callable) -> Callable:
 
 def _decode_step(shape: RunShape, machine: Machine) -> Choice:
     int8 = shape.quantize == "int8"
+    # int4 off the tiles (AMX keeps its layer-by-layer kernels: the tiles from 5 rows)
+    int4 = shape.quantize == "int4" and machine.int4_vnni and not _tiles(shape, machine)
     bf16 = shape.quantize == "none" and shape.loaded == "bfloat16"
-    if not shape.fusable_decode or not (bf16 or int8):
-        why = "decode_layer.c takes dense bfloat16 or int8 layers only"
+    if not shape.fusable_decode or not (bf16 or int8 or int4):
+        why = "decode_layer.c takes dense bfloat16, int8 or (with int4_vnni.c) int4 layers only"
         return Choice("layer_by_layer", "layer by layer", why)
+    if int4:
+        choice = _c_kernel(
+            "decode_layer.c+int4_vnni.c", shape, machine, fused_decode.FusedDecode.for_decoder
+        )
+        rows = f"{cpu.INT4_TORCH_ROWS + 1} to {cpu.AMX_ROWS} rows"
+        why = f"int4_vnni.c's products at {rows}, fewer layer by layer (torch's int4 kernel)"
+        if choice.install is None:
+            return Choice("layer_by_layer", "layer by layer", choice.why)
+        return Choice(choice.id, "decode_layer.c, int4 on int4_vnni.c", why, choice.install)
     if bf16 and shape.bf16_products() and (_tiles(shape, machine) or _bf16_dot(shape, machine)):
         install = functools.partial(fused_decode.FusedDecode.for_decoder, bf16_products=True)
         why = f"bfloat16 products, float32 sums, to {cpu.AMX_ROWS} rows"

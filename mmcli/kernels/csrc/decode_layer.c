@@ -26,13 +26,17 @@ void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
 void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
                  const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
                  int64_t Kp, int64_t vnni_rows, int threads);
+int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
+                   int64_t M, int64_t N, int64_t K, int threads);
 
-/* A linear's weights (out x in): bfloat16 bits as loaded, or int8 in int8_linear.c's layout with
-   each output channel's sum of values, scale and bias (sums, scale and bias NULL for bfloat16). */
+/* A linear's weights (out x in): bfloat16 bits as loaded; int8 in int8_linear.c's layout with
+   each output channel's sum of values, scale and bias; or int4 in torch's CPU layout (values) with
+   its scales and zeros (scales_zeros); the fields a form has not are NULL. */
 struct decode_matrix {
     const void *values;
     const int32_t *sums;
     const float *scale, *bias;
+    const uint16_t *scales_zeros;
 };
 
 /* A layer's weights (the norms float32) and sizes, set once by cpu.DecodeLayer. */
@@ -44,6 +48,7 @@ struct decode_layer {
     int32_t bf16_products; /* bfloat16 products (the run's precision has them): AMX, BF16 */
     int32_t int8;          /* int8 weights: each product's rows quantized a row at a time */
     int64_t vnni_rows;     /* int8_linear's: the AMX build's tiles above this many rows */
+    int32_t int4;          /* int4 weights: int4_vnni_rows (set where the build has it) */
 };
 
 /* A product's input rows: float32, and for int8 weights their levels and scales (quantize_rows),
@@ -60,10 +65,10 @@ static void take_rows(const struct decode_layer *l, struct rows_in *in, const fl
     if (l->int8) quantize_rows(x, M, K, in->levels, K, in->scale, 1);
 }
 
-/* The step's products: int8 on int8_linear; bfloat16 where the layer asks for them, on the AMX
-   tiles where this build has them, else on AVX-512 BF16's dot products (at every row count: both
-   sum each row alone, so a sequence's logits do not depend on how many share its step); else
-   bf16_linear's float32 FMAs. */
+/* The step's products: int8 on int8_linear; int4 on int4_vnni_rows; bfloat16 where the layer asks
+   for them, on the AMX tiles where this build has them, else on AVX-512 BF16's dot products (at
+   every row count: both sum each row alone, so a sequence's logits do not depend on how many share
+   its step); else bf16_linear's float32 FMAs. */
 static void linear(const struct decode_layer *l, const struct rows_in *in,
                    const struct decode_matrix *w, float *y, int64_t M, int64_t N, int64_t K,
                    int threads) {
@@ -72,6 +77,9 @@ static void linear(const struct decode_layer *l, const struct rows_in *in,
                     l->vnni_rows, threads);
         return;
     }
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+    if (l->int4 && !int4_vnni_rows(in->x, w->values, w->scales_zeros, y, M, N, K, threads)) return;
+#endif
 #ifdef __AMX_BF16__
     if (l->bf16_products && !amx_bf16_linear(in->x, w->values, y, M, N, K, 0, threads)) return;
 #endif
