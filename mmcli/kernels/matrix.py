@@ -143,13 +143,13 @@ def int4_tiles_linear(
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def int4_matmul(above: int | None, vnni: bool = False):
-    """The `int4` kernel: more than `above` rows (None: none) dequantized in tiles for oneDNN's
-    bfloat16 GEMM, fewer on torch's int4 kernel (None: the layer's own) or, with `vnni`, on
-    int4_vnni.c above cpu.INT4_TORCH_ROWS rows."""
+def int4_matmul(above: int, vnni: bool = False):
+    """The `int4` kernel: more than `above` rows dequantized in tiles for oneDNN's bfloat16
+    GEMM, fewer on torch's int4 kernel (None: the layer's own) or, with `vnni`, on int4_vnni.c
+    above cpu.INT4_TORCH_ROWS rows."""
 
     def matmul(x, weight, bias):
-        if above is not None and weight.shape[0] % 64 == 0 and _library_rows(x, above):
+        if weight.shape[0] % 64 == 0 and _library_rows(x, above):
             return int4_tiles_linear(x, weight, bias)
         return cpu_ops.int4_vnni_matmul(x, weight, bias) if vnni else None
 
