@@ -123,7 +123,8 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
     done = time.perf_counter()
     after = compare_hf.machine_limits()
     assert result.ok, result.error
-    flops = ask_flops(cap.model.cfg, result.num_image_tokens, result.num_input_tokens)[0]
+    phases = ask_flops(cap.model.cfg, result.num_image_tokens, result.num_input_tokens)[0]
+    flops = sum(phases.values())
     return {
         "imports": imported - started,
         "load": loaded - imported,
@@ -317,10 +318,11 @@ def evict(ckpt: Path) -> None:
             os.close(fd)
 
 
-def ask_flops(cfg, image_tokens: int, input_tokens: int) -> tuple[float, int, int]:
-    """The ask's prefill FLOPs (the vision tower's linears on every patch, its mergers on the
-    merged tokens, both towers' attention products, the decoder's linears on every prompt token
-    and the lm_head on the last), with the decoder's and the head's parameter counts."""
+def ask_flops(cfg, image_tokens: int, input_tokens: int) -> tuple[dict, int, int]:
+    """The ask's prefill FLOPs by phase: the vision tower's (its linears on every patch, its
+    mergers on the merged tokens, its attention products) and the text prefill's (the decoder's
+    linears on every prompt token, its attention products, the lm_head on the last); with the
+    decoder's and the head's parameter counts."""
     from mmcli.weights.checkpoint import expected_shapes
 
     shapes = expected_shapes(cfg)
@@ -333,14 +335,12 @@ def ask_flops(cfg, image_tokens: int, input_tokens: int) -> tuple[float, int, in
     head = cfg.text.vocab_size * cfg.text.hidden_size
     patches = image_tokens * cfg.vision.spatial_merge_size**2
     full_layers = sum(not cfg.text.is_linear(i) for i in range(cfg.text.num_hidden_layers))
-    attention = 4 * patches**2 * cfg.vision.hidden_size * cfg.vision.depth  # QK^T and PV
+    vision = 2 * (count["patch"] * patches + count["merged"] * image_tokens)
+    vision += 4 * patches**2 * cfg.vision.hidden_size * cfg.vision.depth  # QK^T and PV
+    text = 2 * (count["text"] * input_tokens + head)
     # causal: half the products
-    attention += (
-        2 * input_tokens**2 * cfg.text.num_attention_heads * cfg.text.head_dim * full_layers
-    )
-    linears = count["patch"] * patches + count["merged"] * image_tokens
-    linears += count["text"] * input_tokens + head
-    return 2 * linears + attention, count["text"], head
+    text += 2 * input_tokens**2 * cfg.text.num_attention_heads * cfg.text.head_dim * full_layers
+    return {"vision": vision, "text prefill": text}, count["text"], head
 
 
 def split(label: str, runs: list[dict], flops: float) -> str:
@@ -436,7 +436,8 @@ def ask_part(args, ckpt: Path, image: Path) -> None:
         second8, rss8 = commands(args, [*command, "--quantize", "int8"], env)
         timed8 = instrumented(args, worker, PATHS["int8"], env)
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
-    flops, text, head = ask_flops(cfg, timed[0]["image_tokens"], timed[0]["input_tokens"])
+    phases, text, head = ask_flops(cfg, timed[0]["image_tokens"], timed[0]["input_tokens"])
+    flops = sum(phases.values())
     checkpoint_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
 
     def floor(at: dict) -> dict:
@@ -716,9 +717,10 @@ def ask_sides(args, ckpt: Path, image: Path) -> None:
 
     worker = ["--worker", "ask", "--ckpt", str(ckpt), "--image", str(image), "--settings"]
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
-    print("\n(b) the ask, before and after: wall = load + vision + text prefill + decode (s)")
-    print("| path | side | wall | vision | text prefill | decode | vision+prefill | of the peak |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n(b) the ask, before and after: wall = load + vision + text prefill + decode (s);")
+    print("vision and text prefill each at its G(FL)OP/s and its share of the unit's peak")
+    print("| path | side | wall | vision | text prefill | decode | unit |")
+    print("|---|---|---|---|---|---|---|")
     walls, once = {}, argparse.Namespace(**{**vars(args), "repeats": 1})
     for name, settings in PATHS.items():
         runs = {side: [] for side in SIDES}
@@ -728,23 +730,28 @@ def ask_sides(args, ckpt: Path, image: Path) -> None:
                     runs[side] += instrumented(once, worker, settings)
         for side in SIDES:
             timed = sorted(runs[side], key=lambda r: r["wall"])[len(runs[side]) // 2]
-            s = timed["spent"]
-            flops = ask_flops(cfg, timed["image_tokens"], timed["input_tokens"])[0]
-            rate = flops / s["prefill"] / 1e9
-            unit = unit_of(timed["precision"])
             walls[name, side] = timed["wall"]
-            print(
-                f"| {name} | {side} | {timed['wall']:.1f} | {s['vision']:.2f} | "
-                f"{s['prefill'] - s['vision']:.2f} | {s['decode']:.2f} | {rate:.0f} G(FL)OP/s | "
-                f"{rate / BENCH['peaks'][unit]:.0%} of {unit} |",
-                flush=True,
-            )
+            row = f"| {name} | {side} | {timed['wall']:.1f} | {phase_rates(cfg, timed)}"
+            print(row, flush=True)
     for name in PATHS:
         tree = third_side()
         against = f", {walls[name, 'after'] / walls[name, tree]:.2f}x {tree}" if tree else ""
         print(
             f"{name} ask: after {walls[name, 'after'] / walls[name, 'before']:.2f}x before{against}"
         )
+
+
+def phase_rates(cfg, timed: dict) -> str:
+    """The vision tower's and the text prefill's seconds, rate and share of the peak of the unit
+    they ran on; the decode's seconds; the unit."""
+    s, unit = timed["spent"], unit_of(timed["precision"])
+    flops = ask_flops(cfg, timed["image_tokens"], timed["input_tokens"])[0]
+    seconds = {"vision": s["vision"], "text prefill": s["prefill"] - s["vision"]}
+    cells = []
+    for phase, spent in seconds.items():
+        rate = flops[phase] / spent / 1e9
+        cells.append(f"{spent:.2f} s, {rate:.0f} ({rate / BENCH['peaks'][unit]:.0%})")
+    return " | ".join(cells) + f" | {s['decode']:.2f} s | {unit} |"
 
 
 def agreements(args, ckpt: Path, image: Path) -> None:
