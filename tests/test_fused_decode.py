@@ -214,24 +214,31 @@ def test_sequences_decoded_together_get_the_modules_logits(bf16_dir, monkeypatch
 
 
 @pytest.mark.skipif(not (cpu.has_vnni() and cpu.has_vbmi()), reason="no int4_vnni.c here")
-def test_an_int4_step_matches_the_int4_layers_it_replaces():
-    """int4 weights (torch's layout) on int4_vnni.c in the step as in each Int4Linear: the same
-    products from 3 rows; 1 and 2 rows stay the modules' (torch's int4 kernel)."""
+@pytest.mark.parametrize("prompts", [{2: 3, 0: 9, 1: 1, 3: 4}, {0: 5}])
+def test_an_int4_step_matches_the_int4_layers_it_replaces(monkeypatch, prompts):
+    """int4 weights (torch's layout) on int4_vnni.c in the step as in each Int4Linear (the plan
+    giving them int4_vnni.c from one row): the same products, one sequence or four; with torch's
+    int4 kernel at 1 and 2 rows the step leaves those to the modules."""
+    monkeypatch.setenv("MMCLI_CPU_PREFER", "ours")  # int4_vnni.c at every row count to 32
     shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     cfg = _config(shape, intermediate_size=128)
     decoder = _decoder(cfg, seed=3)
     linears = [(n, m) for n, m in decoder.named_modules() if isinstance(m, Linear)]
     adopt(decoder, {f"{n}.weight": quantize_int4(m.weight) for n, m in linears}, {})
     with_cpu_kernels(decoder, quantize="int4").kernel = None
-    prompts = {2: 3, 0: 9, 1: 1, 3: 4}
     reference, ref_cache = _steps(decoder, cfg, steps=8, prompts=prompts, seed=1)
-    decoder.kernel = FusedDecode.for_decoder(decoder, cfg)
+    decoder.kernel = FusedDecode.for_decoder(decoder, cfg, int4_torch_rows=0)
     assert decoder.kernel is not None and decoder.kernel.structs[0].int4 == 1
-    assert decoder.kernel.min_rows == cpu.INT4_TORCH_ROWS + 1
+    fused_steps, step = [], FusedDecode.__call__
+    monkeypatch.setattr(FusedDecode, "__call__", lambda *a: fused_steps.append(1) or step(*a))
     fused, cache = _steps(decoder, cfg, steps=8, prompts=prompts, seed=1)
+    assert len(fused_steps) == 8  # every step, one sequence's too
     torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
     for i in range(cfg.num_hidden_layers):
         for ours, theirs in zip(cache.layer(i), ref_cache.layer(i)):
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
     two = AttentionBatch(slots=torch.tensor([0, 1]), positions=torch.tensor([9, 1]))
-    assert not decoder.kernel.fits(torch.zeros(2, cfg.hidden_size), two, None)
+    assert decoder.kernel.fits(torch.zeros(2, cfg.hidden_size), two, None)
+    torch_rows = FusedDecode.for_decoder(decoder, cfg, int4_torch_rows=cpu.INT4_TORCH_ROWS)
+    assert torch_rows.min_rows == cpu.INT4_TORCH_ROWS + 1
+    assert not torch_rows.fits(torch.zeros(2, cfg.hidden_size), two, None)

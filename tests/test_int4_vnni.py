@@ -41,6 +41,8 @@ def test_int4_at_a_few_rows_multiplies_its_weights_by_int8_rows(rows, channels, 
     unquantized = x.double() @ values + bias.double()
     assert ((got.double() - unquantized).abs() <= 0.01 * magnitude + 1e-5).all()
     assert cpu_ops.int4_vnni_matmul(x[:2], weight, bias) is None  # torch's kernel there
+    # where the plan gives it a step's fewest rows too: each row's products the same bits
+    assert torch.equal(cpu_ops.int4_vnni_matmul(x[:1], weight, bias, torch_rows=0), got[:1])
     if cpu.name() == "AMX" and rows <= cpu.INT4_VNNI_ROWS:  # the AMX build's few rows: the same
         assert torch.equal(cpu_ops.amx_int4_matmul(x, weight, bias), got)
 

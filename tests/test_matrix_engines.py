@@ -44,11 +44,18 @@ def shape_on(cpu_units: cpu_features.CpuFeatures, **fields) -> RunShape:
     return dataclasses.replace(SHAPE, products=products, **fields)
 
 
-def machine(units: cpu_features.CpuFeatures, build: str = "AVX2", above: int | None = None):
-    """A machine with `units` and our `build`, every comparison it consults measured with the
-    library's kernel winning above `above` rows (None: ours everywhere)."""
-    measured = {name: Crossover(above, "measured (by hand)") for name in comparisons(units, build)}
-    return Machine(units, build, crossovers=measured)
+def machine(
+    units: cpu_features.CpuFeatures,
+    build: str = "AVX2",
+    above: int | None = None,
+    int4_vnni: bool = False,
+):
+    """A machine with `units` and our `build` (`int4_vnni`: with int4_vnni.c), every comparison
+    it consults measured with the library's kernel winning above `above` rows (None: ours
+    everywhere)."""
+    consulted = comparisons(units, build, int4_vnni)
+    measured = {name: Crossover(above, "measured (by hand)") for name in consulted}
+    return Machine(units, build, crossovers=measured, int4_vnni=int4_vnni)
 
 
 def test_the_units_are_read_from_cpuinfo_for_x86_and_aarch64():
@@ -104,6 +111,7 @@ def test_an_avx2_cpu_keeps_todays_kernels_and_float32_products():
 
 def test_amx_takes_onednn_above_the_few_rows_kernel_without_measuring():
     assert comparisons(AMX, "AVX-512 VNNI") == ("attention", "int4_tiles")
+    assert comparisons(AMX, "AVX-512 BF16", int4_vnni=True)[-1] == "int4_fewest_rows"
     plan = choose(shape_on(AMX, quantize="int8"), machine(AMX, "AVX-512 VNNI"))
     assert plan.upcast.id == "onednn_bf16+bf16_linear.c"
     assert plan.upcast.kernel.startswith("oneDNN bfloat16 (AMX) above 16 rows, bf16_linear.c")
@@ -164,19 +172,21 @@ def test_avx512_bf16_dot_products_take_the_few_rows_and_the_decode_step(above):
 
 @pytest.mark.parametrize("above", [None, 16, 256])
 def test_int4_takes_int4_vnni_at_a_decode_steps_rows_where_it_is_built(above):
-    """With int4_vnni.c (AVX-512 VNNI and VBMI, no tiles) int4 takes it above torch's two rows,
+    """With int4_vnni.c (AVX-512 VNNI and VBMI, no tiles) int4 takes it from one row where it
+    measures faster than torch's int4 kernel there (above torch's two rows where it does not),
     to the measured crossover with the tiles on oneDNN, a decode step's 32 rows at most, and the
-    decode step takes int4 layers."""
-    built = dataclasses.replace(machine(AVX512_BF16, "AVX-512 BF16", above=above), int4_vnni=True)
-    int4 = choose(shape_on(AVX512_BF16, quantize="int4"), built).int4
+    decode step takes int4 layers from the same row count."""
+    built = machine(AVX512_BF16, "AVX-512 BF16", above=above, int4_vnni=True)
+    plan = choose(shape_on(AVX512_BF16, quantize="int4"), built)
     rows = 16 if above == 16 else cpu.AMX_ROWS
-    assert int4.id == "int4_vnni.c+int4_tiles" and f"to {rows}, int4 tiles" in int4.kernel
-    assert choose(shape_on(AVX512_BF16, quantize="int4"), built).decode_step.id == (
-        "decode_layer.c+int4_vnni.c"
-    )
+    assert plan.int4.id == "int4_vnni.c+int4_tiles" and f"to {rows}, int4 tiles" in plan.int4.kernel
+    assert plan.int4.kernel.startswith("int4_vnni.c" if above is None else "torch int4 to 2 rows")
+    assert plan.decode_step.id == "decode_layer.c+int4_vnni.c"
+    fewest = "int4_vnni.c's products at 1 to" if above is None else "at 3 to"
+    assert fewest in plan.decode_step.why
     unbuilt = choose(shape_on(AVX512_BF16, quantize="int4"), machine(AVX512_BF16, "AVX-512 BF16"))
     assert unbuilt.int4.id == "torch_int4" and unbuilt.decode_step.id == "layer_by_layer"
-    amx = dataclasses.replace(machine(AMX, "AMX"), int4_vnni=True)  # the tiles' own kernels
+    amx = machine(AMX, "AMX", int4_vnni=True)  # the tiles' own kernels
     assert choose(shape_on(AMX, quantize="int4"), amx).decode_step.id == "layer_by_layer"
 
 
@@ -207,7 +217,7 @@ def test_mmcli_cpu_prefer_stands_in_for_every_measurement(monkeypatch, prefer):
     monkeypatch.setattr(measure, "measured", None)  # never called
     here = machines.here()
     library = prefer == "library"
-    assert set(here.crossovers) == set(comparisons(here.cpu, here.build))
+    assert set(here.crossovers) == set(comparisons(here.cpu, here.build, here.int4_vnni))
     plan = choose(shape_on(AVX512_BF16, quantize="int8"), here)
     assert ("above 0 rows" in plan.upcast.kernel) == library
     assert (plan.attention.id == "flash_bf16") == library

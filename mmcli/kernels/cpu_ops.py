@@ -129,21 +129,25 @@ def split_matmul(x, weight, bias, activation) -> torch.Tensor | None:
 def amx_int4_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x @ W.T (+ bias) for an Int4Weight on the AMX build's kernels (cpu.amx_int4_gemm) above
     cpu.INT4_TORCH_ROWS rows; None (torch's int4 kernel) for fewer rows or shapes off them."""
-    return _int4_rows(cpu.amx_int4_gemm, x, weight, bias)
+    return _int4_rows(cpu.amx_int4_gemm, x, weight, bias, cpu.INT4_TORCH_ROWS)
 
 
-def int4_vnni_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
+def int4_vnni_matmul(
+    x: torch.Tensor, weight, bias: torch.Tensor | None, torch_rows: int = cpu.INT4_TORCH_ROWS
+) -> torch.Tensor | None:
     """x @ W.T (+ bias) for an Int4Weight on the vector units' int8 dot products
-    (cpu.int4_vnni_linear) above cpu.INT4_TORCH_ROWS rows; None (torch's int4 kernel) for fewer
-    rows or shapes off them."""
-    return _int4_rows(cpu.int4_vnni_linear, x, weight, bias)
+    (cpu.int4_vnni_linear) above `torch_rows` rows; None (torch's int4 kernel) for fewer rows or
+    shapes off them."""
+    return _int4_rows(cpu.int4_vnni_linear, x, weight, bias, torch_rows)
 
 
-def _int4_rows(kernel, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """An int4 kernel of ours above cpu.INT4_TORCH_ROWS rows (fewer: torch's, where ours only
-    matches it and a single sequence's numbers stay torch's)."""
+def _int4_rows(
+    kernel, x: torch.Tensor, weight, bias: torch.Tensor | None, torch_rows: int
+) -> torch.Tensor | None:
+    """An int4 kernel of ours above `torch_rows` rows (fewer: torch's, where it measures faster
+    than ours)."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] <= cpu.INT4_TORCH_ROWS or x.device.type != "cpu" or not cpu.eager():
+    if x2.shape[0] <= torch_rows or x.device.type != "cpu" or not cpu.eager():
         return None
     y = kernel(x2, weight)
     if y is None:

@@ -121,14 +121,21 @@ class FusedDecode:
     cpu.AMX_ROWS rows (on the AMX tiles, else AVX-512 BF16's dot products: cpu.bf16_rows_linear),
     else float32 FMAs (up to KERNEL_ROWS). int8 layers take up
     to cpu.AMX_ROWS rows on int8_linear.c, as a layer-by-layer step does; int4 layers from
-    cpu.INT4_TORCH_ROWS + 1 rows (fewer are torch's int4 kernel's) to cpu.AMX_ROWS on
+    `int4_torch_rows` + 1 rows (fewer are torch's int4 kernel's) to cpu.AMX_ROWS on
     int4_vnni.c; each layer is of its own form (a decoder may keep some layers' linears
     unquantized)."""
 
-    def __init__(self, layers: list[FusableLayer], eps: float, bf16_products: bool = False):
+    def __init__(
+        self,
+        layers: list[FusableLayer],
+        eps: float,
+        bf16_products: bool = False,
+        int4_torch_rows: int = cpu.INT4_TORCH_ROWS,
+    ):
         quantized = all(layer.int8() or layer.int4() for layer in layers)
         self.max_rows = cpu.AMX_ROWS if bf16_products or quantized else KERNEL_ROWS
-        self.min_rows = cpu.INT4_TORCH_ROWS + 1 if any(layer.int4() for layer in layers) else 1
+        int4 = any(layer.int4() for layer in layers)
+        self.min_rows = int4_torch_rows + 1 if int4 else 1
         self.structs, self._tensors = [], []  # the structs, and the tensors they point into
         for layer in layers:
             int8, int4, tensors = layer.int8(), layer.int4(), layer.tensors()
@@ -156,11 +163,17 @@ class FusedDecode:
             )
 
     @classmethod
-    def for_decoder(cls, decoder, cfg=None, bf16_products: bool = False) -> FusedDecode | None:
+    def for_decoder(
+        cls,
+        decoder,
+        cfg=None,
+        bf16_products: bool = False,
+        int4_torch_rows: int = cpu.INT4_TORCH_ROWS,
+    ) -> FusedDecode | None:
         """The fused step for `decoder` (a family's `language_model`, its weights in their form;
         `cfg` its TextConfig, the decoder's own by default), or None where a layer, its weights
-        or this machine do not fit it. `bf16_products`: as the class's, where this build has a
-        kernel for them."""
+        or this machine do not fit it. `bf16_products`, `int4_torch_rows`: as the class's, where
+        this build has a kernel for them."""
         cfg = cfg or decoder.cfg
         layers = decoder.fusable_layers()
         if cpu.load()[0] is None or not layers:
@@ -171,7 +184,7 @@ class FusedDecode:
         if not on_cpu or not all(layer.fits(cfg.rotary_dim) for layer in layers):
             return None
         bf16_products = bf16_products and cpu.name() in cpu.BF16_DOT_BUILDS
-        return cls(layers, cfg.rms_norm_eps, bf16_products)
+        return cls(layers, cfg.rms_norm_eps, bf16_products, int4_torch_rows)
 
     def fits(self, hidden: torch.Tensor, batch, deepstack) -> bool:
         """A decode step of the kernels' few rows, eager, in float32 on the CPU."""

@@ -72,10 +72,10 @@ class Machine:
         return self.build or f"none ({self.unavailable})"
 
 
-def comparisons(cpu: CpuFeatures, build: str) -> tuple[str, ...]:
-    """The measured comparisons the plan can consult on these units and this build; the units
-    decide the rest (AMX-BF16 above the few-rows kernel, the int8 matrix engines, amx.c's
-    tiles)."""
+def comparisons(cpu: CpuFeatures, build: str, int4_vnni: bool = False) -> tuple[str, ...]:
+    """The measured comparisons the plan can consult on these units and this build (`int4_vnni`:
+    it has int4_vnni.c); the units decide the rest (AMX-BF16 above the few-rows kernel, the int8
+    matrix engines, amx.c's tiles)."""
     names = []
     if cpu.bf16_matrix():  # bfloat16 products are chosen only where the CPU has them
         names += [] if "amx_bf16" in cpu.units else ["bf16_gemm"]
@@ -83,7 +83,7 @@ def comparisons(cpu: CpuFeatures, build: str) -> tuple[str, ...]:
     if not cpu.int8_matrix():
         names += ["int8_prefill", "int8_vision"]
     if not (TILE_UNITS <= cpu.units and build == "AMX"):
-        names += ["int4_tiles"]
+        names += ["int4_tiles"] + (["int4_fewest_rows"] if int4_vnni else [])
     return tuple(names)
 
 
@@ -115,13 +115,14 @@ def _made(environment: tuple[str | None, ...], floors: bool) -> Machine:
     units = cpu_features.detect()
     library, unavailable = cpu.load()
     build = library.build if library is not None else ""
+    int4_vnni = bool(library is not None and library.int4_vnni)
     crossovers = {
-        name: _crossover(name, units, build, unavailable) for name in comparisons(units, build)
+        name: _crossover(name, units, build, unavailable)
+        for name in comparisons(units, build, int4_vnni)
     }
     machine = Machine(
-        units, build, unavailable, crossovers, libraries=installed_libraries(),
-        int4_vnni=bool(library is not None and library.int4_vnni),
-    )  # fmt: skip
+        units, build, unavailable, crossovers, libraries=installed_libraries(), int4_vnni=int4_vnni
+    )
     if not floors:
         return machine
     read = measure.measured("floors", machine.key())["read_gb_s"]

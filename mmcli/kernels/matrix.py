@@ -143,14 +143,16 @@ def int4_tiles_linear(
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def int4_matmul(above: int, vnni: bool = False):
+def int4_matmul(above: int, vnni_above: int | None = None):
     """The `int4` kernel: more than `above` rows dequantized in tiles for oneDNN's bfloat16
-    GEMM, fewer on torch's int4 kernel (None: the layer's own) or, with `vnni`, on int4_vnni.c
-    above cpu.INT4_TORCH_ROWS rows."""
+    GEMM, fewer on torch's int4 kernel (None: the layer's own), or on int4_vnni.c above
+    `vnni_above` rows where that is given."""
 
     def matmul(x, weight, bias):
         if weight.shape[0] % 64 == 0 and _library_rows(x, above):
             return int4_tiles_linear(x, weight, bias)
-        return cpu_ops.int4_vnni_matmul(x, weight, bias) if vnni else None
+        if vnni_above is None:
+            return None
+        return cpu_ops.int4_vnni_matmul(x, weight, bias, vnni_above)
 
     return matmul

@@ -29,6 +29,8 @@ STORE = "measured.json"
 SHAPE = (2048, 6144)  # a 2B model's fused q/k/v and gate/up widths: in -> out
 BF16_ROWS = (1, 4, 8, 16, 32, 64)
 INT4_ROWS = (16, 32, 64, 128, 256, 1024)
+INT4_FEWEST_ROWS = (1, 2)  # a decode step's fewest: where torch's int4 kernel may win
+STREAMED_LAYERS = 12  # int4 SHAPE layers past the caches, read once a pass as a step reads them
 INT8_ROWS = (64, 256, 1024)
 VISION_ROWS = 784  # a 448x448 image's patches
 
@@ -166,6 +168,22 @@ def _int4_tiles() -> dict:
     }
 
 
+def _int4_fewest_rows() -> dict:
+    """int4_vnni.c against torch's int4 kernel at a decode step's fewest rows, the weights read
+    from memory as a step reads them (STREAMED_LAYERS of them, past the caches)."""
+    inner, outer = SHAPE
+    weights = [random_int4(outer, inner) for _ in range(STREAMED_LAYERS)]
+    rates = {}
+    for rows in INT4_FEWEST_ROWS:
+        x = torch.randn(rows, inner)
+        ops = 2 * rows * inner * outer * STREAMED_LAYERS
+        rates[rows] = (
+            _rate(lambda x=x: [cpu.int4_vnni_linear(x, w) for w in weights], ops),
+            _rate(lambda x=x: [torch_int4(x, w) for w in weights], ops),
+        )
+    return {"kernels": ["int4_vnni.c", "torch int4"], "units": ["int8", "float32"], "rates": rates}
+
+
 def _attention() -> dict:
     """A 448x448 image's attention in the vision tower (16 heads of 64)."""
     q, k, v = (torch.randn(1024, 16, 64) for _ in range(3))
@@ -218,6 +236,7 @@ COMPARISONS: dict[str, Callable[[], dict]] = {
     "int8_vision": _int8_vision,
     "int8_prefill": _int8_prefill,
     "int4_tiles": _int4_tiles,
+    "int4_fewest_rows": _int4_fewest_rows,
     "attention": _attention,
     "peaks": peaks,
     "floors": floors,

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from mmcli.kernels import attention, cpu, cpu_ops, delta_rule, experts, fused_decode, matrix
-from mmcli.kernels.machine import Machine
+from mmcli.kernels.machine import Crossover, Machine
 
 # a layer -> the kernel to install in it (None: its own torch code)
 Install = Callable[[object], object]
@@ -277,7 +277,7 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
         return Choice("torch_int4", "torch int4", "torch's int4 kernel")
     measured = machine.crossover("int4_tiles")
     if machine.int4_vnni:
-        return _int4_vnni(measured.above, measured.why)
+        return _int4_vnni(measured, machine.crossover("int4_fewest_rows"))
     if measured.above is None:
         return Choice("torch_int4", "torch int4", measured.why)
     above = measured.above
@@ -287,15 +287,23 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
     )
 
 
-def _int4_vnni(above: int | None, why: str) -> Choice:
-    """int4 on int4_vnni.c's int8 dot products above torch's few rows, to a decode step's rows at
-    most (cpu.AMX_ROWS: its rows quantized to int8 per group, which a prompt's products are not),
-    and on oneDNN's bfloat16 GEMM (tiles dequantized) above, or above the measured crossover."""
-    above = cpu.AMX_ROWS if above is None else min(above, cpu.AMX_ROWS)
-    kernel = f"torch int4 to {cpu.INT4_TORCH_ROWS} rows, int4_vnni.c (int8 dot products) to "
-    kernel += f"{above}, int4 tiles + oneDNN bfloat16 above"
-    install = _function(matrix.int4_matmul(above, vnni=True))
-    return Choice("int4_vnni.c+int4_tiles", kernel, why, install)
+def _int4_vnni(tiles: Crossover, fewest: Crossover) -> Choice:
+    """int4 on int4_vnni.c's int8 dot products to a decode step's rows at most (cpu.AMX_ROWS: its
+    rows quantized to int8 per group, which a prompt's products are not), and on oneDNN's
+    bfloat16 GEMM (tiles dequantized) above, or above the measured crossover; torch's int4 kernel
+    at a step's fewest rows where it measures faster there."""
+    above = cpu.AMX_ROWS if tiles.above is None else min(tiles.above, cpu.AMX_ROWS)
+    torch_rows = int4_torch_rows(fewest)
+    kernel = f"torch int4 to {torch_rows} rows, " if torch_rows else ""
+    kernel += f"int4_vnni.c (int8 dot products) to {above}, int4 tiles + oneDNN bfloat16 above"
+    install = _function(matrix.int4_matmul(above, vnni_above=torch_rows))
+    return Choice("int4_vnni.c+int4_tiles", kernel, f"{tiles.why}; {fewest.why}", install)
+
+
+def int4_torch_rows(fewest: Crossover) -> int:
+    """The rows torch's int4 kernel keeps from int4_vnni.c: none where ours wins at every one of
+    a step's fewest rows, else cpu.INT4_TORCH_ROWS."""
+    return 0 if fewest.above is None else cpu.INT4_TORCH_ROWS
 
 
 def _attention(shape: RunShape, machine: Machine) -> Choice:
@@ -343,11 +351,11 @@ def _decode_step(shape: RunShape, machine: Machine) -> Choice:
         why = "decode_layer.c takes dense bfloat16, int8 or (with int4_vnni.c) int4 layers only"
         return Choice("layer_by_layer", "layer by layer", why)
     if int4:
-        choice = _c_kernel(
-            "decode_layer.c+int4_vnni.c", shape, machine, fused_decode.FusedDecode.for_decoder
-        )
-        rows = f"{cpu.INT4_TORCH_ROWS + 1} to {cpu.AMX_ROWS} rows"
-        why = f"int4_vnni.c's products at {rows}, fewer layer by layer (torch's int4 kernel)"
+        torch_rows = int4_torch_rows(machine.crossover("int4_fewest_rows"))
+        step = functools.partial(fused_decode.FusedDecode.for_decoder, int4_torch_rows=torch_rows)
+        choice = _c_kernel("decode_layer.c+int4_vnni.c", shape, machine, step)
+        why = f"int4_vnni.c's products at {torch_rows + 1} to {cpu.AMX_ROWS} rows"
+        why += ", fewer layer by layer (torch's int4 kernel)" if torch_rows else ""
         if choice.install is None:
             return Choice("layer_by_layer", "layer by layer", choice.why)
         return Choice(choice.id, "decode_layer.c, int4 on int4_vnni.c", why, choice.install)
