@@ -116,6 +116,29 @@ def test_causal_grouped_attention_matches_sdpa_in_float64(
         torch.testing.assert_close(attended.double(), exact, atol=2e-6, rtol=0)
 
 
+@pytest.mark.skipif(not cpu.has_attention_pairs(), reason="no AVX-512 BF16 build here")
+@pytest.mark.parametrize(
+    "queries,keys,heads,kv_heads,d,causal",
+    [(100, 131, 3, 3, 64, False), (219, 219, 4, 2, 128, True), (9, 14, 2, 1, 72, True)],
+)
+def test_attention_on_bfloat16_pairs_is_the_rounded_inputs_attention(
+    queries, keys, heads, kv_heads, d, causal
+):
+    """q, k, v rounded to bfloat16, the probabilities too: within the probabilities' rounding
+    (2^-9 of each, relative: 2^-9 of the largest value at most) of float64 attention on the
+    rounded q, k, v."""
+    generator = torch.Generator().manual_seed(queries)
+    q = torch.randn(queries, heads, d, generator=generator)
+    k, v = torch.randn(2, keys, kv_heads, d, generator=generator)
+    seen = torch.arange(keys)[None, :] <= keys - queries + torch.arange(queries)[:, None]
+    rounded = (t.bfloat16().double().transpose(0, 1) for t in (q, k, v))
+    exact = F.scaled_dot_product_attention(
+        *rounded, attn_mask=seen if causal else None, enable_gqa=True
+    ).transpose(0, 1)
+    got = cpu.attention(q, k, v, causal, bf16=True).double()
+    assert (got - exact).abs().max() <= 2**-9 * v.abs().max()
+
+
 def test_full_attention_without_the_kernel_is_the_same_causal_attention(monkeypatch):
     """SDPA, where the kernel does not load: its is_causal aligns the queries with the first keys,
     so a cached prefix takes a mask; fewer key heads take enable_gqa."""

@@ -225,7 +225,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 3
     # out, out_row, queries, keys, heads, group, causal, d, threads
     library.attention.argtypes += [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int]
-    library.attention.argtypes += [ctypes.c_int64, ctypes.c_int]
+    library.attention.argtypes += [ctypes.c_int64, ctypes.c_int, ctypes.c_int]  # d, bf16, threads
     library.attention.restype = ctypes.c_int
     library.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     library.rms_norm.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
@@ -415,12 +415,12 @@ def bf16_gemm(
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, bf16: bool = False
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for q [queries, heads, d] and k, v [keys, kv_heads, d] (float32
     on the CPU, any row and head strides, d contiguous; heads a multiple of kv_heads), without a
-    mask or causal (query i sees keys up to i + keys - queries); out [queries, heads, d]. See
-    attention.c."""
+    mask or causal (query i sees keys up to i + keys - queries); out [queries, heads, d]. `bf16`:
+    the products on bfloat16 pairs (has_attention_pairs()). See attention.c."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
@@ -430,10 +430,18 @@ def attention(
     out = torch.empty(queries, heads, d)
     strided = [value for t in (q, k, v) for value in (t.data_ptr(), t.stride(0), t.stride(1))]
     shape = (queries, keys, heads, heads // kv_heads, int(causal), d)
-    status = library.attention(*strided, out.data_ptr(), heads * d, *shape, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    status = library.attention(*strided, out.data_ptr(), heads * d, *shape, int(bf16), threads)
+    if status == -2:
+        raise RuntimeError(f"the {library.build} build has no bfloat16 pairs for attention.c")
     if status:
         raise MemoryError("attention.c could not allocate its scratch")
     return out
+
+
+def has_attention_pairs() -> bool:
+    """Whether this build's attention.c multiplies on bfloat16 pairs (AVX-512 BF16)."""
+    return name() in BF16_DOT_BUILDS
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

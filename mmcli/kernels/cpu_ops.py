@@ -66,12 +66,25 @@ def attention(
 ) -> torch.Tensor | None:
     """attention.c: the decoder prefill's causal, grouped-query attention and attention within
     one image's range."""
-    if (
-        not (_float32_on_cpu(q, k, v) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
-        or not cpu.eager()
-    ):
+    if not _attention_inputs(q, k, v):
         return None
     return cpu.attention(q, k, v, causal)
+
+
+def attention_pairs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
+) -> torch.Tensor | None:
+    """attention.c with its products on bfloat16 pairs, for runs whose products are bfloat16;
+    None where the loaded build has no pairs (MMCLI_CPU_FEATURES masked AVX-512 BF16 since)."""
+    if not (_attention_inputs(q, k, v) and cpu.has_attention_pairs()):
+        return None
+    return cpu.attention(q, k, v, causal, bf16=True)
+
+
+def _attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return (
+        _float32_on_cpu(q, k, v) and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    ) and cpu.eager()
 
 
 def bf16_matmul(

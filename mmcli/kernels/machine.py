@@ -57,6 +57,11 @@ class Machine:
         and our AMX build is loaded."""
         return TILE_UNITS <= self.cpu.units and self.build == "AMX"
 
+    def bf16_pairs(self) -> bool:
+        """Whether our build's AVX-512 BF16 dot products run here (bf16_dot.c, attention.c's
+        pairs): the units include AVX-512 BF16 and the build was made for them."""
+        return "avx512_bf16" in self.cpu.units and self.build in ("AMX", BF16_DOT_BUILD)
+
     def bf16_dot(self) -> bool:
         """Whether bf16_dot.c's dot products make the bfloat16 products of few rows here: the
         units include AVX-512 BF16 and our BF16 build (no tiles) is loaded."""

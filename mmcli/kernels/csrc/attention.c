@@ -126,30 +126,225 @@ static void attend_block(struct heads q, const float *panels, const float *value
         for (int64_t i = 0; i < d; i++) o[r * out_row + i] *= inverse[r];
 }
 
+/* A thread's scratch for the pairs: a head's keys (panels[p][i][j]: key p NR + j's pair i) and
+   values (values[c][i][j]: keys 2i and 2i + 1 of channel c NR + j), a block's queries and
+   probabilities as pairs, and NR keys' rows on their way into a panel. */
+struct pairs {
+    uint32_t *panels, *values, *queries, *probabilities, *rows;
+};
+
+#if defined(__AVX512BF16__)
+/* bfloat16 products, for the runs whose products are bfloat16 (AVX-512 BF16's vdpbf16ps: 32
+   products into 16 float32 lanes an instruction, twice the FMAs' rate): q, k, v and the
+   probabilities rounded to nearest even on the way in, the sums, the softmax and the scaling in
+   float32 as above. A pair is two bfloat16 in 32 bits, the lower the first, as vdpbf16ps takes
+   them: a row rounded to bfloat16 is a row of pairs. */
+
+#define PAIRS(n) (((n) + 31) / 32 * 16) /* pairs a row of n values takes, whole vectors */
+
+/* n floats -> PAIRS(n) pairs at out, rounded to nearest even, zeros after n */
+static void round_pairs(const float *x, int64_t n, uint32_t *out) {
+    uint16_t *half = (uint16_t *)out;
+    for (int64_t i = 0; i < 2 * PAIRS(n); i += GL) {
+        const int64_t left = n - i;
+        const __m512 v = vload_some(x + i, first_lanes(left < 0 ? 0 : left > GL ? GL : (int)left));
+        _mm256_storeu_si256((__m256i *)(half + i), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* y (M rows, ldy apart) = x (M rows of kc pairs, ldx pairs apart) times the panel's pairs (kc
+   rows of NR channels, ldp pairs apart), for the panel's first `channels`. */
+static inline __attribute__((always_inline)) void pair_tile(const uint32_t *x, int64_t ldx,
+                                                            const uint32_t *panel, int64_t ldp,
+                                                            int64_t kc, float *y, int64_t ldy,
+                                                            int mr, int channels) {
+    __m512 acc[GR][GV];
+    lanes some[GV];
+    for (int j = 0; j < GV; j++) {
+        const int left = channels - j * GL;
+        some[j] = first_lanes(left < 0 ? 0 : left > GL ? GL : left);
+        for (int m = 0; m < mr; m++) acc[m][j] = vzero();
+    }
+    for (int64_t k = 0; k < kc; k++) {
+        __m512bh b[GV];
+        for (int j = 0; j < GV; j++)
+            b[j] = (__m512bh)_mm512_maskz_loadu_epi32(some[j], panel + k * ldp + j * GL);
+        for (int m = 0; m < mr; m++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[m * ldx + k]);
+            for (int j = 0; j < GV; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, b[j]);
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < GV; j++) vstore_some(y + m * ldy + j * GL, acc[m][j], some[j]);
+}
+
+/* Every row of y (M rows) for one panel: GR rows at a time, each row count its own loop. */
+static void pair_rows(const uint32_t *x, int64_t ldx, const uint32_t *panel, int64_t ldp,
+                      int64_t kc, float *y, int64_t ldy, int64_t M, int channels) {
+    for (int64_t m = 0; m < M; m += GR) {
+        const uint32_t *xm = x + m * ldx;
+        float *ym = y + m * ldy;
+        switch (M - m < GR ? (int)(M - m) : GR) {
+        case 1: pair_tile(xm, ldx, panel, ldp, kc, ym, ldy, 1, channels); break;
+        case 2: pair_tile(xm, ldx, panel, ldp, kc, ym, ldy, 2, channels); break;
+        case 3: pair_tile(xm, ldx, panel, ldp, kc, ym, ldy, 3, channels); break;
+        case 4: pair_tile(xm, ldx, panel, ldp, kc, ym, ldy, 4, channels); break;
+        case 5: pair_tile(xm, ldx, panel, ldp, kc, ym, ldy, 5, channels); break;
+        default: pair_tile(xm, ldx, panel, ldp, kc, ym, ldy, GR, channels);
+        }
+    }
+}
+
+/* keys [key0, key0 + NR) (past `keys`: zero) -> panel[i][j] = key key0 + j's pair i */
+static void pack_key_pairs(struct heads k, int64_t key0, int64_t keys, int64_t d, uint32_t *rows,
+                           uint32_t *panel) {
+    const int64_t pairs = PAIRS(d);
+    for (int64_t j = 0; j < NR; j++)
+        round_pairs(k.data + (key0 + j) * k.row, key0 + j < keys ? d : 0, rows + j * pairs);
+    for (int64_t j0 = 0; j0 < NR; j0 += GL)
+        for (int64_t i0 = 0; i0 < pairs; i0 += GL) {
+            vec r[GL];
+            for (int j = 0; j < GL; j++) r[j] = vload((const float *)rows + (j0 + j) * pairs + i0);
+            transpose(r); /* the pairs' bits moved whole, as floats */
+            for (int i = 0; i < GL; i++) vstore((float *)panel + (i0 + i) * NR + j0, r[i]);
+        }
+}
+
+/* values' channels [c0, c0 + NR) of keys 2i and 2i + 1 (past `keys`: zero) -> chunk[i][j] */
+static void pack_value_pairs(struct heads v, int64_t keys, int64_t d, int64_t c0, uint32_t *chunk) {
+    /* lane j of the result: the first row's channel j, then the second's */
+    const __m512i interleave =
+        _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t i = 0; i < (keys + 1) / 2; i++)
+        for (int64_t j = 0; j < NR; j += GL) {
+            const int64_t left = d - c0 - j;
+            const lanes some = first_lanes(left < 0 ? 0 : left > GL ? GL : (int)left);
+            const lanes second = 2 * i + 1 < keys ? some : 0;
+            const __m512 a = vload_some(v.data + 2 * i * v.row + c0 + j, some);
+            const __m512 b = vload_some(v.data + (2 * i + 1) * v.row + c0 + j, second);
+            const __m512i both =
+                _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(a)),
+                                   (__m256i)_mm512_cvtneps_pbh(b), 1);
+            _mm512_storeu_si512(chunk + i * NR + j, _mm512_permutexvar_epi16(interleave, both));
+        }
+}
+
+static void pack_head_pairs(struct heads k, struct heads v, int64_t keys, int64_t d,
+                            struct pairs *s) {
+    for (int64_t key0 = 0; key0 < keys; key0 += NR)
+        pack_key_pairs(k, key0, keys, d, s->rows, s->panels + key0 * PAIRS(d));
+    for (int64_t c0 = 0; c0 < d; c0 += NR)
+        pack_value_pairs(v, keys, d, c0, s->values + c0 * ((keys + 1) / 2));
+}
+
+/* attend_block on the pairs: the block's queries rounded, their scores, the softmax, the
+   probabilities rounded, times the values. */
+static void attend_block_pairs(struct heads q, const struct pairs *s, float *out, int64_t out_row,
+                               int64_t q0, int64_t rows, int64_t packed, int64_t seen, int64_t d,
+                               float *scores, int64_t lds, float *inverse) {
+    const int64_t pairs = PAIRS(d), keys = seen + rows - 1 < packed ? seen + rows - 1 : packed;
+    const int64_t p_pairs = PAIRS(lds);
+    for (int64_t r = 0; r < rows; r++)
+        round_pairs(q.data + (q0 + r) * q.row, d, s->queries + r * pairs);
+    for (int64_t key0 = 0; key0 < keys; key0 += NR) {
+        const int width = keys - key0 < NR ? (int)(keys - key0) : NR;
+        pair_rows(s->queries, pairs, s->panels + key0 * pairs, NR, pairs, scores + key0, lds, rows,
+                  width);
+    }
+    softmax_rows(scores, lds, rows, keys, seen, 1.0f / __builtin_sqrtf((float)d), inverse);
+    for (int64_t r = 0; r < rows; r++)
+        round_pairs(scores + r * lds, keys, s->probabilities + r * p_pairs);
+    float *o = out + q0 * out_row;
+    for (int64_t c0 = 0; c0 < d; c0 += NR) {
+        const int width = d - c0 < NR ? (int)(d - c0) : NR;
+        pair_rows(s->probabilities, p_pairs, s->values + c0 * ((packed + 1) / 2), NR,
+                  (keys + 1) / 2, o + c0, out_row, rows, width);
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < d; i++) o[r * out_row + i] *= inverse[r];
+}
+#endif
+
+/* A thread's scratch: the scores of a block, and its head's keys and values packed as floats,
+   or (bf16) as pairs; NULL members where an allocation failed. */
+struct scratch {
+    float *scores, *panels, *values;
+    struct pairs pairs;
+};
+
+static int allocate(struct scratch *s, int64_t keys, int64_t d, int64_t lds, int bf16) {
+    const int64_t key_rows = (keys + NR - 1) / NR * NR, chunks = (d + NR - 1) / NR;
+    *s = (struct scratch){aligned_alloc(64, sizeof(float) * QB * lds), NULL, NULL, {0}};
+    if (!bf16) {
+        s->panels = aligned_alloc(64, sizeof(float) * key_rows * ((d + GL - 1) / GL * GL));
+        s->values = aligned_alloc(64, sizeof(float) * chunks * NR * keys);
+        return s->scores && s->panels && s->values;
+    }
+#if defined(__AVX512BF16__)
+    const int64_t pairs = PAIRS(d);
+    struct pairs *p = &s->pairs;
+    p->panels = aligned_alloc(64, 4 * key_rows * pairs);
+    p->values = aligned_alloc(64, 4 * chunks * NR * ((keys + 1) / 2));
+    p->queries = aligned_alloc(64, 4 * QB * pairs);
+    p->probabilities = aligned_alloc(64, 4 * QB * PAIRS(lds));
+    p->rows = aligned_alloc(64, 4 * NR * pairs);
+    return s->scores && p->panels && p->values && p->queries && p->probabilities && p->rows;
+#else
+    return 0;
+#endif
+}
+
+static void release(struct scratch *s) {
+    free(s->scores);
+    free(s->panels);
+    free(s->values);
+#if defined(__AVX512BF16__)
+    free(s->pairs.panels);
+    free(s->pairs.values);
+    free(s->pairs.queries);
+    free(s->pairs.probabilities);
+    free(s->pairs.rows);
+#endif
+}
+
 /* One task's blocks [first, last) of each of its `group` query heads (head h0 on). */
-static void attend_heads(struct heads q, int64_t h0, int64_t group, const float *panels,
-                         const float *values, float *out, int64_t out_row, int64_t first,
-                         int64_t last, int64_t queries, int64_t keys, int causal, int64_t d,
-                         int64_t d_pad, float *scores, int64_t lds, float *inverse) {
+static void attend_heads(struct heads q, int64_t h0, int64_t group, const struct scratch *s,
+                         float *out, int64_t out_row, int64_t first, int64_t last, int64_t queries,
+                         int64_t keys, int causal, int64_t d, int64_t d_pad, int64_t lds,
+                         int bf16) {
+    float inverse[QB];
+    (void)bf16; /* read only where this build has the pairs */
     for (int64_t h = h0; h < h0 + group; h++) {
         const struct heads qh = {q.data + h * q.head, q.row, q.head};
         for (int64_t b = first; b < last; b++) {
             const int64_t q0 = b * QB, rows = queries - q0 < QB ? queries - q0 : QB;
             const int64_t seen = causal ? keys - queries + q0 + 1 : keys;
-            attend_block(qh, panels, values, out + h * d, out_row, q0, rows, keys, seen, d, d_pad,
-                         scores, lds, inverse);
+#if defined(__AVX512BF16__)
+            if (bf16) {
+                attend_block_pairs(qh, &s->pairs, out + h * d, out_row, q0, rows, keys, seen, d,
+                                   s->scores, lds, inverse);
+                continue;
+            }
+#endif
+            attend_block(qh, s->panels, s->values, out + h * d, out_row, q0, rows, keys, seen, d,
+                         d_pad, s->scores, lds, inverse);
         }
     }
 }
 
 /* out (queries x heads x d, a row every out_row floats, a head every d) for q (queries positions,
    `heads` heads), k and v (keys positions, heads / group heads), each given by its data, row
-   stride and head stride; causal: query i sees keys up to i + keys - queries. Returns 0, or -1
-   where a thread's scratch could not be allocated (out is then incomplete). */
+   stride and head stride; causal: query i sees keys up to i + keys - queries; bf16: the products
+   on bfloat16 pairs (where this build has them). Returns 0, -1 where a thread's scratch could not
+   be allocated (out is then incomplete), or -2 where bf16 is asked of a build without it. */
 int attention(const float *q, int64_t q_row, int64_t q_head, const float *k, int64_t k_row,
               int64_t k_head, const float *v, int64_t v_row, int64_t v_head, float *out,
               int64_t out_row, int64_t queries, int64_t keys, int64_t heads, int64_t group,
-              int causal, int64_t d, int threads) {
+              int causal, int64_t d, int bf16, int threads) {
+#if !defined(__AVX512BF16__)
+    if (bf16) return -2;
+#endif
     const int64_t lds = (keys + GL - 1) / GL * GL, d_pad = (d + GL - 1) / GL * GL;
     const int64_t blocks = (queries + QB - 1) / QB, kv_heads = heads / group;
     /* a task is a key/value head's share of its query blocks: every thread busy when there are
@@ -159,11 +354,8 @@ int attention(const float *q, int64_t q_row, int64_t q_head, const float *k, int
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *scores = aligned_alloc(64, sizeof(float) * QB * lds);
-        float *panels = aligned_alloc(64, sizeof(float) * (keys + NR - 1) / NR * NR * d_pad);
-        float *values = aligned_alloc(64, sizeof(float) * (d + NR - 1) / NR * NR * keys);
-        float inverse[QB];
-        failed = !scores || !panels || !values;
+        struct scratch s;
+        failed = !allocate(&s, keys, d, lds, bf16);
 /* one task at a time to whichever thread is free, as bf16_linear.c shares out its rows */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < kv_heads * shares; t++) {
@@ -171,14 +363,17 @@ int attention(const float *q, int64_t q_row, int64_t q_head, const float *k, int
             if (failed || first >= blocks) continue;
             const int64_t last = first + per_share < blocks ? first + per_share : blocks;
             struct heads kh = {k + g * k_head, k_row, k_head}, vh = {v + g * v_head, v_row, v_head};
-            pack_head(kh, vh, keys, d, d_pad, panels, values);
+#if defined(__AVX512BF16__)
+            if (bf16)
+                pack_head_pairs(kh, vh, keys, d, &s.pairs);
+            else
+#endif
+                pack_head(kh, vh, keys, d, d_pad, s.panels, s.values);
             const struct heads qs = {q, q_row, q_head};
-            attend_heads(qs, g * group, group, panels, values, out, out_row, first, last, queries,
-                         keys, causal, d, d_pad, scores, lds, inverse);
+            attend_heads(qs, g * group, group, &s, out, out_row, first, last, queries, keys, causal,
+                         d, d_pad, lds, bf16);
         }
-        free(scores);
-        free(panels);
-        free(values);
+        release(&s);
     }
     return failed ? -1 : 0;
 }
