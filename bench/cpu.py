@@ -591,7 +591,7 @@ def decode_floors(args, ckpt: Path) -> None:
             with side_env(side):
                 r, _ = run(args, "--worker", "step", "--ckpt", str(ckpt),
                            "--settings", json.dumps(settings))  # fmt: skip
-            unit = "int8" if name == "int8" else "bfloat16"
+            unit = step_unit(name, r["kernels"]["decode_step"])
             peak = peaks[unit] if side != "before" else peaks["float32"]
             for rows, step in r["steps"].items():
                 read_bytes = r["weights"] + step["kv_bytes"]
@@ -605,6 +605,12 @@ def decode_floors(args, ckpt: Path) -> None:
                     f"{r['kernels']['head']}",
                     flush=True,
                 )
+
+
+def step_unit(path: str, step_kernel: str) -> str:
+    """The unit a path's decode step multiplies on: int8's dot products for int8, and for int4
+    on int4_vnni.c; bfloat16 otherwise (int4 on the tiles, its weights dequantized)."""
+    return "int8" if path == "int8" or "int4_vnni" in step_kernel else "bfloat16"
 
 
 def print_units(ckpt: Path) -> None:
