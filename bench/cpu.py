@@ -123,8 +123,7 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
     done = time.perf_counter()
     after = compare_hf.machine_limits()
     assert result.ok, result.error
-    phases = ask_flops(cap.model.cfg, result.num_image_tokens, result.num_input_tokens)[0]
-    flops = sum(phases.values())
+    flops = total(ask_flops(cap.model.cfg, result.num_image_tokens, result.num_input_tokens)[0])
     return {
         "imports": imported - started,
         "load": loaded - imported,
@@ -319,10 +318,11 @@ def evict(ckpt: Path) -> None:
 
 
 def ask_flops(cfg, image_tokens: int, input_tokens: int) -> tuple[dict, int, int]:
-    """The ask's prefill FLOPs by phase: the vision tower's (its linears on every patch, its
-    mergers on the merged tokens, its attention products) and the text prefill's (the decoder's
-    linears on every prompt token, its attention products, the lm_head on the last); with the
-    decoder's and the head's parameter counts."""
+    """The ask's prefill FLOPs by phase, its linears' and its attention's apart (they may run on
+    different units): the vision tower's (its linears on every patch, its mergers on the merged
+    tokens, its attention products) and the text prefill's (the decoder's linears on every prompt
+    token and the lm_head on the last, its attention products); with the decoder's and the head's
+    parameter counts."""
     from mmcli.weights.checkpoint import expected_shapes
 
     shapes = expected_shapes(cfg)
@@ -335,12 +335,21 @@ def ask_flops(cfg, image_tokens: int, input_tokens: int) -> tuple[dict, int, int
     head = cfg.text.vocab_size * cfg.text.hidden_size
     patches = image_tokens * cfg.vision.spatial_merge_size**2
     full_layers = sum(not cfg.text.is_linear(i) for i in range(cfg.text.num_hidden_layers))
-    vision = 2 * (count["patch"] * patches + count["merged"] * image_tokens)
-    vision += 4 * patches**2 * cfg.vision.hidden_size * cfg.vision.depth  # QK^T and PV
-    text = 2 * (count["text"] * input_tokens + head)
-    # causal: half the products
-    text += 2 * input_tokens**2 * cfg.text.num_attention_heads * cfg.text.head_dim * full_layers
+    vision = {
+        "linears": 2 * (count["patch"] * patches + count["merged"] * image_tokens),
+        "attention": 4 * patches**2 * cfg.vision.hidden_size * cfg.vision.depth,  # QK^T and PV
+    }
+    width = cfg.text.num_attention_heads * cfg.text.head_dim
+    text = {
+        "linears": 2 * (count["text"] * input_tokens + head),
+        "attention": 2 * input_tokens**2 * width * full_layers,  # causal: half the products
+    }
     return {"vision": vision, "text prefill": text}, count["text"], head
+
+
+def total(phases: dict) -> float:
+    """All the FLOPs of ask_flops' phases."""
+    return sum(sum(parts.values()) for parts in phases.values())
 
 
 def split(label: str, runs: list[dict], flops: float) -> str:
@@ -437,7 +446,7 @@ def ask_part(args, ckpt: Path, image: Path) -> None:
         timed8 = instrumented(args, worker, PATHS["int8"], env)
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
     phases, text, head = ask_flops(cfg, timed[0]["image_tokens"], timed[0]["input_tokens"])
-    flops = sum(phases.values())
+    flops = total(phases)
     checkpoint_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
 
     def floor(at: dict) -> dict:
@@ -484,6 +493,9 @@ def main() -> None:
     parser.add_argument("--hf-batch-sizes", default="1,8")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--only-ask", action="store_true", help="only (b) and (c) for `mmcli ask`")
+    parser.add_argument(
+        "--phases-only", action="store_true", help="only the asks' phases before and after"
+    )
     parser.add_argument(
         "--matrix-only",
         action="store_true",
@@ -541,6 +553,10 @@ def main() -> None:
     )
     if args.only_ask:
         ask_part(args, ckpt, ask_image)
+        return
+    if args.phases_only:
+        print_units(ckpt)
+        ask_sides(args, ckpt, ask_image)
         return
     rate_args = argparse.Namespace(
         cache_dir=args.cache_dir,
@@ -724,7 +740,7 @@ def ask_sides(args, ckpt: Path, image: Path) -> None:
     worker = ["--worker", "ask", "--ckpt", str(ckpt), "--image", str(image), "--settings"]
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
     print("\n(b) the ask, before and after: wall = load + vision + text prefill + decode (s);")
-    print("vision and text prefill each at its G(FL)OP/s and its share of the unit's peak")
+    print("vision and text prefill each at its G(FL)OP/s and its share of its units' peaks")
     print("| path | side | wall | vision | text prefill | decode | unit |")
     print("|---|---|---|---|---|---|---|")
     walls, once = {}, argparse.Namespace(**{**vars(args), "repeats": 1})
@@ -748,16 +764,21 @@ def ask_sides(args, ckpt: Path, image: Path) -> None:
 
 
 def phase_rates(cfg, timed: dict) -> str:
-    """The vision tower's and the text prefill's seconds, rate and share of the peak of the unit
-    they ran on; the decode's seconds; the unit."""
+    """The vision tower's and the text prefill's seconds, rate and share of the peaks of the
+    units they ran on (their floor over their time: the linears at their unit's peak, the
+    attention at bfloat16's where the products are bfloat16, else float32's); the decode's
+    seconds; the linears' unit."""
     s, unit = timed["spent"], unit_of(timed["precision"])
-    flops = ask_flops(cfg, timed["image_tokens"], timed["input_tokens"])[0]
+    attention = "bfloat16" if timed["precision"].get("products") == "bfloat16" else "float32"
+    phases = ask_flops(cfg, timed["image_tokens"], timed["input_tokens"])[0]
     seconds = {"vision": s["vision"], "text prefill": s["prefill"] - s["vision"]}
-    cells = []
+    peaks, cells = BENCH["peaks"], []
     for phase, spent in seconds.items():
-        rate = flops[phase] / spent / 1e9
-        cells.append(f"{spent:.2f} s, {rate:.0f} ({rate / BENCH['peaks'][unit]:.0%})")
-    return " | ".join(cells) + f" | {s['decode']:.2f} s | {unit} |"
+        flops = phases[phase]
+        floor = flops["linears"] / peaks[unit] + flops["attention"] / peaks[attention]
+        rate = sum(flops.values()) / spent / 1e9
+        cells.append(f"{spent:.2f} s, {rate:.0f} ({floor / 1e9 / spent:.0%})")
+    return " | ".join(cells) + f" | {s['decode']:.2f} s | {unit}, attention {attention} |"
 
 
 def agreements(args, ckpt: Path, image: Path) -> None:
