@@ -60,7 +60,9 @@ class Machine:
     def bf16_pairs(self) -> bool:
         """Whether our build's AVX-512 BF16 dot products run here (bf16_dot.c, attention.c's
         pairs): the units include AVX-512 BF16 and the build was made for them."""
-        return "avx512_bf16" in self.cpu.units and self.build in ("AMX", BF16_DOT_BUILD)
+        from mmcli.kernels import cpu
+
+        return "avx512_bf16" in self.cpu.units and self.build in cpu.BF16_DOT_BUILDS
 
     def bf16_dot(self) -> bool:
         """Whether bf16_dot.c's dot products make the bfloat16 products of few rows here: the
