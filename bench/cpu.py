@@ -169,9 +169,30 @@ def step_bytes(model) -> int:
     return total
 
 
+def best_seconds(*fns, runs: int = 5) -> list[float]:
+    """Each function's best time of `runs`, the functions taking turns: a neighbour's load
+    falls on all of them alike (the parts of a step are told apart by their difference)."""
+    best = [float("inf")] * len(fns)
+    for attempt in range(runs + 1):  # the first a warm-up
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            if attempt:
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def head_bytes(head) -> int:
+    """The lm_head's bytes in their form (a quantized head's own tensors)."""
+    tensors = head.held() if hasattr(head, "held") else [head.weight]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def step_worker(ckpt: Path, settings: dict) -> dict:
     """Decode steps of 1, 8 and 32 sequences at STEP_CONTEXT, each the best of 5, with what
-    the step reads (weights, the KV cache) and multiplies."""
+    the step reads (weights, the KV cache) and multiplies, and where its time goes: the
+    lm_head alone at the step's rows, and the attention over the cache as the step at
+    STEP_CONTEXT less the same step at its first column."""
     from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
     from mmcli.engine.batch import DecodeItem
@@ -188,14 +209,20 @@ def step_worker(ckpt: Path, settings: dict) -> dict:
     steps = {}
     for rows in STEP_ROWS:
         items = [DecodeItem(i, 100 + i, STEP_CONTEXT, 0) for i in range(rows)]
+        first = [DecodeItem(i, 100 + i, 0, 0) for i in range(rows)]
+        hidden = torch.randn(rows, text.hidden_size)
         with torch.inference_mode():
-            runner.decode(items)
-            times = []
-            for _ in range(5):
-                start = time.perf_counter()
-                runner.decode(items)
-                times.append(time.perf_counter() - start)
-        steps[rows] = {"seconds": min(times), "kv_bytes": rows * (STEP_CONTEXT + 1) * per_token}
+            seconds, first_column, head = best_seconds(
+                lambda items=items: runner.decode(items),
+                lambda first=first: runner.decode(first),
+                lambda hidden=hidden: cap.model.lm_head(hidden),
+            )
+        steps[rows] = {
+            "seconds": seconds,
+            "kv_bytes": rows * (STEP_CONTEXT + 1) * per_token,
+            "attention": seconds - first_column,
+            "head": head,
+        }
     shapes = expected_shapes(cap.model.cfg)
     matrices = sum(
         math.prod(s) for n, s in shapes.items()
@@ -204,9 +231,12 @@ def step_worker(ckpt: Path, settings: dict) -> dict:
     plan = cap.kernel_plan
     return {
         "weights": weights,
+        "head_bytes": head_bytes(cap.model.lm_head),
         "flops_per_row": 2 * (matrices + text.vocab_size * text.hidden_size),
+        "head_flops_per_row": 2 * text.vocab_size * text.hidden_size,
         "steps": steps,
         "kernels": {"decode_step": plan.decode_step.kernel, "head": plan.head.kernel},
+        "products": compare_hf.precision_record(cap).get("products"),
     }
 
 
@@ -593,40 +623,87 @@ def main() -> None:
 def decode_floors(args, ckpt: Path) -> None:
     """(e) each path's decode step at 1, 8 and 32 sequences, before (vector units) and after,
     against its floor: the larger of the bytes it reads (weights in their form, the KV cache)
-    over the measured read bandwidth and its FLOPs over the peak of the unit it can use."""
+    over the measured read bandwidth and its FLOPs over the peak of the unit it can use; then
+    (e') each step's parts against their own floors. The bandwidth and the peaks are the higher
+    of two measurements, before the steps and after: a disturbed moment never lowers a floor."""
     from mmcli.kernels import measure
 
-    read = measure.floors()["read_gb_s"] * 1e9
-    peaks = BENCH["peaks"]
-    print(f"\n(e) decode steps at {STEP_CONTEXT} columns; read bandwidth {read / 1e9:.1f} GB/s")
-    print("path | side | rows | step ms | bytes read | floor ms (bound) | step / floor | kernels")
+    first = measure.floors()
+    results = {}
     for name, settings in PATHS.items():
         if name == "float32":
             continue
         for side in SIDES:
             with side_env(side):
-                r, _ = run(args, "--worker", "step", "--ckpt", str(ckpt),
-                           "--settings", json.dumps(settings))  # fmt: skip
-            unit = step_unit(name, r["kernels"]["decode_step"])
-            peak = peaks[unit] if side != "before" else peaks["float32"]
-            for rows, step in r["steps"].items():
-                read_bytes = r["weights"] + step["kv_bytes"]
-                memory, compute = read_bytes / read, r["flops_per_row"] * int(rows) / peak / 1e9
-                floor = max(memory, compute)
-                bound = "memory" if memory >= compute else f"{unit if side != 'before' else 'FMA'}"
-                print(
-                    f"{name} | {side} | {rows} | {step['seconds'] * 1e3:.0f} | "
-                    f"{read_bytes / 1e9:.2f} GB | {floor * 1e3:.0f} ({bound}) | "
-                    f"{step['seconds'] / floor:.2f}x | {r['kernels']['decode_step']}; head "
-                    f"{r['kernels']['head']}",
-                    flush=True,
-                )
+                results[name, side], _ = run(args, "--worker", "step", "--ckpt", str(ckpt),
+                                             "--settings", json.dumps(settings))  # fmt: skip
+    read = higher(first, measure.floors())["read_gb_s"] * 1e9
+    peaks = BENCH["peaks"] = higher(BENCH["peaks"], measure.peaks())
+    print(
+        f"\n(e) decode steps at {STEP_CONTEXT} columns; read bandwidth {read / 1e9:.1f} GB/s, "
+        + ", ".join(f"{unit} {rate:.0f}" for unit, rate in peaks.items())
+        + " G(FL)OP/s (each the higher of its measurements before and after the steps)"
+    )
+    print("path | side | rows | step ms | bytes read | floor ms (bound) | step / floor | kernels")
+    parts = []
+    for (name, side), r in results.items():
+        unit = step_unit(name, r["kernels"]["decode_step"], r["products"])
+        for rows, step in r["steps"].items():
+            read_bytes = r["weights"] + step["kv_bytes"]
+            memory = read_bytes / read
+            compute = r["flops_per_row"] * int(rows) / peaks[unit] / 1e9
+            floor = max(memory, compute)
+            print(
+                f"{name} | {side} | {rows} | {step['seconds'] * 1e3:.0f} | "
+                f"{read_bytes / 1e9:.2f} GB | {floor * 1e3:.0f} "
+                f"({'memory' if memory >= compute else unit}) | {step['seconds'] / floor:.2f}x | "
+                f"{r['kernels']['decode_step']}; head {r['kernels']['head']}"
+            )
+            head_peak = peaks[head_unit(r["kernels"]["head"])]
+            floors = step_floors(r, int(rows), step, read, peaks[unit], head_peak)
+            parts.append(f"{name} | {side} | {rows} | {floors}")
+    print("\n(e') where each step's time goes: ms, and each part against its own floor (bytes")
+    print("over the read bandwidth or FLOPs over its unit's peak, the larger): the decoder's")
+    print("layers but their attention over the cache, the lm_head alone (16 bits of each")
+    print("activation: twice its products), that attention (the step less the same step at")
+    print("its first column)")
+    print("path | side | rows | layers | lm_head | attention over the cache")
+    print("\n".join(parts), flush=True)
 
 
-def step_unit(path: str, step_kernel: str) -> str:
+def step_floors(r: dict, rows: int, step: dict, read: float, peak: float, head_peak: float) -> str:
+    """A step's parts, each as "ms (x its floor)"."""
+
+    def part(seconds: float, nbytes: float, flops: float, unit_peak: float) -> str:
+        if seconds <= 0:  # a part within the timings' noise (attention over one row's cache)
+            return "~0"
+        floor = max(nbytes / read, flops / unit_peak / 1e9)
+        return f"{seconds * 1e3:.0f} ({seconds / floor:.2f}x)"
+
+    head_flops = r["head_flops_per_row"] * rows
+    layers = step["seconds"] - step["attention"] - step["head"]
+    layer_flops = r["flops_per_row"] * rows - head_flops
+    return " | ".join(
+        (
+            part(layers, r["weights"] - r["head_bytes"], layer_flops, peak),
+            part(step["head"], r["head_bytes"], head_flops, head_peak),
+            part(step["attention"], step["kv_bytes"], 0.0, peak),
+        )
+    )
+
+
+def step_unit(path: str, kernel: str, products: str | None) -> str:
     """The unit a path's decode step multiplies on: int8's dot products for int8, and for int4
-    on int4_vnni.c; bfloat16 otherwise (int4 on the tiles, its weights dequantized)."""
-    return "int8" if path == "int8" or "int4_vnni" in step_kernel else "bfloat16"
+    on int4_vnni.c (VNNI is never masked); else its run's products' (bfloat16 or float32)."""
+    if path == "int8" or "int4_vnni" in kernel:
+        return "int8"
+    return "bfloat16" if products == "bfloat16" else "float32"
+
+
+def head_unit(kernel: str) -> str:
+    """The lm_head's unit: bfloat16 (split) on the AMX tiles or AVX-512 BF16's dot products,
+    else float32 FMAs."""
+    return "bfloat16" if "AMX" in kernel or "bf16_dot" in kernel else "float32"
 
 
 def print_units(ckpt: Path) -> None:

@@ -16,6 +16,7 @@ from mmcli.weights.checkpoint import expected_shapes, read_model_config
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import big_moe  # noqa: E402 (the big MoE bench's pieces, tested on a tiny MoE)
+import cpu as cpu_bench  # noqa: E402 (the CPU bench's arithmetic)
 
 
 @pytest.mark.slow
@@ -85,7 +86,58 @@ def test_cpu_bench_smoke(tmp_path):
         and "cold (the checkpoint's pages dropped" in stdout
         and "outlier channels x30" in stdout
         and "(e) decode steps" in stdout
+        and "(e') where each step's time goes" in stdout
     )
+
+
+def test_a_steps_parts_are_each_held_to_their_own_floor():
+    """(e'): the layers (the step less its head and attention) against the larger of their
+    bytes over the bandwidth and their FLOPs over their unit's peak, the head against its own,
+    the attention against the cache's bytes."""
+    r = {"weights": 3e9, "head_bytes": 1e9, "flops_per_row": 4e9, "head_flops_per_row": 1e9}
+    step = {"seconds": 0.3, "attention": 0.1, "head": 0.05, "kv_bytes": 1e9}
+    read, peak = 20e9, 1000.0  # 2 GB of layers: 0.1 s; 1 GB of head or cache: 0.05 s
+    assert (
+        cpu_bench.step_floors(r, 1, step, read, peak, peak)
+        == "150 (1.50x) | 50 (1.00x) | 100 (2.00x)"
+    )
+    # 50 rows: the layers' 150 GFLOP take 0.15 s at the peak, more than their bytes
+    assert cpu_bench.step_floors(r, 50, step, read, peak, peak).startswith("150 (1.00x) | ")
+    assert cpu_bench.step_floors(r, 1, {**step, "attention": -0.001}, read, peak, peak).endswith(
+        "~0"
+    )
+
+
+@pytest.mark.parametrize(
+    "path, kernel, products, unit",
+    [
+        ("int8", "decode_layer.c, int8 on int8_linear.c", "bfloat16", "int8"),
+        ("int4", "decode_layer.c, int4 on int4_vnni.c", "float32", "int8"),
+        (
+            "default",
+            "decode_layer.c on AVX-512 BF16 dot products (bf16_dot.c)",
+            "bfloat16",
+            "bfloat16",
+        ),
+        ("default", "layer by layer", "bfloat16", "bfloat16"),
+        ("default", "decode_layer.c", "float32", "float32"),
+        ("int4", "layer by layer", None, "float32"),
+    ],
+)
+def test_a_step_is_held_to_the_unit_its_kernel_multiplies_on(path, kernel, products, unit):
+    assert cpu_bench.step_unit(path, kernel, products) == unit
+
+
+@pytest.mark.parametrize(
+    "kernel, unit",
+    [
+        ("bf16_dot.c, split", "bfloat16"),
+        ("AMX tiles to 32 rows", "bfloat16"),
+        ("bf16_linear.c", "float32"),
+    ],
+)
+def test_the_lm_head_is_held_to_the_unit_it_multiplies_on(kernel, unit):
+    assert cpu_bench.head_unit(kernel) == unit
 
 
 @pytest.mark.slow
