@@ -250,6 +250,7 @@ def test_the_kernels_give_the_same_bits_on_any_number_of_threads(build):
             cpu.bf16_linear(x[:3].contiguous(), weight),
             cpu.attention(q, k, v, causal=True),
             cpu.int8_linear(x, int8),
+            cpu.int8_linear(x, int8, activation="gelu_tanh"),
         ]
 
     threads = torch.get_num_threads()

@@ -43,7 +43,7 @@ SOURCES = [
         *("pointwise.c", "decode_layer.c", "int8_linear.c", "int8_weights.c", "int4_tiles.c"),
     )
 ]
-HEADERS = [Path(__file__).parent / "csrc" / "float_tiles.h"]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vectors.h", "float_tiles.h")]
 # the tiles' kernels, in the AMX build only (their instructions exist nowhere else)
 AMX_SOURCES = [Path(__file__).parent / "csrc" / "amx.c"]
 # AVX-512 BF16's dot products, in the builds for CPUs that have them (AMX's and the BF16 one)
@@ -240,7 +240,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.decode_layer.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64]
     library.decode_layer.argtypes += [ctypes.c_void_p] * 5 + [ctypes.c_int]
     library.decode_layer.restype = None
-    library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
     library.int8_linear.restype = None
     library.quantize_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
     library.quantize_rows.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
@@ -571,10 +571,13 @@ def decode_layer(
 INT8_VNNI_ROWS = 8
 
 
-def int8_linear(x: torch.Tensor, weight, vnni_rows: int = INT8_VNNI_ROWS) -> torch.Tensor:
-    """x (rows, in) float32, contiguous, @ an Int8Weight (models/layers/quantized.py), each row
-    quantized to 7 bits with its own scale on the way; float32 (rows, padded out) out. On the
-    AMX build, more than `vnni_rows` rows on the tiles."""
+def int8_linear(
+    x: torch.Tensor, weight, vnni_rows: int = INT8_VNNI_ROWS, activation: str | None = None
+) -> torch.Tensor:
+    """activation(x (rows, in) float32, contiguous, @ an Int8Weight (models/layers/quantized.py)
+    + its bias), each row quantized to 7 bits with its own scale on the way; float32 (rows,
+    padded out) out, the activation (one of ACTIVATIONS) applied as each output is stored. On
+    the AMX build, more than `vnni_rows` rows on the tiles."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
@@ -599,6 +602,7 @@ def int8_linear(x: torch.Tensor, weight, vnni_rows: int = INT8_VNNI_ROWS) -> tor
         padded_out,
         padded_in,
         vnni_rows,
+        ACTIVATIONS[activation],
         threads,
     )
     return out

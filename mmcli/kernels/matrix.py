@@ -69,10 +69,12 @@ def int8_levels(x2: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tens
     return torch.div(x2, scale).round_().to(torch.int8), scale
 
 
-def int8_rows_matmul(x2: torch.Tensor, weight: Int8Weight) -> torch.Tensor | None:
+def int8_rows_matmul(
+    x2: torch.Tensor, weight: Int8Weight, activation: str | None = None
+) -> torch.Tensor | None:
     """x2 (rows, in) float32 @ an Int8Weight in rows layout ([padded out, padded in]) by
     oneDNN's int8 GEMM (`torch._int_mm`), the sums exact in int32, so the result is
-    int8_reference's with a scale a row."""
+    int8_reference's with a scale a row; then the activation."""
     if weight.layout != "rows" or x2.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     values, scale = int8_levels(x2, X_MAX)
@@ -80,7 +82,8 @@ def int8_rows_matmul(x2: torch.Tensor, weight: Int8Weight) -> torch.Tensor | Non
     if padded:
         values = F.pad(values, (0, padded))
     sums = torch._int_mm(values, weight.values.t())
-    return sums.float().mul_(scale).mul_(weight.scale).add_(weight.bias)
+    y = sums.float().mul_(scale).mul_(weight.scale).add_(weight.bias)
+    return y if activation is None else F.gelu(y, approximate="tanh")
 
 
 _row_copies: dict[tuple[int, int], torch.Tensor] = {}
@@ -104,10 +107,10 @@ def int8_products(above: int):
     rows the weights copied to rows layout for the call (one pass over them, which the rows
     amortize) and multiplied by oneDNN, fewer rows on int8_linear.c."""
 
-    def matmul(x2: torch.Tensor, weight: Int8Weight) -> torch.Tensor | None:
+    def matmul(x2: torch.Tensor, weight: Int8Weight, activation: str | None = None):
         if weight.layout == "interleaved" and _library_rows(x2, above):
-            return int8_rows_matmul(x2, rows_copy(weight))
-        return cpu_ops.int8_matmul(x2, weight)
+            return int8_rows_matmul(x2, rows_copy(weight), activation)
+        return cpu_ops.int8_matmul(x2, weight, activation)
 
     return matmul
 

@@ -25,7 +25,7 @@ void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
                    int threads);
 void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
                  const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
-                 int64_t Kp, int64_t vnni_rows, int threads);
+                 int64_t Kp, int64_t vnni_rows, int act, int threads);
 int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
                    int64_t M, int64_t N, int64_t K, int threads);
 
@@ -74,7 +74,7 @@ static void linear(const struct decode_layer *l, const struct rows_in *in,
                    int threads) {
     if (l->int8) {
         int8_linear(in->levels, in->scale, w->values, w->sums, w->scale, w->bias, y, M, N, K,
-                    l->vnni_rows, threads);
+                    l->vnni_rows, NONE, threads);
         return;
     }
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)

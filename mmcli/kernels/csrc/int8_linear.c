@@ -15,6 +15,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "vectors.h" /* vgelu_tanh, enum activation: the activation at the last store */
+
 #ifndef KC
 #define KC 256 /* inputs per block, a multiple of 4 */
 #endif
@@ -37,11 +39,12 @@ static inline ivec xbroadcast(const uint8_t *p) {
 }
 static inline ivec dot4(ivec acc, ivec x, ivec w) { return _mm512_dpbusd_epi32(acc, x, w); }
 static inline void store(float *y, ivec acc, const int32_t *w_sum, const float *w_scale,
-                         const float *bias, float xs) {
+                         const float *bias, float xs, int act) {
     __m512 v =
         _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_slli_epi32(_mm512_loadu_si512(w_sum), 6)));
     v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs)), _mm512_loadu_ps(w_scale));
-    _mm512_storeu_ps(y, _mm512_add_ps(v, _mm512_loadu_ps(bias)));
+    v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(y, act == GELU_TANH ? vgelu_tanh(v) : v);
 }
 #else
 #define MR 4
@@ -64,11 +67,12 @@ static inline ivec dot4(ivec acc, ivec x, ivec w) {
                             _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), _mm256_set1_epi16(1)));
 }
 static inline void store(float *y, ivec acc, const int32_t *w_sum, const float *w_scale,
-                         const float *bias, float xs) {
+                         const float *bias, float xs, int act) {
     __m256i sums = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)w_sum), 6);
     __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, sums));
     v = _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(xs)), _mm256_loadu_ps(w_scale));
-    _mm256_storeu_ps(y, _mm256_add_ps(v, _mm256_loadu_ps(bias)));
+    v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+    _mm256_storeu_ps(y, act == GELU_TANH ? vgelu_tanh(v) : v);
 }
 #endif
 
@@ -83,7 +87,7 @@ static inline const int8_t *column_of(const int8_t *w, int64_t Kp, int64_t c) {
 static inline __attribute__((always_inline)) void
 tile(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int64_t n0, int mr,
      int nv, const float *x_scale, const int32_t *w_sum, const float *w_scale, const float *bias,
-     float *y, int64_t ldy) {
+     float *y, int64_t ldy, int act) {
     const int8_t *column[NV];
     for (int j = 0; j < nv; j++) column[j] = column_of(w, Kp, n0 + j * VLEN);
     ivec acc[MR][NV];
@@ -104,7 +108,8 @@ tile(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int6
             if (k1 < Kp)
                 istore((int32_t *)(y + m * ldy + c), acc[m][j]);
             else
-                store(y + m * ldy + c, acc[m][j], w_sum + c, w_scale + c, bias + c, x_scale[m]);
+                store(y + m * ldy + c, acc[m][j], w_sum + c, w_scale + c, bias + c, x_scale[m],
+                      act);
         }
 }
 
@@ -112,7 +117,7 @@ tile(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int6
    keeps an array of them in registers only with a copy to the stack at every step. */
 static void tile_full(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1,
                       int64_t n0, const float *x_scale, const int32_t *w_sum, const float *w_scale,
-                      const float *bias, float *y, int64_t ldy) {
+                      const float *bias, float *y, int64_t ldy, int act) {
     const int8_t *column[NV];
     for (int j = 0; j < NV; j++) column[j] = column_of(w, Kp, n0 + j * VLEN);
 #define DECLARE(m, j)                                                                              \
@@ -135,12 +140,12 @@ static void tile_full(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0,
         istore((int32_t *)(y + m * ldy + n0 + j * VLEN), a##m##j);                                 \
     else                                                                                           \
         store(y + m * ldy + n0 + j * VLEN, a##m##j, w_sum + n0 + j * VLEN,                         \
-              w_scale + n0 + j * VLEN, bias + n0 + j * VLEN, x_scale[m]);
+              w_scale + n0 + j * VLEN, bias + n0 + j * VLEN, x_scale[m], act);
 #define FINISH_ROW(m) EACH_VECTOR(FINISH, m)
     EACH_ROW(FINISH_ROW)
 }
 
-#define TILE(R, V) tile(x, w, Kp, k0, k1, n0, R, V, x_scale, w_sum, w_scale, bias, y, ldy)
+#define TILE(R, V) tile(x, w, Kp, k0, k1, n0, R, V, x_scale, w_sum, w_scale, bias, y, ldy, act)
 /* R rows, NV vectors wide or, in a last narrow tile, one */
 #define TILE_ROWS(R) (nv == NV ? TILE(R, NV) : TILE(R, 1))
 
@@ -148,7 +153,7 @@ static void tile_full(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0,
    each size a constant for the compiler. */
 static void tile_edge(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1,
                       int64_t n0, int mr, int nv, const float *x_scale, const int32_t *w_sum,
-                      const float *w_scale, const float *bias, float *y, int64_t ldy) {
+                      const float *w_scale, const float *bias, float *y, int64_t ldy, int act) {
     switch (mr) {
     case 1: TILE_ROWS(1); break;
     case 2: TILE_ROWS(2); break;
@@ -165,17 +170,17 @@ static void tile_edge(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0,
    weights (nv * VLEN x KC bytes) stay in L1 while every row passes over them. */
 static void columns(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t n0, int nv, int64_t M,
                     const float *x_scale, const int32_t *w_sum, const float *w_scale,
-                    const float *bias, float *y, int64_t Np) {
+                    const float *bias, float *y, int64_t Np, int act) {
     for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
         int64_t k1 = k0 + KC < Kp ? k0 + KC : Kp;
         for (int64_t m = 0; m < M; m += MR) {
             int mr = M - m >= MR ? MR : (int)(M - m);
             if (mr == MR && nv == NV)
                 tile_full(x + m * Kp, w, Kp, k0, k1, n0, x_scale + m, w_sum, w_scale, bias,
-                          y + m * Np, Np);
+                          y + m * Np, Np, act);
             else
                 tile_edge(x + m * Kp, w, Kp, k0, k1, n0, mr, nv, x_scale + m, w_sum, w_scale, bias,
-                          y + m * Np, Np);
+                          y + m * Np, Np, act);
         }
     }
 }
@@ -184,18 +189,32 @@ int amx_int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, con
                     const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
                     int64_t Kp, int threads);
 
+/* act (enum activation) applied to y's n values, in place: the AMX tiles' results */
+static void activate(float *y, int64_t n, int act, int threads) {
+    if (act != GELU_TANH) return;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i += GL) {
+        const lanes some = first_lanes(n - i < GL ? (int)(n - i) : GL);
+        vstore_some(y + i, vgelu_tanh(vload_some(y + i, some)), some);
+    }
+}
+
 /* y is M x Np float32; w_sum, w_scale and bias hold Np values (zero past the layer's own
-   channels). The AMX build computes more than `vnni_rows` rows on the tiles (amx.c: the same
-   integers) where the shapes fit them. */
+   channels); act (enum activation) is applied as each output is stored. The AMX build computes
+   more than `vnni_rows` rows on the tiles (amx.c: the same integers) where the shapes fit them,
+   the activation then in a pass of its own. */
 void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
                  const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
-                 int64_t Kp, int64_t vnni_rows, int threads) {
+                 int64_t Kp, int64_t vnni_rows, int act, int threads) {
 #ifdef __AMX_INT8__
     if (M > vnni_rows &&
-        !amx_int8_linear(x, x_scale, w, w_sum, w_scale, bias, y, M, Np, Kp, threads))
+        !amx_int8_linear(x, x_scale, w, w_sum, w_scale, bias, y, M, Np, Kp, threads)) {
+        activate(y, M * Np, act, threads);
         return;
+    }
 #else
     (void)vnni_rows;
+    (void)activate;
 #endif
     const int64_t width = NV * VLEN, tiles = (Np + width - 1) / width;
 /* a tile at a time to whichever thread is free, as bf16_linear.c shares out its rows */
@@ -203,10 +222,10 @@ void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const 
     for (int64_t t = 0; t < tiles; t++) {
         int64_t n0 = t * width;
         if (Np - n0 >= width)
-            columns(x, w, Kp, n0, NV, M, x_scale, w_sum, w_scale, bias, y, Np);
+            columns(x, w, Kp, n0, NV, M, x_scale, w_sum, w_scale, bias, y, Np, act);
         else /* a last, narrower tile: a vector at a time */
             for (int64_t n = n0; n < Np; n += VLEN)
-                columns(x, w, Kp, n, 1, M, x_scale, w_sum, w_scale, bias, y, Np);
+                columns(x, w, Kp, n, 1, M, x_scale, w_sum, w_scale, bias, y, Np, act);
     }
 }
 

@@ -52,7 +52,9 @@ class Int8Linear(nn.Module):
     kernel (int8_linear.c, summing exactly in int32), else int8_reference."""
 
     work = "int8"  # the kind of work the kernel plan installs a kernel for
-    kernel = None  # (x2, Int8Weight) -> (rows, padded out), or None where x2 is not the kernel's
+    # (x2, Int8Weight, activation) -> activation((rows, padded out)), or None where x2 is not
+    # the kernel's
+    kernel = None
     per_token = True  # one activation scale a row; False: one a call (what the tests compare)
 
     def __init__(self, in_features: int, out_features: int, weight: Int8Weight):
@@ -68,12 +70,12 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
         y = None
         if self.per_token and self.kernel is not None:
-            y = self.kernel(x2, self.weight)
+            y = self.kernel(x2, self.weight, activation)
         if y is None:
-            y = int8_reference(x2, self.weight, self.per_token)
+            y = activate(int8_reference(x2, self.weight, self.per_token), activation)
         if y.shape[1] != self.out_features:
             y = y[:, : self.out_features]
-        return activate(y.to(x.dtype).reshape(*x.shape[:-1], self.out_features), activation)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 def can_int4() -> bool:
