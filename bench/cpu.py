@@ -63,12 +63,15 @@ SIDES = {"before": lambda: {"MMCLI_CPU_FEATURES": vector_units()}, "after": dict
 
 def against_tree(commit: str, cache_dir: Path) -> None:
     """--against COMMIT: that commit's tree as a third side, its workers importing its mmcli (a
-    git worktree, made once in the bench cache): ratios against it are measured in this run."""
+    git worktree, made once in the bench cache): ratios against it are measured in this run. It
+    keeps an mmcli cache of its own: where its quantization code differs, the two trees would
+    prepare the int8 weights again at every other run, the writer's thread beside the phases."""
     tree = cache_dir / f"tree-{commit}"
     if not (tree / "mmcli").is_dir():
         command = ["git", "-C", str(compare_hf.ROOT), "worktree", "add", "--detach", str(tree)]
         subprocess.run([*command, commit], check=True, capture_output=True)
-    SIDES[commit] = lambda: {"PYTHONPATH": str(tree)}
+    own_cache = cache_dir / f"tree-{commit}-cache"
+    SIDES[commit] = lambda: {"PYTHONPATH": str(tree), "XDG_CACHE_HOME": str(own_cache)}
 
 
 def third_side() -> str | None:

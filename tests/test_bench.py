@@ -108,6 +108,19 @@ def test_a_steps_parts_are_each_held_to_their_own_floor():
     )
 
 
+def test_a_tree_run_beside_keeps_an_mmcli_cache_of_its_own(tmp_path, monkeypatch):
+    """--against's tree imports its own mmcli and keeps its own cache: two trees whose int8
+    quantization code differs would otherwise prepare the weights again at every other run."""
+    (tmp_path / "tree-abc1234" / "mmcli").mkdir(parents=True)  # the worktree, made before
+    monkeypatch.setattr(cpu_bench, "SIDES", dict(cpu_bench.SIDES))
+    cpu_bench.against_tree("abc1234", tmp_path)
+    assert cpu_bench.SIDES["abc1234"]() == {
+        "PYTHONPATH": str(tmp_path / "tree-abc1234"),
+        "XDG_CACHE_HOME": str(tmp_path / "tree-abc1234-cache"),
+    }
+    assert cpu_bench.third_side() == "abc1234"
+
+
 @pytest.mark.parametrize(
     "path, kernel, products, unit",
     [
