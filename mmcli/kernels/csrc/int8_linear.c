@@ -193,6 +193,7 @@ int amx_int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, con
                     const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
                     int64_t Kp, int threads);
 
+#ifdef __AMX_INT8__
 /* act (enum activation) applied to y's n values, in place: the AMX tiles' results */
 static void activate(float *y, int64_t n, int act, int threads) {
     if (act != GELU_TANH) return;
@@ -202,6 +203,7 @@ static void activate(float *y, int64_t n, int act, int threads) {
         vstore_some(y + i, vgelu_tanh(vload_some(y + i, some)), some);
     }
 }
+#endif
 
 /* y is M x Np float32; w_sum, w_scale and bias hold Np values (zero past the layer's own
    channels); act (enum activation) is applied as each output is stored. The AMX build computes
@@ -218,7 +220,6 @@ void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const 
     }
 #else
     (void)vnni_rows;
-    (void)activate;
 #endif
     const int64_t width = NV * VLEN, tiles = (Np + width - 1) / width;
 /* a tile at a time to whichever thread is free, as bf16_linear.c shares out its rows */
