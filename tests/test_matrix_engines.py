@@ -126,7 +126,8 @@ def test_our_amx_build_puts_the_few_rows_the_logits_and_int8_on_the_tiles():
     plan = choose(shape_on(AMX, quantize="int8"), amx)
     assert plan.upcast.id == "onednn_bf16+amx_tiles"
     assert plan.upcast.kernel == "oneDNN bfloat16 (AMX) above 16 rows, AMX tiles to 16"
-    assert plan.head.id == "amx_split" and plan.head.kernel.startswith("AMX tiles to 32 rows")
+    assert plan.head.id == "amx_rounded" and plan.head.kernel.startswith("AMX tiles to 32 rows")
+    assert choose(shape_on(AMX), amx).head.id == "amx_split"
     assert plan.int8.id == plan.vision_int8.id == "int8_linear.c+amx_tiles"
     assert choose(shape_on(AMX, quantize="int4"), amx).int4.id == "amx_int4"
     assert choose(shape_on(AMX), amx).decode_step.id == "decode_layer.c+amx_tiles"
@@ -177,6 +178,12 @@ def test_avx512_bf16_dot_products_take_the_few_rows_and_the_decode_step(above):
     assert vnni.decode_step.id == "decode_layer.c" and "bf16_dot" not in vnni.upcast.id
     int8 = choose(shape_on(AVX512_BF16, quantize="int8"), machine(AVX512_BF16, "AVX-512 BF16"))
     assert int8.decode_step.id == "decode_layer.c+int8_linear.c"
+    assert int8.head.id == "bf16_dot_rounded"
+    # the default run's logits from 16 bits of each activation, a quantized run's rounded
+    x, weight = torch.randn(3, 40), torch.randn(24, 40).bfloat16()
+    for head, split in ((plan.head, True), (int8.head, False)):
+        products = head.install(None)(x, weight, None, None)
+        assert torch.equal(products, cpu_ops.bf16_rows_matmul(x, weight, split=split))
 
 
 @pytest.mark.parametrize("above", [None, 16, 256])

@@ -131,12 +131,12 @@ def bf16_rows_matmul(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torc
     return bf16_matmul(x, weight, None, None)
 
 
-def split_matmul(x, weight, bias, activation) -> torch.Tensor | None:
-    """The head's kernel on the tiles or AVX-512 BF16's dot products: bf16_rows_matmul with each
-    activation split (a bias or an activation: bf16_matmul's)."""
+def head_matmul(x, weight, bias, activation, split: bool) -> torch.Tensor | None:
+    """The head's kernel on the tiles or AVX-512 BF16's dot products: bf16_rows_matmul, each
+    activation split or rounded (a bias or an activation: bf16_matmul's)."""
     if bias is not None or activation is not None:
         return bf16_matmul(x, weight, bias, activation)
-    return bf16_rows_matmul(x, weight, split=True)
+    return bf16_rows_matmul(x, weight, split=split)
 
 
 def amx_int4_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -165,19 +165,26 @@ def _upcast(shape: RunShape, machine: Machine) -> Choice:
 def _head(shape: RunShape, machine: Machine, upcast: Choice) -> Choice:
     """The lm_head as the other bfloat16 matrices, but in float32 products, or 16 bits of each
     activation where a few-rows kernel takes them split: activations rounded to bfloat16 would
-    move greedy near-ties and every log-prob (a GEMM at many sequences only)."""
+    move greedy near-ties and every log-prob (a GEMM at many sequences only). A quantized run's
+    head takes them rounded, one product each: they come through 7- and 8-bit products already,
+    and teacher-forced its log-probs move by under 0.3% of what those move them
+    (docs/performance.md), where the split doubles the products of a step's many rows."""
     if not shape.bf16_products() or upcast is NONE:
         return upcast
     ours = _c_kernel("bf16_linear.c", shape, machine, _function(cpu_ops.bf16_matmul))
     if ours.install is None:
         return Choice("chunks", "chunks", f"{ours.why}: float32 logits")
-    why = "each activation as two bfloat16 (16 bits) for the logits"
+    split = shape.quantize == "none"
+    if split:
+        form, why = "split", "each activation as two bfloat16 (16 bits) for the logits"
+    else:
+        form, why = "rounded", f"{shape.quantize}: its activations rounded as the layers' are"
+    install = _function(functools.partial(cpu_ops.head_matmul, split=split))
     if _tiles(shape, machine):
         kernel = f"AMX tiles to {cpu.AMX_ROWS} rows, bf16_linear.c above"
-        return Choice("amx_split", kernel, why, _function(cpu_ops.split_matmul))
+        return Choice(f"amx_{form}", f"{kernel}, {form}", why, install)
     if _bf16_dot(shape, machine):  # the same bits at every row count, as on the tiles
-        kernel = "bf16_dot.c, split"
-        return Choice("bf16_dot_split", kernel, why, _function(cpu_ops.split_matmul))
+        return Choice(f"bf16_dot_{form}", f"bf16_dot.c, {form}", why, install)
     return Choice(ours.id, ours.kernel, "float32 products for the logits", ours.install)
 
 
