@@ -14,14 +14,33 @@ VNNI_HERE = cpu.why_unavailable() is None and cpu.has_vnni() and cpu.has_vbmi()
 pytestmark = pytest.mark.skipif(not VNNI_HERE, reason="this CPU has no AVX-512 VNNI and VBMI")
 
 
-def _int8_groups(x: torch.Tensor) -> torch.Tensor:
-    """x as int4_vnni_rows quantizes it: each group of 32 inputs to int8, scale its largest
-    value over 127 (float32 arithmetic, ties to even), returned dequantized in float64."""
+def _int8_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as int4_vnni.c quantizes it: each group of 32 inputs to int8 levels, scale its largest
+    value over 127 (float32 arithmetic, ties to even): (levels, largest) by group."""
     groups = x.reshape(x.shape[0], -1, 32)
     largest = groups.abs().amax(-1, keepdim=True)
     inverse = torch.where(largest > 0, 127 / largest, torch.zeros_like(largest))
-    q = torch.round(groups * inverse)
+    return torch.round(groups * inverse), largest
+
+
+def _int8_groups(x: torch.Tensor) -> torch.Tensor:
+    """x quantized as int4_vnni.c quantizes it, dequantized in float64."""
+    q, largest = _int8_levels(x)
     return (q.double() * (largest / 127).double()).reshape(x.shape)
+
+
+def test_rows_are_quantized_to_the_levels_of_float32_arithmetic_ties_to_even():
+    """The vector quantizer's levels, scales and sums are exactly the scalar arithmetic's, at
+    ties (halves of a level) and in a group of zeros too."""
+    x = torch.randn(5, 256)
+    x[1] = torch.arange(256.0).remainder(64) - 31.5  # halves: ties, each group's largest 127
+    x[1, ::32] = 127.0
+    x[2, :32] = 0
+    levels, scales, sums = cpu.int4_quantize_rows(x)
+    q, largest = _int8_levels(x)
+    assert torch.equal(levels.reshape(q.shape).float(), q)
+    assert torch.equal(scales, (largest / 127).reshape(scales.shape))
+    assert torch.equal(sums, q.sum(-1).int())
 
 
 # rows in one pass of 4 and in several (the last one short); one group and many

@@ -262,6 +262,10 @@ def _declare(library: ctypes.CDLL) -> None:
     for name in (*int4, *(("int4_vnni_rows",) if library.int4_vnni else ())):
         kernel = getattr(library, name)
         kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    if library.int4_vnni:
+        library.int4_quantize_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2
+        library.int4_quantize_rows.argtypes += [ctypes.c_void_p] * 3
+        library.int4_quantize_rows.restype = None
 
 
 def eager() -> bool:
@@ -370,6 +374,22 @@ def int4_vnni_linear(x: torch.Tensor, weight) -> torch.Tensor | None:
     if library is None or not library.int4_vnni:
         return None
     return _int4_products(library.int4_vnni_rows, x.float().contiguous(), weight)
+
+
+def int4_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """x (rows, K) float32, contiguous, K a multiple of 32, as int4_vnni.c's products take it:
+    each group of 32 inputs as int8 levels, the group's scale and the sum of its levels; None
+    where this build has no int4_vnni.c."""
+    library = load()[0]
+    if library is None or not library.int4_vnni:
+        return None
+    rows, width = x.shape
+    levels = torch.empty(rows, width, dtype=torch.int8)
+    scales, sums = torch.empty(rows, width // 32), torch.empty(rows, width // 32, dtype=torch.int32)
+    library.int4_quantize_rows(
+        x.data_ptr(), rows, width, levels.data_ptr(), scales.data_ptr(), sums.data_ptr()
+    )
+    return levels, scales, sums
 
 
 def _int4_products(kernel, x: torch.Tensor, weight) -> torch.Tensor | None:
@@ -524,10 +544,12 @@ def int4_dequantize(weight, group: int, start: int, stop: int) -> torch.Tensor:
 
 def decode_scratch(layer: DecodeLayer, rows: int, context: int) -> torch.Tensor:
     """The floats decode_layer.c works in for `rows` rows reaching `context` columns (one buffer
-    for every layer of a step): its float32 rows, then int8 rows' levels and scales."""
+    for every layer of a step): its float32 rows, then quantized rows' scales, int4's group
+    sums and the levels."""
     per_row = 2 * layer.hidden + 2 * (layer.heads + layer.kv_heads) * layer.d
     widest = max(layer.hidden, layer.heads * layer.d, layer.intermediate)
-    levels = rows + (rows * widest + 3) // 4  # a scale a row, a byte a value
+    # a scale a row (int8) or a group of 32 (int4), int4's sums alike, then a byte a value
+    levels = 2 * rows * (widest // 32 + 1) + (rows * widest + 3) // 4
     return torch.empty(rows * (per_row + 2 * layer.intermediate) + levels + layer.heads * context)
 
 

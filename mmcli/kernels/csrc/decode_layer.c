@@ -26,8 +26,11 @@ void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
 void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
                  const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
                  int64_t Kp, int64_t vnni_rows, int act, int threads);
-int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
-                   int64_t M, int64_t N, int64_t K, int threads);
+void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
+                        int32_t *sums);
+int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
+                       const uint8_t *packed, const uint16_t *scales_zeros, float *y, int64_t M,
+                       int64_t N, int64_t K, int threads);
 
 /* A linear's weights (out x in): bfloat16 bits as loaded; int8 in int8_linear.c's layout with
    each output channel's sum of values, scale and bias; or int4 in torch's CPU layout (values) with
@@ -48,27 +51,32 @@ struct decode_layer {
     int32_t bf16_products; /* bfloat16 products (the run's precision has them): AMX, BF16 */
     int32_t int8;          /* int8 weights: each product's rows quantized a row at a time */
     int64_t vnni_rows;     /* int8_linear's: the AMX build's tiles above this many rows */
-    int32_t int4;          /* int4 weights: int4_vnni_rows (set where the build has it) */
+    int32_t int4;          /* int4 weights: int4_vnni_products (set where the build has it) */
 };
 
-/* A product's input rows: float32, and for int8 weights their levels and scales (quantize_rows),
-   made once for the products that share them (q, k and v; gate and up). */
+/* A product's input rows: float32, and their levels made once for the products that share them
+   (q, k and v; gate and up): for int8 weights a row's levels and scale (quantize_rows), for int4
+   each group's levels, scale and sum (int4_quantize_rows). */
 struct rows_in {
     const float *x;
     uint8_t *levels;
     float *scale;
+    int32_t *group_sums;
 };
 
 static void take_rows(const struct decode_layer *l, struct rows_in *in, const float *x, int64_t M,
                       int64_t K) {
     in->x = x;
     if (l->int8) quantize_rows(x, M, K, in->levels, K, in->scale, 1);
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+    if (l->int4) int4_quantize_rows(x, M, K, (int8_t *)in->levels, in->scale, in->group_sums);
+#endif
 }
 
-/* The step's products: int8 on int8_linear; int4 on int4_vnni_rows; bfloat16 where the layer asks
-   for them, on the AMX tiles where this build has them, else on AVX-512 BF16's dot products (at
-   every row count: both sum each row alone, so a sequence's logits do not depend on how many share
-   its step); else bf16_linear's float32 FMAs. */
+/* The step's products: int8 on int8_linear; int4 on int4_vnni_products; bfloat16 where the
+   layer asks for them, on the AMX tiles where this build has them, else on AVX-512 BF16's dot
+   products (at every row count: both sum each row alone, so a sequence's logits do not depend on
+   how many share its step); else bf16_linear's float32 FMAs. */
 static void linear(const struct decode_layer *l, const struct rows_in *in,
                    const struct decode_matrix *w, float *y, int64_t M, int64_t N, int64_t K,
                    int threads) {
@@ -78,7 +86,9 @@ static void linear(const struct decode_layer *l, const struct rows_in *in,
         return;
     }
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
-    if (l->int4 && !int4_vnni_rows(in->x, w->values, w->scales_zeros, y, M, N, K, threads)) return;
+    if (l->int4 && !int4_vnni_products((const int8_t *)in->levels, in->scale, in->group_sums,
+                                       w->values, w->scales_zeros, y, M, N, K, threads))
+        return;
 #endif
 #ifdef __AMX_BF16__
     if (l->bf16_products && !amx_bf16_linear(in->x, w->values, y, M, N, K, 0, threads)) return;
@@ -157,9 +167,10 @@ static void attend_row(const struct decode_layer *l, const float *q, const float
 /* x (rows x hidden) <- the layer's output for each row's token: row r's key and value written
    at column positions[r] of cache row slots[r] (k_cache and v_cache: [cache rows, kv_heads,
    columns, d], contiguous) and attended over positions[r] + 1 columns. cos/sin: d values a row.
-   scratch: rows * (hidden * 2 + heads * d * 2 + kv_heads * d * 2 + intermediate * 2 + 1) floats,
-   then rows * (the widest of hidden, heads * d and intermediate) bytes rounded up to floats, then
-   heads * (the largest position + 1) floats (cpu.decode_scratch). */
+   scratch: rows * (hidden * 2 + heads * d * 2 + kv_heads * d * 2 + intermediate * 2) floats, then
+   twice rows * (widest / 32 + 1) floats (widest: the widest of hidden, heads * d and
+   intermediate), then rows * widest bytes rounded up to floats, then heads * (the largest
+   position + 1) floats (cpu.decode_scratch). */
 void decode_layer(const struct decode_layer *l, float *x, int64_t rows, float *k_cache,
                   float *v_cache, int64_t columns, const int64_t *slots, const int64_t *positions,
                   const float *cos, const float *sin, float *scratch, int threads) {
@@ -169,10 +180,12 @@ void decode_layer(const struct decode_layer *l, float *x, int64_t rows, float *k
     const int64_t widest = H > Q ? (H > I ? H : I) : (Q > I ? Q : I);
     float *normed = scratch, *q = normed + rows * H, *k = q + rows * Q, *v = k + rows * KV;
     float *attn = v + rows * KV, *out = attn + rows * Q, *gate = out + rows * H;
+    const int64_t scales = rows * (widest / 32 + 1); /* a row's, or (int4) a group's */
     float *up = gate + rows * I, *level_scale = up + rows * I;
-    uint8_t *levels = (uint8_t *)(level_scale + rows);
-    float *scores = level_scale + rows + (rows * widest + 3) / 4;
-    struct rows_in in = {normed, levels, level_scale};
+    int32_t *group_sums = (int32_t *)(level_scale + scales);
+    uint8_t *levels = (uint8_t *)(group_sums + scales);
+    float *scores = (float *)levels + (rows * widest + 3) / 4;
+    struct rows_in in = {normed, levels, level_scale, group_sums};
     rms_norm(x, H, l->input_norm, normed, rows, H, l->eps, 1);
     take_rows(l, &in, normed, rows, H);
     linear(l, &in, &l->q, q, rows, Q, H, threads);

@@ -4,7 +4,6 @@
    permutes to spread the nibbles): built where the CPU has both (kernels/cpu.py). For a decode
    step's few rows the weights' integers are multiplied as they are, where torch's int4 kernel and
    the tiles' panels dequantize every weight first. */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -40,21 +39,23 @@ static inline void int4_quads(const uint8_t *first, __m512i w[4]) {
     w[3] = _mm512_and_si512(_mm512_srli_epi16(p1, 4), low);
 }
 
-/* x (rows x K float32) as int8 per group of 32 inputs: xq, each group's scale and sum(xq) */
-static void quantize_groups(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
-                            int32_t *sums) {
+/* x (rows x K float32) as int8 per group of 32 inputs: xq, each group's scale and sum(xq). The
+   vector units' rounding (to nearest, ties to even) is lrintf's, and each group's products and
+   quotient are the scalar ones: the same integers as a loop of lrintf, at a fraction of its time
+   (a decode step of 32 rows spent a quarter of its time in that loop). */
+void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
+                        int32_t *sums) {
     for (int64_t i = 0; i < rows * (K / 32); i++) {
-        const float *v = x + i * 32;
-        float largest = 0.0f;
-        for (int k = 0; k < 32; k++) largest = fmaxf(largest, fabsf(v[k]));
-        const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
-        int32_t total = 0;
-        for (int k = 0; k < 32; k++) {
-            xq[i * 32 + k] = (int8_t)lrintf(v[k] * inverse);
-            total += xq[i * 32 + k];
-        }
+        const __m512 a = _mm512_loadu_ps(x + i * 32), b = _mm512_loadu_ps(x + i * 32 + 16);
+        const float largest =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));
+        const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+        _mm_storeu_si128((__m128i *)(xq + i * 32), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(xq + i * 32 + 16), _mm512_cvtepi32_epi8(qb));
         scales[i] = largest / 127.0f;
-        sums[i] = total;
+        sums[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     }
 }
 
@@ -113,24 +114,35 @@ static void rows_of_block(const int8_t *xq, const float *scales, const int32_t *
     }
 }
 
-/* y (M x N, float32) = x (M x K, float32) @ W.T for int4 W in torch's CPU layout (group 32),
-   VNNI_ROWS rows at a time over each block of 64 channels (its weights, 32 bytes an input, read
-   again from the cache); nonzero (nothing computed) where N is not a multiple of 64 or K of 32. */
+/* y (M x N, float32) = x @ W.T for int4 W in torch's CPU layout (group 32) and x's rows as
+   int4_quantize_rows made them, VNNI_ROWS rows at a time over each block of 64 channels (its
+   weights, 32 bytes an input, read again from the cache); nonzero (nothing computed) where N is
+   not a multiple of 64 or K of 32. */
+int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
+                       const uint8_t *packed, const uint16_t *scales_zeros, float *y, int64_t M,
+                       int64_t N, int64_t K, int threads) {
+    if (M < 1 || N % 64 || K % 32) return 1;
+    const uint32_t *pairs = (const uint32_t *)scales_zeros;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t block = 0; block < N / 64; block++) {
+        for (int64_t m = 0; m < M; m += VNNI_ROWS)
+            rows_of_block(xq, x_scales, x_sums, packed, pairs, K, N, block, m, M, y);
+    }
+    return 0;
+}
+
+/* The same for x (M x K, float32), its rows quantized on the way; nonzero where the shapes are
+   not the kernel's or its rows' buffers could not be allocated. */
 int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
                    int64_t M, int64_t N, int64_t K, int threads) {
     if (M < 1 || N % 64 || K % 32) return 1;
     int8_t *xq = malloc((size_t)(M * K));
     float *scales = malloc((size_t)(M * (K / 32)) * sizeof(float));
     int32_t *sums = malloc((size_t)(M * (K / 32)) * sizeof(int32_t));
-    const int failed = !xq || !scales || !sums;
+    int failed = !xq || !scales || !sums;
     if (!failed) {
-        quantize_groups(x, M, K, xq, scales, sums);
-        const uint32_t *pairs = (const uint32_t *)scales_zeros;
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t block = 0; block < N / 64; block++) {
-            for (int64_t m = 0; m < M; m += VNNI_ROWS)
-                rows_of_block(xq, scales, sums, packed, pairs, K, N, block, m, M, y);
-        }
+        int4_quantize_rows(x, M, K, xq, scales, sums);
+        failed = int4_vnni_products(xq, scales, sums, packed, scales_zeros, y, M, N, K, threads);
     }
     free(xq);
     free(scales);
