@@ -195,10 +195,13 @@ def step_worker(ckpt: Path, settings: dict) -> dict:
     """Decode steps of 1, 8 and 32 sequences at STEP_CONTEXT, each the best of 5, with what
     the step reads (weights, the KV cache) and multiplies, and where its time goes: the
     lm_head alone at the step's rows, and the attention over the cache as the step at
-    STEP_CONTEXT less the same step at its first column."""
+    STEP_CONTEXT less the same step at its first column. The read bandwidth is measured in
+    the same turns (measure.floors' stream), as many times as each step: on a shared machine
+    it moves by half within minutes, and a step is held to what the memory gave while it ran."""
     from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
     from mmcli.engine.batch import DecodeItem
+    from mmcli.kernels import measure
     from mmcli.weights.checkpoint import expected_shapes
 
     engine = {"max_seqs": max(STEP_ROWS), "max_len": 512}
@@ -209,22 +212,24 @@ def step_worker(ckpt: Path, settings: dict) -> dict:
     weights = step_bytes(cap.model)
     per_token = text.num_hidden_layers * text.num_key_value_heads * text.head_dim  # k and v
     per_token *= 2 * runner.dtype.itemsize  # the cache's dtype: the compute dtype
-    steps = {}
+    steps, stream = {}, torch.ones(measure.BANDWIDTH_BYTES // 4)
     for rows in STEP_ROWS:
         items = [DecodeItem(i, 100 + i, STEP_CONTEXT, 0) for i in range(rows)]
         first = [DecodeItem(i, 100 + i, 0, 0) for i in range(rows)]
         hidden = torch.randn(rows, text.hidden_size)
         with torch.inference_mode():
-            seconds, first_column, head = best_seconds(
+            seconds, first_column, head, stream_seconds = best_seconds(
                 lambda items=items: runner.decode(items),
                 lambda first=first: runner.decode(first),
                 lambda hidden=hidden: cap.model.lm_head(hidden),
+                stream.sum,
             )
         steps[rows] = {
             "seconds": seconds,
             "kv_bytes": rows * (STEP_CONTEXT + 1) * per_token,
             "attention": seconds - first_column,
             "head": head,
+            "read_gb_s": measure.BANDWIDTH_BYTES / stream_seconds / 1e9,
         }
     shapes = expected_shapes(cap.model.cfg)
     matrices = sum(
@@ -626,12 +631,12 @@ def main() -> None:
 def decode_floors(args, ckpt: Path) -> None:
     """(e) each path's decode step at 1, 8 and 32 sequences, before (vector units) and after,
     against its floor: the larger of the bytes it reads (weights in their form, the KV cache)
-    over the measured read bandwidth and its FLOPs over the peak of the unit it can use; then
-    (e') each step's parts against their own floors. The bandwidth and the peaks are the higher
-    of two measurements, before the steps and after: a disturbed moment never lowers a floor."""
+    over the read bandwidth measured in turns with its steps and its FLOPs over the peak of the
+    unit it can use; then (e') each step's parts against their own floors. The peaks are the
+    higher of two measurements, before the steps and after: a disturbed moment never lowers a
+    floor."""
     from mmcli.kernels import measure
 
-    first = measure.floors()
     results = {}
     for name, settings in PATHS.items():
         if name == "float32":
@@ -640,25 +645,29 @@ def decode_floors(args, ckpt: Path) -> None:
             with side_env(side):
                 results[name, side], _ = run(args, "--worker", "step", "--ckpt", str(ckpt),
                                              "--settings", json.dumps(settings))  # fmt: skip
-    read = higher(first, measure.floors())["read_gb_s"] * 1e9
     peaks = BENCH["peaks"] = higher(BENCH["peaks"], measure.peaks())
     print(
-        f"\n(e) decode steps at {STEP_CONTEXT} columns; read bandwidth {read / 1e9:.1f} GB/s, "
+        f"\n(e) decode steps at {STEP_CONTEXT} columns; peaks "
         + ", ".join(f"{unit} {rate:.0f}" for unit, rate in peaks.items())
-        + " G(FL)OP/s (each the higher of its measurements before and after the steps)"
+        + " G(FL)OP/s (each the higher of its measurements before and after the steps); the read"
+        + " bandwidth streamed in turns with each step, as many times"
     )
-    print("path | side | rows | step ms | bytes read | floor ms (bound) | step / floor | kernels")
+    print(
+        "path | side | rows | step ms | bytes read | read GB/s | floor ms (bound) | step / floor"
+        " | kernels"
+    )
     parts = []
     for (name, side), r in results.items():
         unit = step_unit(name, r["kernels"]["decode_step"], r["products"])
         for rows, step in r["steps"].items():
+            read = step["read_gb_s"] * 1e9
             read_bytes = r["weights"] + step["kv_bytes"]
             memory = read_bytes / read
             compute = r["flops_per_row"] * int(rows) / peaks[unit] / 1e9
             floor = max(memory, compute)
             print(
                 f"{name} | {side} | {rows} | {step['seconds'] * 1e3:.0f} | "
-                f"{read_bytes / 1e9:.2f} GB | {floor * 1e3:.0f} "
+                f"{read_bytes / 1e9:.2f} GB | {read / 1e9:.1f} | {floor * 1e3:.0f} "
                 f"({'memory' if memory >= compute else unit}) | {step['seconds'] / floor:.2f}x | "
                 f"{r['kernels']['decode_step']}; head {r['kernels']['head']}"
             )
@@ -667,9 +676,9 @@ def decode_floors(args, ckpt: Path) -> None:
             parts.append(f"{name} | {side} | {rows} | {floors}")
     print("\n(e') where each step's time goes: ms, and each part against its own floor (bytes")
     print("over the read bandwidth or FLOPs over its unit's peak, the larger): the decoder's")
-    print("layers but their attention over the cache, the lm_head alone (16 bits of each")
-    print("activation: twice its products), that attention (the step less the same step at")
-    print("its first column)")
+    print("layers but their attention over the cache, the lm_head alone (the default path's")
+    print("split: 16 bits of each activation, twice its products), that attention (the step less")
+    print("the same step at its first column)")
     print("path | side | rows | layers | lm_head | attention over the cache")
     print("\n".join(parts), flush=True)
 
