@@ -9,6 +9,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from mmcli.weights.checkpoint import expected_shapes, read_model_config
@@ -106,6 +107,15 @@ def test_a_steps_parts_are_each_held_to_their_own_floor():
     assert cpu_bench.step_floors(r, 1, {**step, "attention": -0.001}, read, peak, peak).endswith(
         "~0"
     )
+
+
+def test_a_steps_bandwidth_is_its_own_weights_streamed():
+    """The floor's bandwidth reads the step's tensors of 1 MiB and more, whatever their dtype,
+    and counts those bytes only."""
+    weights = [torch.ones(1 << 18), torch.ones(1 << 20, dtype=torch.int8), torch.ones(64)]
+    stream, streamed = cpu_bench.weights_stream(weights)
+    assert streamed == (1 << 20) * 2
+    assert [int(top) for top in stream()] == [0x80, 1]  # 1.0 is 0x3f800000; int8 1
 
 
 def test_a_tree_run_beside_keeps_an_mmcli_cache_of_its_own(tmp_path, monkeypatch):
