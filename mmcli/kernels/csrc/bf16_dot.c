@@ -93,8 +93,9 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
         for (int n = 0; n < NB; n++) y[m * N + n] = sums[m * NB + n];
 }
 
-/* The channels [n0, n0 + channels) of every row: tiles of up to 4 rows x (16 / rows) channels,
-   the channels left over one at a time. */
+/* The channels [n0, n0 + channels) of every row: tiles of up to 4 rows x (16 / rows) channels
+   (one row: 8, as two rows: 16 weight rows' pointers leave GCC too few registers, and the tile
+   read 66 GB/s from L2 where 8 read 109), the channels left over one at a time. */
 static inline __attribute__((always_inline)) void block(const uint16_t *x, int64_t Kp, int64_t low,
                                                         const uint16_t *w, int64_t K, float *y,
                                                         int64_t M, int64_t N, int64_t n0,
@@ -102,10 +103,10 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, int64
 #define TILE(MB, NB)                                                                               \
     tile(x + m * Kp, Kp, low, w + (n0 + n) * K, K, y + m * N + n0 + n, N, MB, NB, PLANES)
     for (int64_t m = 0; m < M; m += 4) {
-        const int rows = M - m < 4 ? (int)(M - m) : 4, wide = 16 / (rows == 3 ? 4 : rows);
+        const int rows = M - m < 4 ? (int)(M - m) : 4, wide = rows < 3 ? 8 : 4;
         int n = 0;
         for (; n + wide <= channels; n += wide) switch (rows) {
-            case 1: TILE(1, 16); break;
+            case 1: TILE(1, 8); break;
             case 2: TILE(2, 8); break;
             case 3: TILE(3, 4); break;
             default: TILE(4, 4); break;
