@@ -176,10 +176,10 @@ def weights_stream(tensors: list) -> tuple[callable, int]:
     each, both cores: as fast as a float sum, and blind to what the bytes hold), and the bytes
     it reads: the read bandwidth these weights give, wherever the host placed them. On these
     machines a fresh 1 GiB buffer streams at 33 GB/s in one process and 60 in the next. Tensors
-    of 1 MiB and more: a call each, and the norms' few KiB would time the calls."""
-    large = [
-        t.reshape(-1).view(torch.uint8) for t in tensors if t.numel() * t.element_size() >= 1 << 20
-    ]
+    of 1 MiB and more (a call each: the norms' few KiB would time the calls), or every one of a
+    model that has none (the smoke run's tiny one)."""
+    large = [t for t in tensors if t.numel() * t.element_size() >= 1 << 20] or tensors
+    large = [t.reshape(-1).view(torch.uint8) for t in large]
     return (lambda: [t.amax() for t in large]), sum(t.numel() for t in large)
 
 

@@ -111,11 +111,12 @@ def test_a_steps_parts_are_each_held_to_their_own_floor():
 
 def test_a_steps_bandwidth_is_its_own_weights_streamed():
     """The floor's bandwidth reads the step's tensors of 1 MiB and more, whatever their dtype,
-    and counts those bytes only."""
+    and counts those bytes only; all of a model that has none."""
     weights = [torch.ones(1 << 18), torch.ones(1 << 20, dtype=torch.int8), torch.ones(64)]
     stream, streamed = cpu_bench.weights_stream(weights)
     assert streamed == (1 << 20) * 2
     assert [int(top) for top in stream()] == [0x80, 1]  # 1.0 is 0x3f800000; int8 1
+    assert cpu_bench.weights_stream(weights[2:])[1] == 64 * 4  # a tiny model: all of it
 
 
 def test_a_tree_run_beside_keeps_an_mmcli_cache_of_its_own(tmp_path, monkeypatch):
