@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import compare_hf
@@ -167,11 +168,7 @@ def step_tensors(model) -> list:
     return list({t.data_ptr(): t for t in tensors}.values())
 
 
-def step_bytes(model) -> int:
-    return sum(t.numel() * t.element_size() for t in step_tensors(model))
-
-
-def weights_stream(tensors: list) -> tuple[callable, int]:
+def weights_stream(tensors: list) -> tuple[Callable[[], object], int]:
     """A function that reads the step's weights once, as its pages are (the largest byte of
     each, both cores: as fast as a float sum, and blind to what the bytes hold), and the bytes
     it reads: the read bandwidth these weights give, wherever the host placed them. On these
@@ -219,8 +216,9 @@ def step_worker(ckpt: Path, settings: dict) -> dict:
     cap = Labeler.from_pretrained(str(ckpt), config=cfg)
     runner, text = cap.runner, cap.model.cfg.text
     runner.cache.grow(max(STEP_ROWS) + 1, 512)
-    weights = step_bytes(cap.model)
-    stream, streamed = weights_stream(step_tensors(cap.model))
+    tensors = step_tensors(cap.model)
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    stream, streamed = weights_stream(tensors)
     per_token = text.num_hidden_layers * text.num_key_value_heads * text.head_dim  # k and v
     per_token *= 2 * runner.dtype.itemsize  # the cache's dtype: the compute dtype
     steps = {}

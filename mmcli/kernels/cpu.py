@@ -384,6 +384,8 @@ def int4_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     if library is None or not library.int4_vnni:
         return None
     rows, width = x.shape
+    if width % 32 or not x.is_contiguous() or x.dtype != torch.float32:
+        raise ValueError(f"int4 rows: float32, contiguous, a multiple of 32 wide, not {x.shape}")
     levels = torch.empty(rows, width, dtype=torch.int8)
     scales, sums = torch.empty(rows, width // 32), torch.empty(rows, width // 32, dtype=torch.int32)
     library.int4_quantize_rows(

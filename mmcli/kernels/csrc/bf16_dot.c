@@ -93,9 +93,9 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
         for (int n = 0; n < NB; n++) y[m * N + n] = sums[m * NB + n];
 }
 
-/* The channels [n0, n0 + channels) of every row: tiles of up to 4 rows x (16 / rows) channels
-   (one row: 8, as two rows: 16 weight rows' pointers leave GCC too few registers, and the tile
-   read 66 GB/s from L2 where 8 read 109), the channels left over one at a time. */
+/* The channels [n0, n0 + channels) of every row: tiles of 1-2 rows x 8 channels or 3-4 rows x 4
+   (a row of 16 channels' pointers left GCC too few registers: 66 GB/s from L2 where 8 channels
+   read 109), the channels left over one at a time. */
 static inline __attribute__((always_inline)) void block(const uint16_t *x, int64_t Kp, int64_t low,
                                                         const uint16_t *w, int64_t K, float *y,
                                                         int64_t M, int64_t N, int64_t n0,
