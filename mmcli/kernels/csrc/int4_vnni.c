@@ -59,17 +59,36 @@ void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, flo
     }
 }
 
-/* y's `rows` (a constant once inlined: the sums in registers) x the 64 channels of `block` */
+/* The next block's bytes, spread over the groups of this block's passes of rows (vectors.h) */
+static struct ahead ahead_of(const uint8_t *packed, int64_t K, int64_t N, int64_t block, int64_t M,
+                             int64_t pass) {
+    const int64_t groups = K / 32, passes = (M + VNNI_ROWS - 1) / VNNI_ROWS;
+    const int64_t steps = passes * groups, lines = (K * 32 / 64 + steps - 1) / steps;
+    const char *next = (const char *)(packed + (block + 1) * K * 32);
+    struct ahead a = {next + pass * groups * lines * 64, next + K * 32, lines};
+    /* one pass of rows reads its block once, as fast as the hardware's prefetch alone */
+    if (passes < 2 || (block + 1) * 64 >= N) a.lines = 0;
+    return a;
+}
+
+/* y's `rows` (a constant once inlined: the sums in registers) x the 64 channels of `block`; the
+   next block's bytes fetched ahead, and in the first pass (`next_pairs` not NULL) its scales and
+   zeros, a group's 256 bytes at each group */
 static inline __attribute__((always_inline)) void
 int4_vnni_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
                 const uint8_t *packed, const uint32_t *pairs_of, int64_t K, int64_t N,
-                int64_t block, const int rows, float *y) {
+                int64_t block, const int rows, float *y, struct ahead *ahead,
+                const uint32_t *next_pairs) {
     const int64_t groups = K / 32;
     const uint8_t *bytes = packed + block * K * 32;
     __m512 acc[VNNI_ROWS][4];
     for (int m = 0; m < rows; m++)
         for (int t = 0; t < 4; t++) acc[m][t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
+        fetch_ahead(ahead);
+        if (next_pairs)
+            for (int i = 0; i < 4; i++)
+                _mm_prefetch((const char *)(next_pairs + g * N) + 64 * i, _MM_HINT_T2);
         __m512i sums[VNNI_ROWS][4];
         for (int m = 0; m < rows; m++)
             for (int t = 0; t < 4; t++) sums[m][t] = _mm512_setzero_si512();
@@ -105,13 +124,18 @@ static void rows_of_block(const int8_t *xq, const float *scales, const int32_t *
                           const uint8_t *packed, const uint32_t *pairs, int64_t K, int64_t N,
                           int64_t block, int64_t m, int64_t M, float *y) {
     const int64_t groups = K / 32;
+    struct ahead ahead = ahead_of(packed, K, N, block, M, m / VNNI_ROWS);
+    const uint32_t *next_pairs = ahead.lines && m == 0 ? pairs + (block + 1) * 64 : NULL;
     xq += m * K, scales += m * groups, sums += m * groups, y += m * N;
+#define ROWS(R)                                                                                    \
+    int4_vnni_block(xq, scales, sums, packed, pairs, K, N, block, R, y, &ahead, next_pairs)
     switch (M - m) {
-    case 1: int4_vnni_block(xq, scales, sums, packed, pairs, K, N, block, 1, y); break;
-    case 2: int4_vnni_block(xq, scales, sums, packed, pairs, K, N, block, 2, y); break;
-    case 3: int4_vnni_block(xq, scales, sums, packed, pairs, K, N, block, 3, y); break;
-    default: int4_vnni_block(xq, scales, sums, packed, pairs, K, N, block, 4, y); break;
+    case 1: ROWS(1); break;
+    case 2: ROWS(2); break;
+    case 3: ROWS(3); break;
+    default: ROWS(4); break;
     }
+#undef ROWS
 }
 
 /* y (M x N, float32) = x @ W.T for int4 W in torch's CPU layout (group 32) and x's rows as

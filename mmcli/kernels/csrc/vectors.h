@@ -15,6 +15,20 @@ static inline float bf16_to_float(uint16_t h) {
     return c.f;
 }
 
+/* Bytes fetched into the cache ahead of their use, `lines` cache lines a call of fetch_ahead:
+   the next block's weights while a kernel computes on this block's (bf16_dot.c, int4_vnni.c).
+   Where a kernel's rows pass over a block more than once, the first pass read it from memory,
+   the arithmetic waiting, and the others from the cache while memory idled. */
+struct ahead {
+    const char *next, *end;
+    int64_t lines;
+};
+
+static inline void fetch_ahead(struct ahead *a) {
+    for (int64_t i = 0; i < a->lines && a->next < a->end; i++, a->next += 64)
+        _mm_prefetch(a->next, _MM_HINT_T2);
+}
+
 #if defined(__AVX512F__)
 #define GL 16 /* channels per vector */
 typedef __m512 vec;
