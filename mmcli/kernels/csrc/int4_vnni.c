@@ -64,10 +64,13 @@ static struct ahead ahead_of(const uint8_t *packed, int64_t K, int64_t N, int64_
                              int64_t pass) {
     const int64_t groups = K / 32, passes = (M + VNNI_ROWS - 1) / VNNI_ROWS;
     const int64_t steps = passes * groups, lines = (K * 32 / 64 + steps - 1) / steps;
-    const char *next = (const char *)(packed + (block + 1) * K * 32);
-    struct ahead a = {next + pass * groups * lines * 64, next + K * 32, lines};
-    /* one pass of rows reads its block once, as fast as the hardware's prefetch alone */
-    if (passes < 2 || (block + 1) * 64 >= N) a.lines = 0;
+    struct ahead a = {NULL, NULL, 0};
+    /* one pass of rows reads its block once, as fast as the hardware's prefetch alone; the last
+       block has none after it (no pointer past the weights' end is formed) */
+    if (passes < 2 || (block + 1) * 64 >= N) return a;
+    const int64_t bytes = K * 32, start = pass * groups * lines * 64; /* past the end: none */
+    a.end = (const char *)(packed + (block + 1) * bytes) + bytes;
+    a.next = a.end - bytes + (start < bytes ? start : bytes), a.lines = lines;
     return a;
 }
 
