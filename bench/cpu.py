@@ -142,6 +142,7 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
         "weight_bytes": cap.weight_bytes,
         "kv_bytes": cap.runner.cache.nbytes,
         "precision": compare_hf.precision_record(cap),
+        "units": units_of(cap),
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
 
@@ -823,11 +824,14 @@ def hf_part(args, rate_args, rates: dict) -> None:
         print(f"{name} {side}: {r['images_per_s'] / best['images_per_s']:.2f}x transformers")
 
 
-def unit_of(precision: dict) -> str:
-    """The unit the run's vision and prefill products ran on."""
-    if precision["quantize"] == "int8":
-        return "int8"
-    return "bfloat16" if precision.get("products") == "bfloat16" else "float32"
+def units_of(cap) -> dict[str, str]:
+    """The unit each phase's linears ran on: int8 where the kernel plan puts them on int8 (int8's
+    two towers, int4's vision tower), else the run's products' (int4's prompt: its tiles
+    dequantized for the bfloat16 GEMM)."""
+    products = "bfloat16" if cap.precision.products == "bfloat16" else "float32"
+    text = "int8" if cap.precision.quantize == "int8" else products
+    vision = "int8" if cap.kernel_plan.vision_int8.install is not None else text
+    return {"vision": vision, "text prefill": text}
 
 
 def ask_sides(args, ckpt: Path, image: Path) -> None:
@@ -866,16 +870,17 @@ def phase_rates(cfg, timed: dict) -> str:
     units they ran on (their floor over their time: the linears at their unit's peak, the
     attention at bfloat16's where the products are bfloat16, else float32's); the decode's
     seconds; the linears' unit."""
-    s, unit = timed["spent"], unit_of(timed["precision"])
+    s, units = timed["spent"], timed["units"]
     attention = "bfloat16" if timed["precision"].get("products") == "bfloat16" else "float32"
     phases = ask_flops(cfg, timed["image_tokens"], timed["input_tokens"])[0]
     seconds = {"vision": s["vision"], "text prefill": s["prefill"] - s["vision"]}
     peaks, cells = BENCH["peaks"], []
     for phase, spent in seconds.items():
         flops = phases[phase]
-        floor = flops["linears"] / peaks[unit] + flops["attention"] / peaks[attention]
+        floor = flops["linears"] / peaks[units[phase]] + flops["attention"] / peaks[attention]
         rate = sum(flops.values()) / spent / 1e9
         cells.append(f"{spent:.2f} s, {rate:.0f} ({floor / 1e9 / spent:.0%})")
+    unit = " / ".join(dict.fromkeys(units.values()))  # vision / text prefill where they differ
     return " | ".join(cells) + f" | {s['decode']:.2f} s | {unit}, attention {attention} |"
 
 

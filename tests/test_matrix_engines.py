@@ -162,6 +162,22 @@ def test_avx512_bf16_chooses_by_this_machines_measurement(ours):
         assert plan.upcast.why == "measured (by hand)"
 
 
+@pytest.mark.parametrize("units", [AVX2, AVX512_BF16, AMX])
+@pytest.mark.parametrize("above", [None, 8])
+def test_int4_runs_the_vision_tower_on_int8s_kernel(units, above):
+    """int4's decoder is in 4 bits and its vision tower (every product hundreds of rows) at
+    int8's rate, on the kernel an int8 run's tower takes; as stored where none runs it."""
+    for build in ("AVX2", "AVX-512 BF16", "AMX"):
+        here = machine(units, build, above)
+        int4 = choose(shape_on(units, quantize="int4"), here).vision_int8
+        assert int4 == choose(shape_on(units, quantize="int8"), here).vision_int8
+        assert int4.install is not None
+    ours = {name: Crossover(None, "ours") for name in ("int8_vision", "int4_tiles")}
+    unbuilt = Machine(AVX2, "", "no compiler", ours)
+    as_stored = choose(shape_on(AVX2, quantize="int4"), unbuilt).vision_int8
+    assert as_stored.id == "as_loaded" and as_stored.install is None
+
+
 @pytest.mark.parametrize("above", [None, 8, 32])
 def test_avx512_bf16_dot_products_take_the_few_rows_and_the_decode_step(above):
     """On our AVX-512 BF16 build (no tiles) bf16_dot.c's bfloat16 products take the few rows
@@ -384,11 +400,11 @@ def test_bfloat16_products_keep_the_float32_products_choices(
     next-token distribution is nearly flat: its greedy tokens may flip at a near-tie)."""
     # each side's units are a measurement key of their own: the measured choices kept alike
     monkeypatch.setenv("MMCLI_CPU_PREFER", "ours")
-    if quantize == "int8":
-        # int8's per-token levels amplify any difference upstream (a 0.2% change flips a level):
-        # bfloat16 attention alone moves this checkpoint's int8 logits by a third of their
-        # spread, torch's flash attention as attention.c's pairs. The linears and the logits
-        # are compared here; the pairs' rounding in test_cpu_kernels.py
+    if quantize in ("int8", "int4"):
+        # int8's per-token levels (int4's vision tower too) amplify any difference upstream (a
+        # 0.2% change flips a level): bfloat16 attention alone moves this checkpoint's int8
+        # logits by a third of their spread, torch's flash attention as attention.c's pairs. The
+        # linears and the logits are compared here; the pairs' rounding in test_cpu_kernels.py
         monkeypatch.setattr(cpu_ops, "attention_pairs", cpu_ops.attention)
     settings = {"quantize": quantize, "weights_cache": False}
     matrix_run, matrix_req, _ = _loaded(bf16_checkpoint, AMX, monkeypatch, **settings)

@@ -32,7 +32,7 @@ from mmcli.errors import ConfigError
 from mmcli.kernels import experts as experts_kernels
 from mmcli.models.layers import moe
 from mmcli.models.layers.linear import Linear
-from mmcli.models.layers.quantized import GROUP, Int4Linear, can_int4
+from mmcli.models.layers.quantized import GROUP, Int4Linear, Int8Linear, can_int4
 from mmcli.testing import MOE_VARIANTS, make_test_video
 from mmcli.weights import int4 as int4_module
 from mmcli.weights.checkpoint import layout, load_weights, read_model_config
@@ -263,9 +263,11 @@ def test_int4_computes_what_its_4bit_weights_say(moe_dirs, tiny_dir, which):
     int4 = Labeler.from_pretrained(
         str(path), config=load_config(None, {"device": "cpu", "quantize": "int4"})
     )
+    dequantized = _dequantized_run(path)
+    # the decoders compared: both see the int4 run's vision tower (int8's: its own tests)
+    dequantized.runner.encoder.visual = int4.model.visual
     reference = prefill_logits(
-        _dequantized_run(path),
-        int4.request("k", [photo("chelsea.jpg")], QUESTION, int4.sampling())[0],
+        dequantized, int4.request("k", [photo("chelsea.jpg")], QUESTION, int4.sampling())[0]
     )
     ours = prefill_logits(
         int4, int4.request("k", [photo("chelsea.jpg")], QUESTION, int4.sampling())[0]
@@ -274,6 +276,22 @@ def test_int4_computes_what_its_4bit_weights_say(moe_dirs, tiny_dir, which):
     # rounding (tests/test_qwen3_5.py's parity notes), 9% measured
     bound = 0.15 if which == "qwen3_5_moe" else 0.02
     assert ((ours - reference).norm() / reference.norm()).item() < bound
+
+
+@needs_int4
+def test_an_int4_run_holds_its_vision_tower_in_int8_on_the_plans_kernel(tiny_dir):
+    settings = {"device": "cpu", "quantize": "int4", "weights_cache": False}
+    labeler = Labeler.from_pretrained(str(tiny_dir), config=load_config(None, settings))
+    choice, model = labeler.kernel_plan.vision_int8, labeler.model
+    tower = [m for m in model.visual.modules() if isinstance(m, (Linear, Int8Linear))]
+    if choice.install is None:  # no int8 kernel on this machine: the tower as stored
+        assert tower and not any(isinstance(m, Int8Linear) for m in tower)
+        return
+    assert tower and all(isinstance(m, Int8Linear) for m in tower)
+    assert all(m.work == "vision_int8" and m.kernel is choice.install(m) for m in tower)
+    decoder = list(model.language_model.modules())
+    assert any(isinstance(m, Int4Linear) for m in decoder)
+    assert not any(isinstance(m, Int8Linear) for m in decoder)
 
 
 @needs_int4

@@ -220,8 +220,12 @@ def test_an_int4_load_reads_its_4bit_weights_instead_of_quantizing(
 ):
     path = tiny_dir if variant == "dense" else moe_dirs[variant]
     first = _int4(path, tmp_path)
-    (written,) = _files(tmp_path)
-    assert first.prepared_weights_report() == f"prepared weights written to {written}"
+    written, vision = _int4_files(tmp_path, path)
+    assert _files(tmp_path) == sorted([written, vision])  # the tower's int8 in a file of its own
+    assert first.prepared_weights_report() == (
+        f"prepared weights written to {written}; "
+        f"the vision tower's prepared weights written to {vision}"
+    )
     read = []
     monkeypatch.setattr(int4_module, "quantize_int4", None)  # never called again
     real = checkpoint._read_file
@@ -231,7 +235,10 @@ def test_an_int4_load_reads_its_4bit_weights_instead_of_quantizing(
         lambda f, keep, unused: real(f, keep, read.append(unused) or unused),
     )
     second = _int4(path, tmp_path)
-    assert f"prepared weights read from {written}" in second.kernels
+    assert (
+        f"prepared weights read from {written}; the vision tower's prepared weights read from "
+        f"{vision}" in second.kernels
+    )
     covered = checkpoint.int4_shapes(second.model.cfg)
     names = _checkpoint_names(path)
     int4_names = [name for name in names if covered.covers(name)]
@@ -248,6 +255,12 @@ def test_int4_from_the_file_computes_as_quantized(moe_dirs, tmp_path):
     uncached = _int4(path, tmp_path / "none", weights_cache=False)
     assert "prepared" not in uncached.kernels and not _files(tmp_path / "none")
     assert torch.equal(_logits(first), _logits(uncached))
+
+
+def _int4_files(cache, checkpoint):
+    """An int4 run's prepared files: its 4-bit weights' and its vision tower's int8."""
+    recipes = (prepared_module.INT4, prepared_module.INT8_VISION)
+    return (prepared_module.PreparedWeights(cache, checkpoint, recipe=r).file for r in recipes)
 
 
 def _checkpoint_names(path):
@@ -277,7 +290,7 @@ def test_a_damaged_or_another_models_int4_file_is_said_and_prepared_again(
 ):
     path = moe_dirs["qwen3_5_moe"]
     reference = _logits(_int4(path, tmp_path))
-    (file,) = _files(tmp_path)
+    file, _ = _int4_files(tmp_path, path)
     _flip_last_byte(file)
     labeler = _int4(path, tmp_path)
     assert "damaged (its values do not match their CRC-32)" in capsys.readouterr().err
@@ -306,15 +319,16 @@ def test_a_run_killed_while_writing_int4_leaves_the_next_run_whole(tiny_dir, tmp
     """A run killed mid-write leaves a partial file, never the file: the next run prepares and
     writes again, and removes the partial once it is stale."""
     _int4(tiny_dir, tmp_path)
-    (file,) = _files(tmp_path)
+    file, vision = _int4_files(tmp_path, tiny_dir)
     partial = file.with_name(f"{file.name}.999.dead.partial")
     partial.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
     file.unlink()
     old = partial.stat().st_mtime - prepared_module.STALE_SECONDS - 1
     os.utime(partial, (old, old))
     labeler = _int4(tiny_dir, tmp_path)
-    assert labeler.prepared_weights_report() == f"prepared weights written to {file}"
-    assert _files(tmp_path) == [file]
+    vision_read = f"the vision tower's prepared weights read from {vision}"
+    assert labeler.prepared_weights_report() == f"prepared weights written to {file}; {vision_read}"
+    assert _files(tmp_path) == sorted([file, vision])
 
 
 @needs_int4

@@ -328,7 +328,7 @@ class Labeler:
         """The kernels this run chose, as its load line says them (with the prepared weights'
         status where it uses them)."""
         line, prepared = self.kernel_plan.summary(), self.loaded.prepared
-        return f"{line}; {prepared.status}" if prepared is not None else line
+        return f"{line}; {prepared.described()}" if prepared is not None else line
 
     def compile_use_report(self) -> str | None:
         """With a compiled backend: how many buckets were loaded and compiled in this run."""

@@ -254,9 +254,11 @@ def _int8_tiles() -> Choice:
 
 
 def _vision_int8(shape: RunShape, machine: Machine) -> Choice:
-    """The vision tower's int8 (it never decodes: every product has hundreds of rows) on
-    oneDNN's int8 GEMM in rows layout where that wins: AMX-INT8, else measured."""
-    if shape.quantize != "int8" or not shape.eager_cpu():
+    """The vision tower's int8 (it never decodes: every product has hundreds of rows), int8's
+    and int4's (its decoder in 4 bits, the tower at int8's rate), on oneDNN's int8 GEMM in rows
+    layout where that wins (AMX-INT8, else measured), else on int8_linear.c. int4 keeps the
+    tower as stored where no int8 kernel runs it (int8 in float32 is slower than as stored)."""
+    if shape.quantize not in ("int8", "int4") or not shape.eager_cpu():
         return NONE
     if _tiles(shape, machine):
         return _int8_tiles()
@@ -266,9 +268,18 @@ def _vision_int8(shape: RunShape, machine: Machine) -> Choice:
         measured = machine.crossover("int8_vision")
         why = measured.why
         if measured.above is None:
-            return Choice("int8_linear.c", INT8_OURS, f"{why}: as the decoder")
+            return _vision_int8_ours(shape, machine, why)
     kernel = "oneDNN int8 (torch._int_mm)"
     return Choice(ONEDNN_INT8, kernel, why, _function(matrix.int8_rows_matmul))
+
+
+def _vision_int8_ours(shape: RunShape, machine: Machine, why: str) -> Choice:
+    if machine.build:
+        install = _function(cpu_ops.int8_matmul)
+        return Choice("int8_linear.c", INT8_OURS, f"{why}: as the decoder", install)
+    if shape.quantize == "int4":  # MMCLI_PREFER=ours without our build
+        return Choice(AS_LOADED, "as loaded", f"{machine.unavailable}: the tower as stored")
+    return Choice("int8_float32", "int8 in float32", machine.unavailable)
 
 
 def _int4(shape: RunShape, machine: Machine) -> Choice:

@@ -3,8 +3,9 @@ the model is ever held (a 30B MoE's experts are most of its bytes).
 
 Quantized: every linear layer's weight of the text decoder (and an untied lm_head) whose shape
 torch's int4 CPU kernel takes (rows a multiple of 16, columns of GROUP) and the MoE experts, one
-expert's gate, up and down projections at a time; kept as loaded: the vision tower, the
-embeddings, the norms, the MoE routers and a tied lm_head."""
+expert's gate, up and down projections at a time; kept as loaded: the embeddings, the norms, the
+MoE routers and a tied lm_head. The vision tower is read as stored and then held in int8
+(weights/int8.py) where the kernel plan has an int8 kernel for it."""
 
 from __future__ import annotations
 
@@ -73,9 +74,9 @@ def quantize_int4(weight: torch.Tensor, slab: Slab | None = None) -> Int4Weight:
 def eligible(name: str, shape: tuple[int, ...], int4_names: frozenset[str], tied: bool) -> bool:
     """Whether int4 takes this tensor: one of `int4_names` (the decoder's linears but its
     family's kept ones, an untied lm_head, the experts as held) or one expert's projection, whose
-    sides the kernel takes (out a multiple of 16, in of GROUP). The vision tower stays as stored
-    (llama.cpp keeps its mmproj in 16 bits too): a few percent of the parameters, and its many
-    rows a call run faster in float32 than in torch's int4 kernel."""
+    sides the kernel takes (out a multiple of 16, in of GROUP). The vision tower is not int4's:
+    its many rows a call run faster in float32 than in torch's int4 kernel, and faster still on
+    int8's kernels, which the load puts it on (weights/loader.py)."""
     if tied and name == "lm_head.weight":
         return False
     if name not in int4_names and not is_per_expert(name):

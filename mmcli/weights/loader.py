@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mmcli.kernels.host_memory import keep_freed_memory, populate
-from mmcli.kernels.plan import INT8, ONEDNN_INT8, PACKED, KernelPlan, install
+from mmcli.kernels.plan import INT4, INT8, ONEDNN_INT8, PACKED, KernelPlan, install
 from mmcli.models.config import ModelConfig
 from mmcli.models.layers.linear import Linear, PackedLinear, can_pack
 from mmcli.models.layers.quantized import Int8Linear
@@ -42,13 +42,26 @@ def pack_linears(model: nn.Module) -> int:
     return len(names)
 
 
-def vision_int8_rows(tower: nn.Module) -> int:
-    """The vision tower's int8 layers in rows layout, for oneDNN's int8 GEMM (the kernel plan's
-    `vision_int8`); returns how many."""
+def vision_int8(tower: nn.Module, rows: bool) -> int:
+    """The vision tower's int8 layers given the kernel plan's `vision_int8`, in rows layout for
+    oneDNN's int8 GEMM where it is that; returns how many."""
     layers = [m for m in tower.modules() if isinstance(m, Int8Linear)]
     for layer in layers:
-        layer.weight, layer.work = as_rows(layer.weight), "vision_int8"
+        layer.work = "vision_int8"
+        if rows:
+            layer.weight = as_rows(layer.weight)
     return len(layers)
+
+
+def quantize(
+    model: nn.Module, prepared: PreparedWeights | None, within: nn.Module | None = None
+) -> None:
+    """int8 for `model` (`within` that module only): through the prepared file where the cache
+    is on."""
+    if prepared is not None:
+        prepared.quantize(model, within)
+    else:
+        quantize_model(model, within=within)
 
 
 def prepare(
@@ -59,14 +72,13 @@ def prepare(
     model = model.to(device)
     form = plan.linears.id
     if form == INT8:
-        if prepared is not None:
-            prepared.quantize(model)
-        else:
-            quantize_model(model)
-        if plan.vision_int8.id == ONEDNN_INT8:
-            vision_int8_rows(model.visual)
+        quantize(model, prepared)
+    elif form == INT4 and plan.vision_int8.install is not None:  # the decoder is int4 as read
+        quantize(model, prepared.vision if prepared is not None else None, model.visual)
     elif form == PACKED:
         pack_linears(model)
+    if plan.vision_int8.install is not None:
+        vision_int8(model.visual, rows=plan.vision_int8.id == ONEDNN_INT8)
     install(plan, model)
     if device.type == "cpu":
         keep_freed_memory()  # after the load: its temporaries are returned as before

@@ -58,6 +58,11 @@ INT8 = Recipe(
         "kernels/csrc/int8_weights.c",
     ),
 )
+INT8_VISION = Recipe(
+    "int8_vision",
+    "int8 for the vision tower of an int4 run: " + INT8.words.removeprefix("int8: "),
+    INT8.code,
+)
 INT4 = Recipe(
     "int4",
     f"int4: asymmetric per group of {GROUP} inputs (scale and zero in bfloat16); torch's int4 "
@@ -114,19 +119,22 @@ class PreparedWeights:
         self._writer: threading.Thread | None = None
         self._outcome = "prepared weights not written: none were prepared"
         self.status = "prepared weights not used"  # what the load did, for its line
+        self.used = False  # read from or written to by this run
+        self.vision: PreparedWeights | None = None  # an int4 run's int8 vision tower's file
 
-    def quantize(self, model: torch.nn.Module) -> None:
-        """int8 for `model` (int8.quantize_model), from the file when it holds this key, else
-        computed and written (by a thread: `written` waits for it); `status` says which."""
+    def quantize(self, model: torch.nn.Module, within: torch.nn.Module | None = None) -> None:
+        """int8 for `model` (int8.quantize_model; `within` that module only), from the file when
+        it holds this key, else computed and written (by a thread: `written` waits for it);
+        `status` says which."""
         prepared = self._grouped(self._read())
-        if prepared is not None and not _int8_fits(prepared, model):
+        if prepared is not None and not _int8_fits(prepared, model, within):
             prepared = self._ignored("not this model's linears")
         if prepared is not None:
-            quantize_model(model, prepared)
+            quantize_model(model, prepared, within)
             self._read_from()
             return
-        names = list(int8_linears(model))
-        quantize_model(model)
+        names = list(int8_linears(model, within))
+        quantize_model(model, within=within)
         tensors = {
             f"{name}.{part}": value.contiguous()
             for name in names
@@ -156,7 +164,15 @@ class PreparedWeights:
         (why)"."""
         if self._writer is not None:
             self._writer.join()
+        if self.vision is not None and self.vision.used:
+            return f"{self._outcome}; the vision tower's {self.vision.written()}"
         return self._outcome
+
+    def described(self) -> str:
+        """What the load did with the prepared weights, for its line."""
+        if self.vision is not None and self.vision.used:
+            return f"{self.status}; the vision tower's {self.vision.status}"
+        return self.status
 
     def _read(self) -> dict | None:
         """The file's tensors (mapped) when it is whole and holds this key, else None (with one
@@ -181,6 +197,7 @@ class PreparedWeights:
         print(f"mmcli: prepared weights {self.file}: {problem}; preparing again", file=sys.stderr)
 
     def _read_from(self) -> None:
+        self.used = True
         self._outcome = self.status = f"prepared weights read from {self.file}"
 
     @staticmethod
@@ -198,6 +215,7 @@ class PreparedWeights:
         # not a daemon: the interpreter waits for the file before it exits
         self._writer = threading.Thread(target=self._write, args=(tensors,), name="mmcli-prepared")
         self._writer.start()
+        self.used = True
         self.status = f"prepared weights being written to {self.file}"
 
     def _write(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -227,8 +245,8 @@ class PreparedWeights:
         self._outcome = f"prepared weights written to {self.file}"
 
 
-def _int8_fits(prepared: dict[str, dict], model) -> bool:
-    linears = int8_linears(model)
+def _int8_fits(prepared: dict[str, dict], model, within=None) -> bool:
+    linears = int8_linears(model, within)
     return set(prepared) == set(linears) and all(
         {part: (tuple(t.shape), t.dtype) for part, t in prepared[n].items()} == int8_layout(m)
         for n, m in linears.items()
