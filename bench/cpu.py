@@ -829,7 +829,7 @@ def units_of(cap) -> dict[str, str]:
     two towers, int4's vision tower), else the run's products' (int4's prompt: its tiles
     dequantized for the bfloat16 GEMM)."""
     products = "bfloat16" if cap.precision.products == "bfloat16" else "float32"
-    text = "int8" if cap.precision.quantize == "int8" else products
+    text = {"int8": "int8", "int4": "bfloat16"}.get(cap.precision.quantize, products)
     vision = "int8" if cap.kernel_plan.vision_int8.install is not None else text
     return {"vision": vision, "text prefill": text}
 
