@@ -277,7 +277,7 @@ def _vision_int8_ours(shape: RunShape, machine: Machine, why: str) -> Choice:
     if machine.build:
         install = _function(cpu_ops.int8_matmul)
         return Choice("int8_linear.c", INT8_OURS, f"{why}: as the decoder", install)
-    if shape.quantize == "int4":  # MMCLI_PREFER=ours without our build
+    if shape.quantize == "int4":  # MMCLI_CPU_PREFER=ours without our build
         return Choice(AS_LOADED, "as loaded", f"{machine.unavailable}: the tower as stored")
     return Choice("int8_float32", "int8 in float32", machine.unavailable)
 
