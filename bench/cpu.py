@@ -826,10 +826,11 @@ def hf_part(args, rate_args, rates: dict) -> None:
 
 def units_of(cap) -> dict[str, str]:
     """The unit each phase's linears ran on: int8 where the kernel plan puts them on int8 (int8's
-    two towers, int4's vision tower), else the run's products' (int4's prompt: its tiles
-    dequantized for the bfloat16 GEMM)."""
+    two towers, int4's vision tower, int4's prompt widened to int8), else the run's products'
+    (int4's prompt on tiles dequantized for the bfloat16 GEMM)."""
     products = "bfloat16" if cap.precision.products == "bfloat16" else "float32"
-    text = {"int8": "int8", "int4": "bfloat16"}.get(cap.precision.quantize, products)
+    int4 = "int8" if "int4_widened" in cap.kernel_plan.int4.id else "bfloat16"
+    text = {"int8": "int8", "int4": int4}.get(cap.precision.quantize, products)
     vision = "int8" if cap.kernel_plan.vision_int8.install is not None else text
     return {"vision": vision, "text prefill": text}
 

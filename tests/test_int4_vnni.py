@@ -1,7 +1,9 @@
-"""int4_vnni.c, int4 weights times a decode step's few rows on the vector units' int8 dot
-products, where this CPU has AVX-512 VNNI and VBMI: against float64 with each row quantized to
-int8 per group of 32 inputs as the kernel quantizes it, within 1% of the unquantized rows, the
-same values on the AMX build's dispatch; and torch's int4 kernel keeps a single sequence's rows."""
+"""int4_vnni.c, int4 weights on the vector units' int8 dot products, where this CPU has AVX-512
+VNNI and VBMI. A decode step's few rows: against float64 with each row quantized to int8 per
+group of 32 inputs as the kernel quantizes it, within 1% of the unquantized rows, the same values
+on the AMX build's dispatch; torch's int4 kernel keeps a single sequence's rows. A prompt's many
+rows, widened to int8 for int8_linear.c's tiles: each weight within half a level of its int4
+value, against float64 with each row quantized to 8 bits as the kernel quantizes it."""
 
 import pytest
 import torch
@@ -71,3 +73,44 @@ def test_shapes_off_its_blocks_are_refused():
     assert cpu.int4_vnni_linear(torch.randn(4, 64), weight) is not None
     odd = quantize_int4(torch.randn(48, 64).bfloat16())  # channels not a multiple of 64
     assert cpu.int4_vnni_linear(torch.randn(4, 64), odd) is None
+
+
+def _8bit_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the widened products quantize it: each row to 8 bits, scale its largest value over
+    127 (at least 1e-12; float32 arithmetic, ties to even), dequantized in float64."""
+    scale = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-12)
+    return torch.round(x / scale).double() * scale.double()
+
+
+def _widened_level(weight) -> torch.Tensor:
+    """Each channel's int8 level: the largest magnitude its groups' values can reach / 127."""
+    sz = weight.scales_zeros.double()  # [in / 32, out, 2]
+    scale, zero = sz[..., 0], sz[..., 1]
+    reach = torch.maximum((zero - 8 * scale).abs(), (zero + 7 * scale).abs())
+    return reach.amax(0).clamp_min(1e-12) / 127
+
+
+# more rows than a decode step's: the tiles' 6-row passes and a short last one; one group, many
+@pytest.mark.parametrize("rows", [cpu.AMX_ROWS + 1, 64, 70])
+@pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024)])
+def test_int4_at_a_prompts_rows_is_widened_to_int8(rows, channels, inputs):
+    generator = torch.Generator().manual_seed(rows)
+    weight = quantize_int4(torch.randn(channels, inputs, generator=generator).bfloat16())
+    x = torch.randn(rows, inputs, generator=generator)
+    x[1] = 0  # a row of zeros: nothing divided by its scale
+    values, level = int4_values_f64(weight).t(), _widened_level(weight)
+    xq = _8bit_rows(x)
+    got = cpu.int4_int8_linear(x, weight).double()
+    assert torch.equal(got, cpu.int4_widened_linear(x, weight).double())
+    # every widened weight within half a level (and float32's rounding of its level) of its value
+    exact = xq @ values
+    assert ((got - exact).abs() <= xq.abs().sum(-1, keepdim=True) * 0.5001 * level + 1e-4).all()
+    # against the unquantized rows and weights: about 1% of the products here
+    unquantized = x.double() @ values
+    assert (got - unquantized).norm() < 0.02 * unquantized.norm()
+
+
+def test_a_decode_steps_rows_stay_quantized_per_group():
+    weight = quantize_int4(torch.randn(64, 256).bfloat16())
+    x = torch.randn(cpu.AMX_ROWS, 256)
+    assert torch.equal(cpu.int4_int8_linear(x, weight), cpu.int4_vnni_linear(x, weight))

@@ -206,12 +206,17 @@ def test_avx512_bf16_dot_products_take_the_few_rows_and_the_decode_step(above):
 def test_int4_takes_int4_vnni_at_a_decode_steps_rows_where_it_is_built(above):
     """With int4_vnni.c (AVX-512 VNNI and VBMI, no tiles) int4 takes it from one row where it
     measures faster than torch's int4 kernel there (above torch's two rows where it does not),
-    to the measured crossover with the tiles on oneDNN, a decode step's 32 rows at most, and the
-    decode step takes int4 layers from the same row count."""
+    to a decode step's 32 rows, a prompt's more rows widened to int8, each to the measured
+    crossover with the tiles on oneDNN where there is one; the decode step takes int4 layers
+    from the same row count."""
     built = machine(AVX512_BF16, "AVX-512 BF16", above=above, int4_vnni=True)
     plan = choose(shape_on(AVX512_BF16, quantize="int4"), built)
-    rows = 16 if above == 16 else cpu.AMX_ROWS
-    assert plan.int4.id == "int4_vnni.c+int4_tiles" and f"to {rows}, int4 tiles" in plan.int4.kernel
+    kernels = {
+        None: ("int4_vnni.c+int4_widened", "to 32, widened to int8 above"),
+        16: ("int4_vnni.c+int4_tiles", "to 16, int4 tiles"),
+        256: ("int4_vnni.c+int4_widened+int4_tiles", "to 32, widened to int8 above to 256, int4"),
+    }
+    assert plan.int4.id == kernels[above][0] and kernels[above][1] in plan.int4.kernel
     assert plan.int4.kernel.startswith("int4_vnni.c" if above is None else "torch int4 to 2 rows")
     assert plan.decode_step.id == "decode_layer.c+int4_vnni.c"
     fewest = "int4_vnni.c's products at 1 to" if above is None else "at 3 to"

@@ -257,8 +257,9 @@ def _stored_experts(stored, prefix, which, held) -> torch.Tensor:
 @needs_int4
 @pytest.mark.parametrize("which", ["dense", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_int4_computes_what_its_4bit_weights_say(moe_dirs, tiny_dir, which):
-    """The int4 kernels against a float32 run holding the same 4-bit values: only the kernel's
-    bfloat16 activations (and those values' rounding to bfloat16) differ."""
+    """The int4 kernels against a float32 run holding the same 4-bit values: only the kernels'
+    activations (bfloat16, or a prompt's rows in 8 bits where they are widened to int8) and
+    those values' rounding (to bfloat16, or to each channel's int8 levels) differ."""
     path = tiny_dir if which == "dense" else moe_dirs[which]
     int4 = Labeler.from_pretrained(
         str(path), config=load_config(None, {"device": "cpu", "quantize": "int4"})
@@ -272,9 +273,12 @@ def test_int4_computes_what_its_4bit_weights_say(moe_dirs, tiny_dir, which):
     ours = prefill_logits(
         int4, int4.request("k", [photo("chelsea.jpg")], QUESTION, int4.sampling())[0]
     )
-    # bfloat16 activations: 2% on the plain models; Qwen3.5's random hybrid magnifies their
+    # bfloat16 activations: 2% on the plain models; a prompt's rows in 8 bits (widened to int8,
+    # on VNNI with VBMI): 3.4% measured on the dense one; Qwen3.5's random hybrid magnifies their
     # rounding (tests/test_qwen3_5.py's parity notes), 9% measured
-    bound = 0.15 if which == "qwen3_5_moe" else 0.02
+    widened = "int4_widened" in int4.kernel_plan.int4.id
+    bound = 0.15 if which == "qwen3_5_moe" else 0.05 if widened else 0.02
+    print(f"{which}: {((ours - reference).norm() / reference.norm()).item():.4f}")
     assert ((ours - reference).norm() / reference.norm()).item() < bound
 
 

@@ -259,7 +259,8 @@ def _declare(library: ctypes.CDLL) -> None:
         library.amx_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         library.amx_bf16_linear.argtypes += [ctypes.c_int] * 2
     int4 = ("amx_int4_gemm", "amx_int4_rows") if library.build == "AMX" else ()
-    for name in (*int4, *(("int4_vnni_rows",) if library.int4_vnni else ())):
+    vnni = ("int4_vnni_rows", "int4_widened_rows") if library.int4_vnni else ()
+    for name in (*int4, *vnni):
         kernel = getattr(library, name)
         kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     if library.int4_vnni:
@@ -374,6 +375,26 @@ def int4_vnni_linear(x: torch.Tensor, weight) -> torch.Tensor | None:
     if library is None or not library.int4_vnni:
         return None
     return _int4_products(library.int4_vnni_rows, x.float().contiguous(), weight)
+
+
+def int4_int8_linear(x: torch.Tensor, weight) -> torch.Tensor | None:
+    """x (rows, K) float32 @ W.T for an Int4Weight W on the int8 dot products: a decode step's
+    rows (to AMX_ROWS) on int4_vnni.c's, quantized to int8 per group of 32 inputs; a prompt's
+    more rows widened to int8 (int4_widened_linear), at the int8 rate. None as those give it."""
+    if x.shape[0] > AMX_ROWS:
+        return int4_widened_linear(x, weight)
+    return int4_vnni_linear(x, weight)
+
+
+def int4_widened_linear(x: torch.Tensor, weight) -> torch.Tensor | None:
+    """x (rows, K) float32 @ W.T for an Int4Weight W on int8_linear.c's tiles, each block of 64
+    channels widened to int8 (a scale a channel) and each row quantized as int8's are (7 bits, a
+    scale a row), float32 out; None where this build has no int4_vnni.c or the shapes do not
+    fit."""
+    library = load()[0]
+    if library is None or not library.int4_vnni:
+        return None
+    return _int4_products(library.int4_widened_rows, x.float().contiguous(), weight)
 
 
 def int4_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

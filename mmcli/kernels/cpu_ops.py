@@ -149,9 +149,9 @@ def int4_vnni_matmul(
     x: torch.Tensor, weight, bias: torch.Tensor | None, torch_rows: int = cpu.INT4_TORCH_ROWS
 ) -> torch.Tensor | None:
     """x @ W.T (+ bias) for an Int4Weight on the vector units' int8 dot products
-    (cpu.int4_vnni_linear) above `torch_rows` rows; None (torch's int4 kernel) for fewer rows or
-    shapes off them."""
-    return _int4_rows(cpu.int4_vnni_linear, x, weight, bias, torch_rows)
+    (cpu.int4_int8_linear: a step's rows on int4_vnni.c, a prompt's widened to int8) above
+    `torch_rows` rows; None (torch's int4 kernel) for fewer rows or shapes off them."""
+    return _int4_rows(cpu.int4_int8_linear, x, weight, bias, torch_rows)
 
 
 def _int4_rows(

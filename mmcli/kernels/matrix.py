@@ -146,13 +146,14 @@ def int4_tiles_linear(
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def int4_matmul(above: int, vnni_above: int | None = None):
-    """The `int4` kernel: more than `above` rows dequantized in tiles for oneDNN's bfloat16
-    GEMM, fewer on torch's int4 kernel (None: the layer's own), or on int4_vnni.c above
-    `vnni_above` rows where that is given."""
+def int4_matmul(above: int | None, vnni_above: int | None = None):
+    """The `int4` kernel: more than `above` rows (None: none) dequantized in tiles for oneDNN's
+    bfloat16 GEMM, fewer on torch's int4 kernel (None: the layer's own), or on the int8 dot
+    products (cpu_ops.int4_vnni_matmul) above `vnni_above` rows where that is given."""
 
     def matmul(x, weight, bias):
-        if weight.shape[0] % 64 == 0 and _library_rows(x, above):
+        tiles = above is not None and _library_rows(x, above)
+        if weight.shape[0] % 64 == 0 and tiles:
             return int4_tiles_linear(x, weight, bias)
         if vnni_above is None:
             return None

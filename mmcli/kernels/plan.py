@@ -306,16 +306,24 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
 
 
 def _int4_vnni(tiles: Crossover, fewest: Crossover) -> Choice:
-    """int4 on int4_vnni.c's int8 dot products to a decode step's rows at most (cpu.AMX_ROWS: its
-    rows quantized to int8 per group, which a prompt's products are not), and on oneDNN's
-    bfloat16 GEMM (tiles dequantized) above, or above the measured crossover; torch's int4 kernel
-    at a step's fewest rows where it measures faster there."""
-    above = cpu.AMX_ROWS if tiles.above is None else min(tiles.above, cpu.AMX_ROWS)
+    """int4 on the int8 dot products: a decode step's rows (to cpu.AMX_ROWS) on int4_vnni.c, each
+    row quantized to int8 per group; a prompt's more rows widened to int8 for int8_linear.c's
+    tiles (at the int8 rate, the rows quantized as an int8 run's); oneDNN's bfloat16 GEMM on
+    dequantized tiles above the measured crossover, where there is one; torch's int4 kernel at a
+    step's fewest rows where it measures faster there."""
     torch_rows = int4_torch_rows(fewest)
     kernel = f"torch int4 to {torch_rows} rows, " if torch_rows else ""
-    kernel += f"int4_vnni.c (int8 dot products) to {above}, int4 tiles + oneDNN bfloat16 above"
-    install = _function(matrix.int4_matmul(above, vnni_above=torch_rows))
-    return Choice("int4_vnni.c+int4_tiles", kernel, f"{tiles.why}; {fewest.why}", install)
+    vnni = cpu.AMX_ROWS if tiles.above is None else min(tiles.above, cpu.AMX_ROWS)
+    kernel += f"int4_vnni.c (int8 dot products) to {vnni}"
+    kernels = ["int4_vnni.c"]
+    if tiles.above is None or tiles.above > vnni:
+        kernel += ", widened to int8 above" + (f" to {tiles.above}" if tiles.above else "")
+        kernels.append("int4_widened")
+    if tiles.above is not None:
+        kernel += ", int4 tiles + oneDNN bfloat16 above"
+        kernels.append("int4_tiles")
+    install = _function(matrix.int4_matmul(tiles.above, vnni_above=torch_rows))
+    return Choice("+".join(kernels), kernel, f"{tiles.why}; {fewest.why}", install)
 
 
 def int4_torch_rows(fewest: Crossover) -> int:

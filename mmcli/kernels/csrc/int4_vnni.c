@@ -177,4 +177,112 @@ int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales
     return failed;
 }
 
+/* A prompt's many rows (more than a decode step's) on int8_linear.c's tiles, at the int8 rate:
+   each block of 64 channels widened to int8 once, in a buffer every row reads, and the rows
+   quantized to 8 bits with a scale a row (int8_linear.c's own 7 bits keep AVX2's pairs from
+   saturating; vpdpbusd does not). The per-group scaling above costs as much as the products at
+   any row count; a block widened once costs a few rows' products. */
+
+void int8_linear_tile(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
+                      const float *w_scale, const float *bias, float *y, int64_t M, int64_t ldy,
+                      int64_t Kp);
+void quantize_rows_8bit(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
+                        float *x_scale, int threads);
+
+/* One of a group's 4 input bytes (lane c: channel c's 4 inputs) as int8 levels: q * a + b
+   rounded (ties to even), in byte `j` of each lane; the levels added to *sum */
+static inline __m512i widen_byte(__m512i q4, int j, __m512 a, __m512 b, __m512i *sum) {
+    const __m512i q = _mm512_and_si512(_mm512_srli_epi32(q4, 8 * j), _mm512_set1_epi32(0xFF));
+    const __m512i level = _mm512_cvtps_epi32(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), a, b));
+    *sum = _mm512_add_epi32(*sum, level);
+    return _mm512_slli_epi32(_mm512_and_si512(level, _mm512_set1_epi32(0xFF)), 8 * j);
+}
+
+/* Block `block`'s 64 channels in int8_linear.c's layout (w: 4 groups of 16 channels, K * 16
+   bytes each): each channel's values (q - 8) * scale + zero over its scale, the largest
+   magnitude its groups' values reach (q at 0 or 15) / 127, rounded; w_sum, w_scale its sums and
+   scales. */
+static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K, int64_t N,
+                        int64_t block, int8_t *w, int32_t *w_sum, float *w_scale) {
+    const int64_t groups = K / 32;
+    __m512 top[4], inverse[4];
+    __m512i sum[4];
+    for (int t = 0; t < 4; t++) {
+        top[t] = _mm512_set1_ps(1e-12f * 127.0f); /* a channel of zeros: level 1e-12 */
+        sum[t] = _mm512_setzero_si512();
+    }
+    for (int64_t g = 0; g < groups; g++)
+        for (int t = 0; t < 4; t++) {
+            __m512 scale, zero;
+            scale_zero(pairs + g * N + block * 64 + t * 16, &scale, &zero);
+            const __m512 lowest = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
+            const __m512 highest = _mm512_fmadd_ps(_mm512_set1_ps(7.0f), scale, zero);
+            const __m512 reach = _mm512_max_ps(_mm512_abs_ps(lowest), _mm512_abs_ps(highest));
+            top[t] = _mm512_max_ps(top[t], reach);
+        }
+    for (int t = 0; t < 4; t++) {
+        _mm512_storeu_ps(w_scale + t * 16, _mm512_div_ps(top[t], _mm512_set1_ps(127.0f)));
+        inverse[t] = _mm512_div_ps(_mm512_set1_ps(127.0f), top[t]);
+    }
+    const uint8_t *bytes = packed + block * K * 32;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 a[4], b[4];
+        for (int t = 0; t < 4; t++) {
+            __m512 scale, zero;
+            scale_zero(pairs + g * N + block * 64 + t * 16, &scale, &zero);
+            a[t] = _mm512_mul_ps(scale, inverse[t]);
+            b[t] = _mm512_mul_ps(_mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero), inverse[t]);
+        }
+        for (int r = 0; r < 8; r++) {
+            const int64_t k = g * 32 + 4 * r;
+            __m512i q[4];
+            int4_quads(bytes + k * 32, q);
+            for (int t = 0; t < 4; t++) {
+                __m512i levels = widen_byte(q[t], 0, a[t], b[t], &sum[t]);
+                for (int j = 1; j < 4; j++)
+                    levels = _mm512_or_si512(levels, widen_byte(q[t], j, a[t], b[t], &sum[t]));
+                _mm512_storeu_si512(w + t * K * 16 + k * 16, levels);
+            }
+        }
+    }
+    for (int t = 0; t < 4; t++) _mm512_storeu_si512(w_sum + t * 16, sum[t]);
+}
+
+/* y (M x N, float32) = x @ W.T for int4 W in torch's CPU layout, each block of 64 channels
+   widened to int8 (widen_block) and x's rows to 8 bits (quantize_rows_8bit): the levels
+   offset by 128, twice the 64 int8_linear.c's tiles take off, so they are handed twice the
+   sums; nonzero where the shapes are not the kernel's or a buffer could not be allocated. */
+int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
+                      int64_t M, int64_t N, int64_t K, int threads) {
+    if (M < 1 || N % 64 || K % 32) return 1;
+    const uint32_t *pairs = (const uint32_t *)scales_zeros;
+    uint8_t *levels = malloc((size_t)(M * K));
+    float *x_scale = malloc((size_t)M * sizeof(float));
+    int failed = !levels || !x_scale;
+    if (failed) {
+        free(levels);
+        free(x_scale);
+        return 1;
+    }
+    quantize_rows_8bit(x, M, K, levels, K, x_scale, threads);
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        int8_t *w = aligned_alloc(64, (size_t)K * 64);
+        int32_t w_sum[64];
+        float w_scale[64], bias[64] = {0};
+        failed |= !w;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t block = 0; block < N / 64; block++) {
+            if (!w || failed) continue;
+            widen_block(packed, pairs, K, N, block, w, w_sum, w_scale);
+            for (int c = 0; c < 64; c++) w_sum[c] *= 2;
+            int8_linear_tile(levels, x_scale, w, w_sum, w_scale, bias, y + block * 64, M, N, K);
+        }
+        free(w);
+    }
+    free(levels);
+    free(x_scale);
+    return failed;
+}
+
 #endif

@@ -189,6 +189,15 @@ static void columns(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t n0, i
     }
 }
 
+/* Every row of x times one tile of NV * VLEN output channels whose weights are `w` alone (its
+   w_sum, w_scale, bias and y from that tile's first channel on, y's rows ldy apart), no
+   activation: int4_vnni.c hands its blocks of channels, widened to int8, to these tiles. */
+void int8_linear_tile(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
+                      const float *w_scale, const float *bias, float *y, int64_t M, int64_t ldy,
+                      int64_t Kp) {
+    columns(x, w, Kp, 0, NV, M, x_scale, w_sum, w_scale, bias, y, ldy, NONE);
+}
+
 int amx_int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
                     const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
                     int64_t Kp, int threads);
@@ -234,38 +243,52 @@ void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const 
     }
 }
 
-/* Each row of x (M x K float32) to int8_linear's activations: its scale (largest magnitude / 63, at
-   least 1e-12) in x_scale[m], and its values divided by it, rounded to the nearest (ties to even)
-   and offset by 64, into q (M x Kp, the padding 64: zero). The same arithmetic as quantized.py's
-   float32 path, in one pass over x. */
-void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp, float *x_scale,
-                   int threads) {
+/* Each row of x (M x K float32) as levels of `top` (63 for int8_linear's 7 bits, 127 for 8): its
+   scale (largest magnitude / top, at least 1e-12) in x_scale[m], and its values divided by it,
+   rounded to the nearest (ties to even) and offset by top + 1, into q (M x Kp, the padding: the
+   offset). The same arithmetic as quantized.py's float32 path, in one pass over x. */
+static void quantize_rows_to(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
+                             float *x_scale, int top, int threads) {
+    const int offset = top + 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * K;
         uint8_t *out = q + m * Kp;
-        __m256 top = _mm256_setzero_ps();
+        __m256 most = _mm256_setzero_ps();
         const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
         int64_t k = 0;
         for (; k + 8 <= K; k += 8)
-            top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(row + k), magnitude));
+            most = _mm256_max_ps(most, _mm256_and_ps(_mm256_loadu_ps(row + k), magnitude));
         float lanes[8], largest = 0.0f;
-        _mm256_storeu_ps(lanes, top);
+        _mm256_storeu_ps(lanes, most);
         for (int i = 0; i < 8; i++) largest = lanes[i] > largest ? lanes[i] : largest;
         for (; k < K; k++) largest = fabsf(row[k]) > largest ? fabsf(row[k]) : largest;
-        float s = largest / 63.0f;
+        float s = largest / (float)top;
         s = s < 1e-12f ? 1e-12f : s;
         x_scale[m] = s;
         const __m256 vs = _mm256_set1_ps(s);
         for (k = 0; k + 8 <= K; k += 8) {
             __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + k), vs),
                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            __m256i i = _mm256_add_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(64));
+            __m256i i = _mm256_add_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(offset));
             __m128i words =
                 _mm_packus_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
             _mm_storel_epi64((__m128i *)(out + k), _mm_packus_epi16(words, words));
         }
-        for (; k < K; k++) out[k] = (uint8_t)((int32_t)__builtin_roundevenf(row[k] / s) + 64);
-        for (; k < Kp; k++) out[k] = 64;
+        for (; k < K; k++) out[k] = (uint8_t)((int32_t)__builtin_roundevenf(row[k] / s) + offset);
+        for (; k < Kp; k++) out[k] = (uint8_t)offset;
     }
+}
+
+/* int8_linear's activations: 7 bits, offset by 64 */
+void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp, float *x_scale,
+                   int threads) {
+    quantize_rows_to(x, M, K, q, Kp, x_scale, 63, threads);
+}
+
+/* 8 bits, offset by 128, for the vector units' int8 dot products alone (vpdpbusd does not
+   saturate, AVX2's pairs would): int4_vnni.c's widened products */
+void quantize_rows_8bit(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
+                        float *x_scale, int threads) {
+    quantize_rows_to(x, M, K, q, Kp, x_scale, 127, threads);
 }
