@@ -388,9 +388,8 @@ def int4_int8_linear(x: torch.Tensor, weight) -> torch.Tensor | None:
 
 def int4_widened_linear(x: torch.Tensor, weight) -> torch.Tensor | None:
     """x (rows, K) float32 @ W.T for an Int4Weight W on int8_linear.c's tiles, each block of 64
-    channels widened to int8 (a scale a channel) and each row quantized as int8's are (7 bits, a
-    scale a row), float32 out; None where this build has no int4_vnni.c or the shapes do not
-    fit."""
+    channels widened to int8 (a scale a channel) and each row to 8 bits (a scale a row), float32
+    out; None where this build has no int4_vnni.c or the shapes do not fit."""
     library = load()[0]
     if library is None or not library.int4_vnni:
         return None

@@ -189,8 +189,8 @@ void int8_linear_tile(const uint8_t *x, const float *x_scale, const int8_t *w, c
 void quantize_rows_8bit(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
                         float *x_scale, int threads);
 
-/* One of a group's 4 input bytes (lane c: channel c's 4 inputs) as int8 levels: q * a + b
-   rounded (ties to even), in byte `j` of each lane; the levels added to *sum */
+/* Byte `j` of each lane (lane c: channel c's q for 4 inputs) as its int8 level, q * a + b
+   rounded (ties to even), in byte `j` of the result; the levels added to *sum */
 static inline __m512i widen_byte(__m512i q4, int j, __m512 a, __m512 b, __m512i *sum) {
     const __m512i q = _mm512_and_si512(_mm512_srli_epi32(q4, 8 * j), _mm512_set1_epi32(0xFF));
     const __m512i level = _mm512_cvtps_epi32(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), a, b));
