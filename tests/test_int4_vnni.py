@@ -90,9 +90,10 @@ def _widened_level(weight) -> torch.Tensor:
     return reach.amax(0).clamp_min(1e-12) / 127
 
 
-# more rows than a decode step's: the tiles' 6-row passes and a short last one; one group, many
+# more rows than a decode step's: the tiles' 6-row passes and a short last one; one group, many,
+# and more inputs than the tiles take at once (their int32 sums kept in y between blocks)
 @pytest.mark.parametrize("rows", [cpu.AMX_ROWS + 1, 64, 70])
-@pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024)])
+@pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024), (64, 8192 + 32)])
 def test_int4_at_a_prompts_rows_is_widened_to_int8(rows, channels, inputs):
     generator = torch.Generator().manual_seed(rows)
     weight = quantize_int4(torch.randn(channels, inputs, generator=generator).bfloat16())
