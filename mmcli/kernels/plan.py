@@ -308,7 +308,7 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
 def _int4_vnni(tiles: Crossover, fewest: Crossover) -> Choice:
     """int4 on the int8 dot products: a decode step's rows (to cpu.AMX_ROWS) on int4_vnni.c, each
     row quantized to int8 per group; a prompt's more rows widened to int8 for int8_linear.c's
-    tiles (at the int8 rate, the rows quantized as an int8 run's); oneDNN's bfloat16 GEMM on
+    tiles (at the int8 rate, each row in 8 bits with a scale of its own); oneDNN's bfloat16 GEMM on
     dequantized tiles above the measured crossover, where there is one; torch's int4 kernel at a
     step's fewest rows where it measures faster there."""
     torch_rows = int4_torch_rows(fewest)
