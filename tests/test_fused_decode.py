@@ -82,6 +82,9 @@ def _steps(decoder, cfg, steps: int, prompts: dict[int, int], seed: int):
         dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
         # a head, the hidden and the MLP widths off the vector length; one key head for three
         dict(hidden_size=40, num_attention_heads=3, num_key_value_heads=1, head_dim=24),
+        # the released models' heads: three query heads a key head (a pair, then one)
+        dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=128),
+        dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=256),
     ],
 )
 @pytest.mark.parametrize("prompts", [{0: 5}, {2: 3, 0: 9, 1: 1}])

@@ -567,12 +567,14 @@ def int4_dequantize(weight, group: int, start: int, stop: int) -> torch.Tensor:
 def decode_scratch(layer: DecodeLayer, rows: int, context: int) -> torch.Tensor:
     """The floats decode_layer.c works in for `rows` rows reaching `context` columns (one buffer
     for every layer of a step): its float32 rows, then quantized rows' scales, int4's group
-    sums and the levels."""
+    sums and the levels, then each row's attention scores."""
     per_row = 2 * layer.hidden + 2 * (layer.heads + layer.kv_heads) * layer.d
     widest = max(layer.hidden, layer.heads * layer.d, layer.intermediate)
     # a scale a row (int8) or a group of 32 (int4), int4's sums alike, then a byte a value
     levels = 2 * rows * (widest // 32 + 1) + (rows * widest + 3) // 4
-    return torch.empty(rows * (per_row + 2 * layer.intermediate) + levels + layer.heads * context)
+    return torch.empty(
+        rows * (per_row + 2 * layer.intermediate) + levels + rows * layer.heads * context
+    )
 
 
 def decode_layer(

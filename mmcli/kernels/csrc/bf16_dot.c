@@ -7,8 +7,8 @@
    rounded, then its remainder rounded: 16 bits of it), for the logits.
 
    Each output is one accumulator of 16 lanes summed over the inputs in order and then across
-   its lanes by one fixed tree (sum16), whatever the tile it was made in: a row's products are
-   the same bits whichever rows share its call. */
+   its lanes by one fixed tree (vectors.h's sum16), whatever the tile it was made in: a row's
+   products are the same bits whichever rows share its call. */
 #include <stdlib.h>
 
 #include "vectors.h"
@@ -36,22 +36,6 @@ static void round_rows(const float *x, int64_t M, int64_t K, int64_t Kp, int pla
             const __m256bh low = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
             _mm256_storeu_si256((__m256i *)(out + (M + m) * Kp + k), (__m256i)low);
         }
-}
-
-/* r[i] = the sum of a[i]'s 16 lanes, for 16 vectors, by the same pairing for every i */
-static inline __m512 sum16(const __m512 a[16]) {
-    __m512 b[8], c[4], d[2];
-    for (int i = 0; i < 8; i++)
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
-    for (int i = 0; i < 2; i++)
-        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
-                         _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
 }
 
 static inline __m512bh load_pairs(const uint16_t *p) {

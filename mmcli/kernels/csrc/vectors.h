@@ -71,6 +71,23 @@ static inline void scale_zero(const uint32_t *pairs, __m512 *scale, __m512 *zero
     *zero = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(~0xFFFF)));
 }
 
+/* lane i: the sum of a[i]'s 16 lanes, for 16 vectors, by the same pairing for every i (bf16_dot.c's
+   sums, decode_layer.c's scores) */
+static inline __m512 sum16(const __m512 a[16]) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                         _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
 /* r[i][j] -> r[j][i] for a 16 x 16 block */
 static inline void transpose(vec r[16]) {
     vec t[16];
