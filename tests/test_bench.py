@@ -12,12 +12,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from mmcli.models.cache import DecoderCache
+from mmcli.models.config import TextConfig
 from mmcli.weights.checkpoint import expected_shapes, read_model_config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import big_moe  # noqa: E402 (the big MoE bench's pieces, tested on a tiny MoE)
 import cpu as cpu_bench  # noqa: E402 (the CPU bench's arithmetic)
+import decode_attention  # noqa: E402 (the decode attention bench's stream)
 
 
 @pytest.mark.slow
@@ -117,6 +120,31 @@ def test_a_steps_bandwidth_is_its_own_weights_streamed():
     assert streamed == (1 << 20) * 2
     assert [int(top) for top in stream()] == [0x80, 1]  # 1.0 is 0x3f800000; int8 1
     assert cpu_bench.weights_stream(weights[2:])[1] == 64 * 4  # a tiny model: all of it
+
+
+def test_the_attentions_stream_reads_the_columns_its_rows_attend_over():
+    """Of every full-attention layer's K and V, the first rows' first columns: their bytes, and
+    nothing past them."""
+    cfg = TextConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=64, num_hidden_layers=3, vocab_size=16, mrope_section=(2, 1, 1),
+    )  # fmt: skip
+    cache = DecoderCache(cfg, 4, 16, torch.float32, torch.device("cpu"))
+    for layer in range(3):
+        for states in (cache.k, cache.v):
+            states[layer].fill_(1.0)
+            states[layer][2:] = 5.0  # rows past the two read
+            states[layer][:, :, 6:] = 7.0  # columns past the six read
+    stream, streamed = decode_attention.cache_stream(cache, rows=2, columns=6)
+    assert streamed == 3 * 2 * (2 * 2 * 6 * 8) * 4
+    assert [float(top) for top in stream()] == [1.0] * 6
+
+
+def test_decode_attention_bench_smoke():
+    out = _smoke("decode_attention.py", "--rows", "1,3", "--columns", "20")
+    rows = [line.split(" | ") for line in out.splitlines() if line[:1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("1", "20"), ("3", "20")]
+    assert all(len(r) == 6 and r[-1].endswith("x") for r in rows)
 
 
 def test_a_tree_run_beside_keeps_an_mmcli_cache_of_its_own(tmp_path, monkeypatch):

@@ -1,0 +1,83 @@
+"""A decode step's attention over its KV cache against the read floor of that cache, in one
+process: the step at R sequences and C cache columns less the same step at its first column,
+beside a stream of exactly the cache bytes those sequences' attention reads (both cores), the
+two timed in turns (the best of 5). The ratio is comparable across runs and trees: each is held
+to the bandwidth its own process saw.
+
+python bench/decode_attention.py [--smoke] [--settings '{"quantize": "int8"}']
+    [--rows 1,8,32] [--columns 300,1000]
+
+Run with PYTHONPATH=<a git worktree> for another tree's mmcli."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import compare_hf
+import torch
+from cpu import best_seconds
+
+from mmcli.api.labeler import Labeler
+from mmcli.config import load_config
+from mmcli.engine.batch import DecodeItem
+
+
+def cache_stream(cache, rows: int, columns: int):
+    """A function that reads the K and V columns the first `rows` cache rows attend over
+    (every full-attention layer), and their bytes."""
+    parts = [s[:rows, :, :columns] for s in (*cache.k, *cache.v) if s is not None]
+    return (lambda: [p.amax() for p in parts]), sum(p.numel() * p.element_size() for p in parts)
+
+
+def attention_rates(ckpt: Path, settings: dict, rows: list[int], columns: list[int]) -> list:
+    """(rows, columns, attention seconds, KV bytes, stream seconds) for each pair."""
+    engine = {"max_seqs": max(rows), "max_len": max(columns) + 1}
+    cfg = load_config(None, {"device": "cpu", "engine": engine, **settings})
+    cap = Labeler.from_pretrained(str(ckpt), config=cfg)
+    runner = cap.runner
+    runner.cache.grow(max(rows) + 1, max(columns) + 1)
+    results = []
+    for n in rows:
+        first = [DecodeItem(i, 100 + i, 0, 0) for i in range(n)]
+        for c in columns:
+            items = [DecodeItem(i, 100 + i, c, 0) for i in range(n)]
+            stream, kv_bytes = cache_stream(runner.cache, n, c + 1)
+            with torch.inference_mode():
+                step, first_column, streamed = best_seconds(
+                    lambda items=items: runner.decode(items),
+                    lambda first=first: runner.decode(first),
+                    stream,
+                )
+            results.append((n, c, step - first_column, kv_bytes, streamed))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint")
+    parser.add_argument("--settings", default="{}", help="config overrides, JSON")
+    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--columns", default="300,1000")
+    parser.add_argument("--cache-dir", type=Path, default=None)
+    args = parser.parse_args()
+    if args.cache_dir is None:  # as compare_hf's
+        smoke_dir = Path(tempfile.gettempdir()) / "mmcli-bench"
+        args.cache_dir = smoke_dir if args.smoke else compare_hf.ROOT / ".bench_cache"
+    ckpt, _, _ = compare_hf.make_inputs(args.cache_dir, args.smoke)
+    rows = [int(r) for r in args.rows.split(",")]
+    columns = [int(c) for c in args.columns.split(",")]
+    settings = json.loads(args.settings)
+    print(f"{ckpt.name}, settings {settings}, {torch.get_num_threads()} threads")
+    print("rows | columns | attention ms | KV read | its stream GB/s | attention / stream")
+    for n, c, seconds, kv_bytes, streamed in attention_rates(ckpt, settings, rows, columns):
+        print(
+            f"{n} | {c} | {seconds * 1e3:.1f} | {kv_bytes / 1e9:.2f} GB | "
+            f"{kv_bytes / streamed / 1e9:.1f} | {seconds / streamed:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
