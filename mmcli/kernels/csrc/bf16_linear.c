@@ -3,7 +3,8 @@
    is exact.
 
    bf16_linear, for a few rows (decode): each vector of up to 4 weight rows is widened once in
-   registers and used by up to 3 activation rows (12 accumulators, within AVX2's 16 registers).
+   registers and used by up to 3 activation rows (12 accumulators, within AVX2's 16 registers);
+   one row, a weight row at a time.
 
    bf16_gemm, for many rows (prefill, the vision tower): the weights are widened a panel at a time
    (GKC inputs of NR output channels, transposed so that each input's NR channels are contiguous)
@@ -53,8 +54,15 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t K
 /* y (M x N, float32) = x (M x K, float32) @ w.T (N x K, bfloat16 bits), both row-major. */
 void bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                  int threads) {
-/* 64 weight rows at a time to whichever thread is free: a core slowed by another tenant's work
-   takes fewer (equal shares wait for the slowest); each sum is the same whoever makes it */
+    /* 64 weight rows at a time to whichever thread is free: a core slowed by another tenant's work
+       takes fewer (equal shares wait for the slowest); each sum is the same whoever makes it. One
+       row takes its weight rows one at a time, read in order (a stream a core): 12-19% faster than
+       4 rows 4 KiB apart in the AVX-512 build on a 2-core Zen 4, 2-18% in the AVX2 one. */
+    if (M == 1) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 64)
+        for (int64_t n = 0; n < N; n++) { ROWS(1) }
+        return;
+    }
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
     for (int64_t n = 0; n < N / 4 * 4; n += 4) { ROWS(4) }
     for (int64_t n = N / 4 * 4; n < N; n++) { ROWS(1) }
