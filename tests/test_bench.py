@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from mmcli.kernels import cpu as cpu_kernels
 from mmcli.models.cache import DecoderCache
 from mmcli.models.config import TextConfig
 from mmcli.weights.checkpoint import expected_shapes, read_model_config
@@ -21,6 +22,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import big_moe  # noqa: E402 (the big MoE bench's pieces, tested on a tiny MoE)
 import cpu as cpu_bench  # noqa: E402 (the CPU bench's arithmetic)
 import decode_attention  # noqa: E402 (the decode attention bench's stream)
+import kernel_ab  # noqa: E402 (the kernels A/B bench's guard)
 
 
 @pytest.mark.slow
@@ -145,6 +147,25 @@ def test_decode_attention_bench_smoke():
     rows = [line.split(" | ") for line in out.splitlines() if line[:1].isdigit()]
     assert [(r[0], r[1]) for r in rows] == [("1", "20"), ("3", "20")]
     assert all(len(r) == 6 and r[-1].endswith("x") for r in rows)
+
+
+def test_kernels_of_a_commit_are_compared_only_through_the_same_declarations(monkeypatch, tmp_path):
+    ours = (ROOT / "mmcli" / "kernels" / "cpu.py").read_text()
+    changed = ours.replace('("eps", ctypes.c_float)', '("eps", ctypes.c_double)')
+    assert changed != ours
+    monkeypatch.setattr(kernel_ab, "git_show", lambda commit, path: changed.encode())
+    with pytest.raises(SystemExit, match="C declarations differ"):
+        kernel_ab.commit_library("theirs", tmp_path)
+
+
+@pytest.mark.skipif(cpu_kernels.why_unavailable() is not None, reason="no C kernels here")
+def test_kernel_ab_bench_smoke():
+    out = _smoke(
+        "kernel_ab.py", "--against", "HEAD", "--rows", "1,3", "--columns", "20", "--repeats", "1"
+    )
+    rows = [line.split(" | ") for line in out.splitlines() if line[:1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("1", "20"), ("3", "20")]
+    assert all(len(r) == 5 and r[-1].endswith("x") for r in rows)
 
 
 def test_a_tree_run_beside_keeps_an_mmcli_cache_of_its_own(tmp_path, monkeypatch):

@@ -197,7 +197,7 @@ def load() -> tuple[ctypes.CDLL | None, str]:
             torch_lib = Path(torch.__file__).parent / "lib"
             path = _build(os.environ.get("CC", "cc"), torch_lib, extra, sources)
             library = ctypes.CDLL(str(path))
-            library.build = build
+            library.build, library.sources, library.flags = build, sources, extra
             library.int4_vnni = bool(VBMI_SOURCES[0] in sources)
             break
         except (OSError, subprocess.SubprocessError) as error:

@@ -1,0 +1,129 @@
+"""This tree's C kernels against another commit's, in one process: the same model, weights and
+KV cache, the decode step run with each library in turns (the best of --repeats), so that
+neither the host's placement of the pages nor a neighbour's load falls on one side only. The
+Python side (the weights' layout, the scratch) is this tree's: it compares kernels whose
+interface did not change, and the commit's C structs and declarations (kernels/cpu.py) must be
+this tree's.
+
+python bench/kernel_ab.py --against COMMIT [--smoke] [--settings '{"quantize": "int8"}']
+    [--rows 1,8,32] [--columns 300,1000]"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import compare_hf
+import torch
+
+from mmcli.api.labeler import Labeler
+from mmcli.config import load_config
+from mmcli.engine.batch import DecodeItem
+from mmcli.kernels import cpu
+
+# kernels/cpu.py's C structs and declarations
+INTERFACE = [
+    re.compile(r"^class DecodeMatrix.*?^@functools.cache", re.S | re.M),
+    re.compile(r"^def _declare.*?^def eager", re.S | re.M),
+]
+
+
+def git_show(commit: str, path: str) -> bytes:
+    command = ["git", "-C", str(compare_hf.ROOT), "show", f"{commit}:{path}"]
+    return subprocess.run(command, check=True, capture_output=True).stdout
+
+
+def commit_library(commit: str, into: Path) -> ctypes.CDLL:
+    """The commit's kernels built as this machine's build of ours is (its flags, its sources by
+    name), declared as ours."""
+    ours = Path(cpu.__file__)
+    theirs = git_show(commit, "mmcli/kernels/cpu.py").decode()
+    if any(part.search(theirs)[0] != part.search(ours.read_text())[0] for part in INTERFACE):
+        raise SystemExit(f"{commit}'s C declarations differ from this tree's: not comparable")
+    library, reason = cpu.load()
+    if library is None:
+        raise SystemExit(f"the kernels do not build here: {reason}")
+    for header in cpu.HEADERS:
+        (into / header.name).write_bytes(git_show(commit, f"mmcli/kernels/csrc/{header.name}"))
+    sources = []
+    for source in library.sources:
+        sources.append(into / source.name)
+        sources[-1].write_bytes(git_show(commit, f"mmcli/kernels/csrc/{source.name}"))
+    headers, cpu.HEADERS = cpu.HEADERS, [into / h.name for h in cpu.HEADERS]  # their digest
+    try:
+        path = cpu._build("cc", Path(torch.__file__).parent / "lib", library.flags, sources)
+    finally:
+        cpu.HEADERS = headers
+    theirs_library = ctypes.CDLL(str(path))
+    theirs_library.build, theirs_library.int4_vnni = library.build, library.int4_vnni
+    cpu._declare(theirs_library)
+    return theirs_library
+
+
+def steps(ckpt: Path, settings: dict, libraries: dict, rows: list, columns: list, repeats: int):
+    """{(rows, columns, side): the best decode step's seconds}, the sides taking turns."""
+    engine = {"max_seqs": max(rows), "max_len": max(columns) + 1}
+    cfg = load_config(None, {"device": "cpu", "engine": engine, **settings})
+    runner = Labeler.from_pretrained(str(ckpt), config=cfg).runner
+    runner.cache.grow(max(rows) + 1, max(columns) + 1)
+    load, best = cpu.load, {}
+    try:
+        with torch.inference_mode():
+            for attempt in range(repeats + 1):  # the first a warm-up
+                for n in rows:
+                    for c in columns:
+                        items = [DecodeItem(i, 100 + i, c, 0) for i in range(n)]
+                        for side, library in libraries.items():
+                            cpu.load = lambda library=library: (library, "")
+                            start = time.perf_counter()
+                            runner.decode(items)
+                            seconds = time.perf_counter() - start
+                            if attempt:
+                                key = (n, c, side)
+                                best[key] = min(best.get(key, seconds), seconds)
+    finally:
+        cpu.load = load
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", required=True, metavar="COMMIT")
+    parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint")
+    parser.add_argument("--settings", default="{}", help="config overrides, JSON")
+    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--columns", default="300,1000")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cache-dir", type=Path, default=None)
+    args = parser.parse_args()
+    if args.cache_dir is None:  # as compare_hf's
+        smoke_dir = Path(tempfile.gettempdir()) / "mmcli-bench"
+        args.cache_dir = smoke_dir if args.smoke else compare_hf.ROOT / ".bench_cache"
+    ckpt, _, _ = compare_hf.make_inputs(args.cache_dir, args.smoke)
+    rows = [int(r) for r in args.rows.split(",")]
+    columns = [int(c) for c in args.columns.split(",")]
+    settings = json.loads(args.settings)
+    with tempfile.TemporaryDirectory() as tmp:
+        libraries = {
+            "this tree": cpu.load()[0],
+            args.against: commit_library(args.against, Path(tmp)),
+        }
+        best = steps(ckpt, settings, libraries, rows, columns, args.repeats)
+    print(
+        f"{ckpt.name}, settings {settings}, {cpu.name()} build, {torch.get_num_threads()} threads"
+    )
+    print(f"rows | columns | this tree ms | {args.against} ms | {args.against} / this tree")
+    for n in rows:
+        for c in columns:
+            ours, theirs = best[n, c, "this tree"], best[n, c, args.against]
+            print(f"{n} | {c} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
