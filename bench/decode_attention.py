@@ -55,21 +55,31 @@ def attention_rates(ckpt: Path, settings: dict, rows: list[int], columns: list[i
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The decode steps a bench times: the checkpoint, the settings, the rows and columns."""
     parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint")
     parser.add_argument("--settings", default="{}", help="config overrides, JSON")
     parser.add_argument("--rows", default="1,8,32")
     parser.add_argument("--columns", default="300,1000")
     parser.add_argument("--cache-dir", type=Path, default=None)
-    args = parser.parse_args()
-    if args.cache_dir is None:  # as compare_hf's
+
+
+def step_inputs(args) -> tuple[Path, dict, list[int], list[int]]:
+    """add_step_arguments' checkpoint (written once, as compare_hf's), settings, rows and
+    columns."""
+    if args.cache_dir is None:
         smoke_dir = Path(tempfile.gettempdir()) / "mmcli-bench"
         args.cache_dir = smoke_dir if args.smoke else compare_hf.ROOT / ".bench_cache"
     ckpt, _, _ = compare_hf.make_inputs(args.cache_dir, args.smoke)
     rows = [int(r) for r in args.rows.split(",")]
     columns = [int(c) for c in args.columns.split(",")]
-    settings = json.loads(args.settings)
+    return ckpt, json.loads(args.settings), rows, columns
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_step_arguments(parser)
+    ckpt, settings, rows, columns = step_inputs(parser.parse_args())
     print(f"{ckpt.name}, settings {settings}, {torch.get_num_threads()} threads")
     print("rows | columns | attention ms | KV read | its stream GB/s | attention / stream")
     for n, c, seconds, kv_bytes, streamed in attention_rates(ckpt, settings, rows, columns):

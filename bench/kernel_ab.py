@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import re
 import subprocess
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import compare_hf
 import torch
+from decode_attention import add_step_arguments, step_inputs
 
 from mmcli.api.labeler import Labeler
 from mmcli.config import load_config
@@ -95,20 +95,10 @@ def steps(ckpt: Path, settings: dict, libraries: dict, rows: list, columns: list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", required=True, metavar="COMMIT")
-    parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint")
-    parser.add_argument("--settings", default="{}", help="config overrides, JSON")
-    parser.add_argument("--rows", default="1,8,32")
-    parser.add_argument("--columns", default="300,1000")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cache-dir", type=Path, default=None)
+    add_step_arguments(parser)
     args = parser.parse_args()
-    if args.cache_dir is None:  # as compare_hf's
-        smoke_dir = Path(tempfile.gettempdir()) / "mmcli-bench"
-        args.cache_dir = smoke_dir if args.smoke else compare_hf.ROOT / ".bench_cache"
-    ckpt, _, _ = compare_hf.make_inputs(args.cache_dir, args.smoke)
-    rows = [int(r) for r in args.rows.split(",")]
-    columns = [int(c) for c in args.columns.split(",")]
-    settings = json.loads(args.settings)
+    ckpt, settings, rows, columns = step_inputs(args)
     with tempfile.TemporaryDirectory() as tmp:
         libraries = {
             "this tree": cpu.load()[0],

@@ -82,7 +82,7 @@ def _steps(decoder, cfg, steps: int, prompts: dict[int, int], seed: int):
         dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
         # a head, the hidden and the MLP widths off the vector length; one key head for three
         dict(hidden_size=40, num_attention_heads=3, num_key_value_heads=1, head_dim=24),
-        # the released models' heads: three query heads a key head (a pair, then one)
+        # the released models' head sizes: 128 (three query heads a key head: a pair, then one), 256
         dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=128),
         dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=256),
     ],
