@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import re
 import subprocess
 import tempfile
@@ -42,24 +43,19 @@ def git_show(commit: str, path: str) -> bytes:
 def commit_library(commit: str, into: Path) -> ctypes.CDLL:
     """The commit's kernels built as this machine's build of ours is (its flags, its sources by
     name), declared as ours."""
-    ours = Path(cpu.__file__)
+    ours = Path(cpu.__file__).read_text()
     theirs = git_show(commit, "mmcli/kernels/cpu.py").decode()
-    if any(part.search(theirs)[0] != part.search(ours.read_text())[0] for part in INTERFACE):
+    if any(part.search(theirs)[0] != part.search(ours)[0] for part in INTERFACE):
         raise SystemExit(f"{commit}'s C declarations differ from this tree's: not comparable")
     library, reason = cpu.load()
     if library is None:
         raise SystemExit(f"the kernels do not build here: {reason}")
-    for header in cpu.HEADERS:
-        (into / header.name).write_bytes(git_show(commit, f"mmcli/kernels/csrc/{header.name}"))
-    sources = []
-    for source in library.sources:
-        sources.append(into / source.name)
-        sources[-1].write_bytes(git_show(commit, f"mmcli/kernels/csrc/{source.name}"))
-    headers, cpu.HEADERS = cpu.HEADERS, [into / h.name for h in cpu.HEADERS]  # their digest
-    try:
-        path = cpu._build("cc", Path(torch.__file__).parent / "lib", library.flags, sources)
-    finally:
-        cpu.HEADERS = headers
+    files = [into / f.name for f in [*library.sources, *cpu.HEADERS]]
+    for file in files:
+        file.write_bytes(git_show(commit, f"mmcli/kernels/csrc/{file.name}"))
+    sources, headers = files[: len(library.sources)], files[len(library.sources) :]
+    compiler, torch_lib = os.environ.get("CC", "cc"), Path(torch.__file__).parent / "lib"
+    path = cpu._build(compiler, torch_lib, library.flags, sources, headers)
     theirs_library = ctypes.CDLL(str(path))
     theirs_library.build, theirs_library.int4_vnni = library.build, library.int4_vnni
     cpu._declare(theirs_library)

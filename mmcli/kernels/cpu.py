@@ -111,12 +111,16 @@ def why_unavailable() -> str | None:
     return None
 
 
-def _build(compiler: str, torch_lib: Path, extra: list[str], sources: list[Path]) -> Path:
+def _build(
+    compiler: str, torch_lib: Path, extra: list[str], sources: list[Path], headers=HEADERS
+) -> Path:
+    """The library of `sources` (including `headers`, beside them), built once per code and
+    flags in the kernel cache."""
     compile_flags, libraries = [*FLAGS, *extra], []
     # torch's own OpenMP runtime, already loaded: one thread pool
     if (torch_lib / "libgomp.so.1").exists():
         libraries = [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
-    code = b"".join(source.read_bytes() for source in [*sources, *HEADERS])
+    code = b"".join(source.read_bytes() for source in [*sources, *headers])
     flags = " ".join([compiler, *compile_flags, *libraries]).encode()
     digest = hashlib.sha256(code + flags).hexdigest()[:16]
     target = cache_dir() / f"linear-{digest}.so"
