@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import big_moe  # noqa: E402 (the big MoE bench's pieces, tested on a tiny MoE)
 import cpu as cpu_bench  # noqa: E402 (the CPU bench's arithmetic)
 import decode_attention  # noqa: E402 (the decode attention bench's stream)
+import gpu_parity  # noqa: E402 (the GPU parity's bfloat16 gate)
 import kernel_ab  # noqa: E402 (the kernels A/B bench's guard)
 
 
@@ -314,3 +315,19 @@ def test_big_moe_sizes_are_the_released_models(capsys):
     out = capsys.readouterr().out
     assert "| Qwen3-VL-30B-A3B | 31.07 B | 62.1 GB | 18.9 GB |" in out
     assert "| Qwen3.5-35B-A3B | 35.11 B | 70.2 GB | 21.3 GB |" in out
+
+
+def test_gpu_paritys_bfloat16_gate_holds_rounding_and_refuses_a_wrong_kernel():
+    """mmcli's bfloat16 logits pass within MARGIN of float32's or FACTOR times transformers'
+    distance, and a wrong kernel (other logits altogether) fails either way."""
+    torch.manual_seed(0)
+    truth = torch.randn(32, 400)
+    rounded = truth.bfloat16().float()
+    assert gpu_parity.distance(rounded, truth) < gpu_parity.MARGIN
+    assert gpu_parity.bfloat16_parity(rounded, rounded, truth)[0]
+    wrong = torch.randn(32, 400)
+    assert not gpu_parity.bfloat16_parity(wrong, rounded, truth)[0]
+    drifted = truth + 0.1 * torch.randn(32, 400)  # a reference that moves further in bfloat16
+    assert gpu_parity.bfloat16_parity(truth + 0.15 * torch.randn(32, 400), drifted, truth)[0]
+    assert not gpu_parity.bfloat16_parity(truth + 0.3 * torch.randn(32, 400), drifted, truth)[0]
+    assert gpu_parity.unlike(truth.flip(-1), truth) == list(range(32))
