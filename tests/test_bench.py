@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import big_moe  # noqa: E402 (the big MoE bench's pieces, tested on a tiny MoE)
 import cpu as cpu_bench  # noqa: E402 (the CPU bench's arithmetic)
 import decode_attention  # noqa: E402 (the decode attention bench's stream)
+import decode_products  # noqa: E402 (the decode products bench's kernels)
 import gpu_parity  # noqa: E402 (the GPU parity's bfloat16 gate)
 import kernel_ab  # noqa: E402 (the kernels A/B bench's guard)
 
@@ -148,6 +149,17 @@ def test_decode_attention_bench_smoke():
     rows = [line.split(" | ") for line in out.splitlines() if line[:1].isdigit()]
     assert [(r[0], r[1]) for r in rows] == [("1", "20"), ("3", "20")]
     assert all(len(r) == 6 and r[-1].endswith("x") for r in rows)
+
+
+@pytest.mark.skipif(cpu_kernels.why_unavailable() is not None, reason="no kernels build here")
+def test_decode_products_bench_smoke():
+    """Each kernel the build has, at each row count: hot, its stream, cold and their ratios."""
+    out = _smoke("decode_products.py", "--rows", "1,3")
+    kinds = list(decode_products.KERNELS)
+    rows = [line.split(" | ") for line in out.splitlines() if line.split(" | ")[0] in kinds]
+    assert [(r[0], r[1]) for r in rows] == [(k, n) for n in ("1", "3") for k in kinds]
+    built = [r for r in rows if r[2] != "not in this build"]
+    assert built and all(len(r) == 7 and r[-1].endswith("x") for r in built)
 
 
 def test_kernels_of_a_commit_are_compared_only_through_the_same_declarations(monkeypatch, tmp_path):
