@@ -377,8 +377,11 @@ def int4_values_f64(weight):
     """An Int4Weight's (q - 8) * scale + zero in float64, [out, in] (torch's layout read back)."""
     import torch
 
+    from mmcli.kernels.weight_forms import int4_block
+
     out, inner = weight.shape
-    packed = weight.packed.view(out // 64, inner, 32)
+    block = int4_block()
+    packed = weight.packed.view(out // block, inner, block // 2)
     q = torch.cat([packed & 0xF, packed >> 4], -1).permute(0, 2, 1).reshape(out, inner)
     sz = weight.scales_zeros.double()  # [in / 32, out, 2]
     scale, zero = (sz[..., i].t().repeat_interleave(32, 1) for i in (0, 1))

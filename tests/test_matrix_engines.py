@@ -13,10 +13,11 @@ import pytest
 import torch
 from conftest import assert_same_choices, forced_logits, greedy, photo
 
-from mmcli.kernels import attention, cpu, cpu_features, cpu_ops, matrix, measure
+from mmcli.kernels import attention, cpu, cpu_features, cpu_ops, matrix, measure, weight_forms
 from mmcli.kernels import experts as experts_module
 from mmcli.kernels.machine import Crossover, Machine, comparisons
 from mmcli.kernels.plan import INT8_OURS, ONEDNN_INT8, RunShape, choose
+from mmcli.kernels.weight_forms import Int4Weight
 from mmcli.models.layers.quantized import int4_linear, int8_reference
 from mmcli.weights.int4 import int4_values, quantize_int4
 from mmcli.weights.int8 import as_rows, quantize_int8
@@ -118,6 +119,34 @@ def test_amx_takes_onednn_above_the_few_rows_kernel_without_measuring():
     assert plan.vision_int8.id == ONEDNN_INT8
     assert plan.int8.kernel == f"oneDNN int8 above 64 rows, {INT8_OURS} to 64"
     assert plan.attention.id == "attention.c"  # measured (by hand): ours wins
+
+
+@pytest.mark.parametrize("units", [AVX2, AMX], ids=["avx2", "amx_units"])
+def test_onednns_int8_is_never_taken_where_it_would_saturate(units):
+    """Measured faster or not, where the CPU itself has no VNNI (its units shown as AMX too, as
+    tests and benches force them) int8 and the vision tower stay on int8_linear.c."""
+    inexact = dataclasses.replace(machine(units, "AVX2", above=0), exact_int8=False)
+    plan = choose(shape_on(units, quantize="int8"), inexact)
+    assert plan.int8.id == "int8_linear.c" and plan.vision_int8.id == "int8_linear.c"
+    assert "saturate" in plan.int8.why and "saturate" in plan.vision_int8.why
+    exact = choose(shape_on(units, quantize="int8"), machine(units, "AVX2", above=0))
+    assert exact.vision_int8.id == ONEDNN_INT8
+
+
+def test_int4_takes_our_kernels_only_on_the_layout_they_read():
+    """torch packs int4 for the kernel it dispatches to: blocks of 64 channels (AVX-512), which
+    amx.c, int4_vnni.c and the C dequantizer read; on blocks of 32 (AVX2 dispatch on any CPU)
+    torch's kernel or the tiles' dequantizer in torch's operations; on another, torch's alone."""
+    shape = shape_on(AMX, quantize="int4")
+    assert choose(shape, machine(AMX, "AMX")).int4.id == "amx_int4"
+    amx = machine(AMX, "AMX")
+    tiles = {**amx.crossovers, "int4_tiles": Crossover(None, "measured (by hand)")}
+    blocks_of_32 = dataclasses.replace(amx, int4_block=32, crossovers=tiles)
+    assert comparisons(AMX, "AMX", int4_block=32) == ("attention", "int4_tiles")
+    assert choose(shape, blocks_of_32).int4.id == "torch_int4"
+    unknown = dataclasses.replace(machine(AVX512_BF16, "AVX-512 BF16"), int4_block=None)
+    assert "int4_tiles" not in comparisons(AVX512_BF16, "AVX-512 BF16", int4_block=None)
+    assert choose(shape_on(AVX512_BF16, quantize="int4"), unknown).int4.id == "torch_int4"
 
 
 def test_our_amx_build_puts_the_few_rows_the_logits_and_int8_on_the_tiles():
@@ -254,11 +283,12 @@ def test_mmcli_cpu_prefer_stands_in_for_every_measurement(monkeypatch, prefer):
     monkeypatch.setattr(measure, "measured", None)  # never called
     here = machines.here()
     library = prefer == "library"
-    assert set(here.crossovers) == set(comparisons(here.cpu, here.build, here.int4_vnni))
+    consulted = comparisons(here.cpu, here.build, here.int4_vnni, here.int4_block)
+    assert set(here.crossovers) == set(consulted)
     plan = choose(shape_on(AVX512_BF16, quantize="int8"), here)
     assert ("above 0 rows" in plan.upcast.kernel) == library
     assert (plan.attention.id == "flash_bf16") == library
-    assert (plan.vision_int8.id == ONEDNN_INT8) == library
+    assert (plan.vision_int8.id == ONEDNN_INT8) == (library and here.exact_int8)
     int4 = choose(shape_on(AVX2, quantize="int4"), here).int4
     tiles_everywhere = "above 0 rows" in int4.kernel or "to 0, int4 tiles" in int4.kernel
     assert tiles_everywhere == library
@@ -291,6 +321,7 @@ def test_bf16_products_are_float32s_to_bfloat16_rounding_and_few_rows_stay_exact
         assert (y - reference).abs().max().item() <= tolerance + 1e-4
 
 
+@pytest.mark.skipif(not cpu_features.exact_int8(), reason="oneDNN's int8 saturates without VNNI")
 def test_int8_on_onednn_is_int8_references_arithmetic_exactly():
     weight = quantize_int8(torch.randn(40, 52))
     x = torch.randn(33, 52)
@@ -313,6 +344,19 @@ def test_int4_tiles_dequantize_torchs_layout_and_match_its_kernel():
     y, reference = matrix.int4_tiles_linear(x, packed, None), int4_linear(x, packed, None)
     assert (y - reference).abs().max() <= 2e-2 * reference.abs().max()
     assert matrix.int4_matmul(above=512)(x, packed, None) is None  # few rows: torch's kernel
+
+
+def test_the_int4_layout_is_torchs_here_and_both_its_x86_forms_dequantize():
+    """int4_block names torch's packing in this process (64 on AVX-512, 32 on AVX2); the
+    dequantizer reads either form, made by hand, as the values they hold."""
+    assert weight_forms.int4_block() in (64, 32)  # torch's packer matches one of our forms
+    q = torch.randint(0, 16, (192, 96), dtype=torch.int32)
+    scales_zeros = torch.randn(96 // 32, 192, 2).bfloat16()
+    scale, zero = (scales_zeros[..., i].float().t().repeat_interleave(32, 1) for i in (0, 1))
+    expected = ((q.float() - 8) * scale + zero)[64:192].t().bfloat16()
+    for block in (64, 32):
+        weight = Int4Weight(weight_forms.int4_blocks(q, block), scales_zeros, (192, 96))
+        assert torch.equal(matrix.int4_dequantized(weight, 64, 192, block), expected)
 
 
 @needs_kernels
@@ -419,10 +463,11 @@ def test_bfloat16_products_keep_the_float32_products_choices(
     assert matrix_run.kernel_plan.upcast.id.startswith("onednn_bf16+")
     if quantize == "int8":
         layers = [m for m in matrix_run.model.visual.modules() if hasattr(m, "per_token")]
-        # our AMX build reads the weights as stored; elsewhere oneDNN's int8 reads rows
+        # our AMX build reads the weights as stored, and so does ours where oneDNN's int8 is
+        # not exact; elsewhere oneDNN's int8 reads rows
         layout, kernel = (
             ("interleaved", cpu_ops.int8_matmul)
-            if cpu.name() == "AMX"
+            if cpu.name() == "AMX" or not cpu_features.exact_int8()
             else ("rows", matrix.int8_rows_matmul)
         )
         assert layers and all(m.weight.layout == layout for m in layers)

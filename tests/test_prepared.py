@@ -257,6 +257,23 @@ def test_int4_from_the_file_computes_as_quantized(moe_dirs, tmp_path):
     assert torch.equal(_logits(first), _logits(uncached))
 
 
+@needs_int4
+def test_int4_weights_packed_for_another_kernel_are_prepared_again(
+    tiny_dir, tmp_path, monkeypatch, capsys
+):
+    """torch packs int4 for the kernel it dispatches to (AVX-512 or AVX2): a file says which,
+    and one of the other layout is not read."""
+    _int4(tiny_dir, tmp_path)
+    written, _ = _int4_files(tmp_path, tiny_dir)
+    here = prepared_module.int4_block()
+    monkeypatch.setattr(prepared_module, "int4_block", lambda: 32 if here == 64 else 64)
+    capsys.readouterr()
+    again = _int4(tiny_dir, tmp_path)
+    said = capsys.readouterr().err
+    assert f"prepared weights {written}: written under another int4 layout" in said
+    assert "prepared weights written to" in again.prepared_weights_report()
+
+
 def _int4_files(cache, checkpoint):
     """An int4 run's prepared files: its 4-bit weights' and its vision tower's int8."""
     recipes = (prepared_module.INT4, prepared_module.INT8_VISION)

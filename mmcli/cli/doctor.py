@@ -34,6 +34,10 @@ def rates_table(machine: Machine, again: bool) -> Table:
     for name in measure.COMPARISONS:
         if name in ("peaks", "floors") or (name != "int4_tiles" and not machine.build):
             continue
+        if (name == "int4_fewest_rows" and not machine.int4_vnni) or (
+            name == "int4_tiles" and machine.int4_block is None
+        ):
+            continue  # ours is not here: nothing to time
         result = measure.measured(name, machine.key(), again)
         for rows, pair in result["rates"].items():
             for kernel, unit, rate in zip(result["kernels"], result["units"], pair):

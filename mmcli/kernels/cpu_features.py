@@ -111,3 +111,10 @@ def real_units() -> frozenset[str]:
     """What the CPU itself reports, whatever the override (what our C kernels may be built
     for)."""
     return reported_units(_cpuinfo())
+
+
+def exact_int8() -> bool:
+    """Whether oneDNN's int8 GEMM is exact on this CPU itself, whatever the override: on VNNI or
+    AMX-INT8; elsewhere it multiplies in pairs whose 16-bit sums saturate (15% of the largest
+    output off on a 2048-deep product of our 7-bit activations)."""
+    return bool(real_units() & {"avx512_vnni", "amx_int8"})

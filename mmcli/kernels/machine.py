@@ -44,7 +44,11 @@ class Machine:
     read_gb_s: float | None = None
     peaks: Mapping[str, float] = field(default_factory=dict)
     libraries: frozenset[str] = frozenset()  # optional kernel libraries installed: fla
-    int4_vnni: bool = False  # our build has int4_vnni.c (AVX-512 VNNI and VBMI)
+    int4_vnni: bool = False  # our build has int4_vnni.c (AVX-512 VNNI and VBMI) for int4_block
+    # torch's int4 CPU layout in this process: output channels a block (weight_forms.int4_block;
+    # our int4 kernels read 64), None for one the tiles' dequantizer cannot read
+    int4_block: int | None = 64
+    exact_int8: bool = True  # oneDNN's int8 GEMM is exact here (cpu_features.exact_int8)
 
     def key(self) -> str:
         """What this machine's measurements are cached under."""
@@ -79,17 +83,20 @@ class Machine:
         return self.build or f"none ({self.unavailable})"
 
 
-def comparisons(cpu: CpuFeatures, build: str, int4_vnni: bool = False) -> tuple[str, ...]:
+def comparisons(
+    cpu: CpuFeatures, build: str, int4_vnni: bool = False, int4_block: int | None = 64
+) -> tuple[str, ...]:
     """The measured comparisons the plan can consult on these units and this build (`int4_vnni`:
-    it has int4_vnni.c); the units decide the rest (AMX-BF16 above the few-rows kernel, the int8
-    matrix engines, amx.c's tiles)."""
+    it has int4_vnni.c; `int4_block`: torch's int4 layout here); the units decide the rest
+    (AMX-BF16 above the few-rows kernel, the int8 matrix engines, amx.c's tiles)."""
     names = []
     if cpu.bf16_matrix():  # bfloat16 products are chosen only where the CPU has them
         names += [] if "amx_bf16" in cpu.units else ["bf16_gemm"]
         names += ["attention"]
     if not cpu.int8_matrix():
         names += ["int8_prefill", "int8_vision"]
-    if not (TILE_UNITS <= cpu.units and build == "AMX"):
+    amx_int4 = TILE_UNITS <= cpu.units and build == "AMX" and int4_block == 64
+    if int4_block is not None and not amx_int4:
         names += ["int4_tiles"] + (["int4_fewest_rows"] if int4_vnni else [])
     return tuple(names)
 
@@ -117,18 +124,26 @@ def _crossover(name: str, cpu: CpuFeatures, build: str, unavailable: str) -> Cro
 
 @functools.cache
 def _made(environment: tuple[str | None, ...], floors: bool) -> Machine:
-    from mmcli.kernels import cpu, cpu_features, measure
+    from mmcli.kernels import cpu, cpu_features, measure, weight_forms
 
     units = cpu_features.detect()
     library, unavailable = cpu.load()
     build = library.build if library is not None else ""
-    int4_vnni = bool(library is not None and library.int4_vnni)
+    int4_block = weight_forms.int4_block()
+    int4_vnni = bool(library is not None and library.int4_vnni and int4_block == 64)
     crossovers = {
         name: _crossover(name, units, build, unavailable)
-        for name in comparisons(units, build, int4_vnni)
+        for name in comparisons(units, build, int4_vnni, int4_block)
     }
     machine = Machine(
-        units, build, unavailable, crossovers, libraries=installed_libraries(), int4_vnni=int4_vnni
+        units,
+        build,
+        unavailable,
+        crossovers,
+        libraries=installed_libraries(),
+        int4_vnni=int4_vnni,
+        int4_block=int4_block,
+        exact_int8=cpu_features.exact_int8(),
     )
     if not floors:
         return machine

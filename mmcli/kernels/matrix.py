@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mmcli.kernels import cpu, cpu_ops
-from mmcli.kernels.weight_forms import GROUP, X_MAX, Int4Weight, Int8Weight
+from mmcli.kernels.weight_forms import GROUP, X_MAX, Int4Weight, Int8Weight, int4_block
 
 INT4_TILE = 256  # output channels dequantized at a time: 1 MB of bfloat16 for 2048 inputs
 
@@ -115,15 +115,19 @@ def int8_products(above: int):
     return matmul
 
 
-def int4_dequantized(weight: Int4Weight, start: int, stop: int) -> torch.Tensor:
-    """Output channels [start, stop) of an Int4Weight as bfloat16 [in, stop - start] (torch's CPU
-    int4 layout: blocks of 64 output channels, each input channel's 64 values in 32 bytes, low
-    nibbles the block's first 32), value = (q - 8) * scale + zero per GROUP inputs."""
-    if cpu.eager() and weight.scales_zeros.is_contiguous():
+def int4_dequantized(
+    weight: Int4Weight, start: int, stop: int, block: int | None = None
+) -> torch.Tensor:
+    """Output channels [start, stop) (multiples of 64) of an Int4Weight as bfloat16 [in, stop -
+    start] (torch's CPU int4 layout of `block` channels a block, this process's by default:
+    each input's values of a block in block / 2 bytes, the low nibbles its first half), value =
+    (q - 8) * scale + zero per GROUP inputs; int4_tiles.c's where it reads the layout (64)."""
+    block = block or int4_block()
+    if block == 64 and cpu.eager() and weight.scales_zeros.is_contiguous():
         return cpu.int4_dequantize(weight, GROUP, start, stop)
     inner = weight.shape[1]
-    packed = weight.packed.view(-1, inner, 32)[start // 64 : stop // 64]
-    q = torch.cat([packed & 0xF, packed >> 4], -1)  # [blocks, in, 64]
+    packed = weight.packed.view(-1, inner, block // 2)[start // block : stop // block]
+    q = torch.cat([packed & 0xF, packed >> 4], -1)  # [blocks, in, block]
     q = q.permute(1, 0, 2).reshape(inner // GROUP, GROUP, stop - start)
     scales_zeros = weight.scales_zeros[:, start:stop].float()  # [in / GROUP, out, 2]
     w = (q.float() - 8).mul_(scales_zeros[:, None, :, 0]).add_(scales_zeros[:, None, :, 1])
@@ -152,7 +156,7 @@ def int4_matmul(above: int | None, vnni_above: int | None = None):
     products (cpu_ops.int4_vnni_matmul) above `vnni_above` rows where that is given."""
 
     def matmul(x, weight, bias):
-        tiles = above is not None and _library_rows(x, above)
+        tiles = above is not None and int4_block() is not None and _library_rows(x, above)
         if weight.shape[0] % 64 == 0 and tiles:
             return int4_tiles_linear(x, weight, bias)
         if vnni_above is None:

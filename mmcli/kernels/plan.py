@@ -220,6 +220,9 @@ def _bf16_products(shape: RunShape, machine: Machine) -> Choice | None:
     return Choice("onednn_bf16+bf16_linear.c", kernel, why, _function(matrix.bf16_products(above)))
 
 
+INEXACT_INT8 = "this CPU has no VNNI: oneDNN's int8 would saturate its 16-bit pairs"
+
+
 def _int8(shape: RunShape, machine: Machine) -> Choice:
     """The decoder's int8: stored in int8_linear.c's layout (decode reads it, bound by memory);
     at many rows on oneDNN's int8 GEMM where that wins (above 64 rows on AMX-INT8, else
@@ -228,7 +231,9 @@ def _int8(shape: RunShape, machine: Machine) -> Choice:
         return NONE
     if _tiles(shape, machine):
         return _int8_tiles()
-    if machine.cpu.int8_matrix():
+    if not machine.exact_int8:
+        above, why = None, INEXACT_INT8
+    elif machine.cpu.int8_matrix():
         above, why = 64, "AMX-INT8 above 64 rows: the copy to its layout amortized"
     else:
         measured = machine.crossover("int8_prefill")
@@ -241,6 +246,7 @@ def _int8(shape: RunShape, machine: Machine) -> Choice:
     if not machine.build:
         return Choice("int8_float32", "int8 in float32", machine.unavailable)
     why = f"weights stored in its layout ({machine.build} build); decode reads them"
+    why = why if machine.exact_int8 else f"{INEXACT_INT8}; {why}"
     return Choice("int8_linear.c", INT8_OURS, why, _function(cpu_ops.int8_matmul))
 
 
@@ -262,6 +268,8 @@ def _vision_int8(shape: RunShape, machine: Machine) -> Choice:
         return NONE
     if _tiles(shape, machine):
         return _int8_tiles()
+    if not machine.exact_int8:
+        return _vision_int8_ours(shape, machine, INEXACT_INT8)
     if machine.cpu.int8_matrix():
         why = "the matrix engine's int8; rows layout made at load"
     else:
@@ -285,7 +293,9 @@ def _vision_int8_ours(shape: RunShape, machine: Machine, why: str) -> Choice:
 def _int4(shape: RunShape, machine: Machine) -> Choice:
     if shape.quantize != "int4":
         return NONE
-    if _tiles(shape, machine):
+    if machine.int4_block is None:
+        return Choice("torch_int4", "torch int4", "torch's int4 layout here is none ours reads")
+    if _tiles(shape, machine) and machine.int4_block == 64:
         kernel = f"torch int4 to {cpu.INT4_TORCH_ROWS} rows, int8 dot products to "
         kernel += f"{cpu.INT4_VNNI_ROWS}, AMX tiles (the integers to {cpu.INT4_FEW_ROWS} rows, "
         kernel += "dequantized panels above)"

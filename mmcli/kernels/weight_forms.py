@@ -4,6 +4,7 @@ of their arithmetic. mmcli/weights makes them; models/layers/quantized.py comput
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +43,30 @@ class Int8Weight:
 
 @dataclass
 class Int4Weight:
-    packed: torch.Tensor  # torch's int4 CPU layout of the [out, in] 4-bit values
+    packed: torch.Tensor  # torch's int4 CPU layout of the [out, in] 4-bit values (int4_block)
     scales_zeros: torch.Tensor  # [in / GROUP, out, 2] bfloat16
     shape: tuple[int, int]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_zeros))
+
+
+def int4_blocks(q: torch.Tensor, block: int) -> torch.Tensor:
+    """q [out, in] (0..15) in torch's int4 CPU layout of `block` output channels a block: each
+    input's values of a block in block / 2 bytes, the block's first half in the low nibbles."""
+    out, inner = q.shape
+    channels = q.reshape(out // block, block, inner).transpose(1, 2)  # [blocks, in, block]
+    low, high = channels[..., : block // 2], channels[..., block // 2 :]
+    return (low | high << 4).to(torch.uint8).reshape(out, inner // 2)
+
+
+@functools.cache
+def int4_block() -> int | None:
+    """The output channels a block of torch's int4 CPU layout holds in this process, read once
+    from torch's packer: it packs for the kernel it dispatches to, 64 on AVX-512 and 32 on AVX2
+    (ATEN_CPU_CAPABILITY moves it); None for another layout. Our kernels and the C dequantizer
+    read blocks of 64; a prepared file says which it holds."""
+    q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator())
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return next((b for b in (64, 32) if torch.equal(packed, int4_blocks(q, b))), None)

@@ -32,6 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from mmcli.kernels.weight_forms import int4_block
 from mmcli.weights import int4
 from mmcli.weights.int4 import GROUP
 from mmcli.weights.int8 import int8_layout, int8_linears, quantize_model
@@ -92,7 +93,12 @@ def code_digest(recipe: Recipe = INT8) -> str:
     return digest.hexdigest()[:16]
 
 
-_KEYS = {"recipe": "recipe", "code": "mmcli quantization code", "torch": "torch version"}
+_KEYS = {
+    "recipe": "recipe",
+    "code": "mmcli quantization code",
+    "torch": "torch version",
+    "layout": "int4 layout (torch packs for the kernel it dispatches to)",
+}
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -116,6 +122,8 @@ class PreparedWeights:
         name = hashlib.sha256(json.dumps([identity, recipe.words]).encode()).hexdigest()[:24]
         self.file = Path(directory).expanduser() / "weights" / f"{name}.safetensors"
         self.key = {"recipe": recipe.words, "code": code_digest(recipe), "torch": torch.__version__}
+        if recipe is INT4:  # read by torch's int4 kernel, which reads its own layout
+            self.key["layout"] = f"blocks of {int4_block()}"
         self._writer: threading.Thread | None = None
         self._outcome = "prepared weights not written: none were prepared"
         self.status = "prepared weights not used"  # what the load did, for its line
