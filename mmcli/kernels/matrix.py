@@ -73,8 +73,9 @@ def int8_rows_matmul(
     x2: torch.Tensor, weight: Int8Weight, activation: str | None = None
 ) -> torch.Tensor | None:
     """x2 (rows, in) float32 @ an Int8Weight in rows layout ([padded out, padded in]) by
-    oneDNN's int8 GEMM (`torch._int_mm`), the sums exact in int32, so the result is
-    int8_reference's with a scale a row; then the activation."""
+    oneDNN's int8 GEMM (`torch._int_mm`), the sums exact in int32 on VNNI or AMX-INT8 (the plan
+    takes it only there: cpu_features.exact_int8), so the result is int8_reference's with a
+    scale a row; then the activation."""
     if weight.layout != "rows" or x2.device.type != "cpu" or torch.compiler.is_compiling():
         return None
     values, scale = int8_levels(x2, X_MAX)
