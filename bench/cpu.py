@@ -162,10 +162,8 @@ def step_tensors(model) -> list:
     tensors += [model.lm_head.weight]
     for module in decoder.modules():
         for value in vars(module).values():
-            if isinstance(value, Int8Weight):
+            if isinstance(value, (Int8Weight, Int4Weight)):
                 tensors += value.tensors().values()
-            elif isinstance(value, Int4Weight):
-                tensors += [value.packed, value.scales_zeros]
     return list({t.data_ptr(): t for t in tensors}.values())
 
 

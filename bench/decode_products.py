@@ -19,7 +19,6 @@ from cpu import best_seconds
 
 from mmcli.kernels import cpu, measure
 from mmcli.kernels.host_memory import keep_freed_memory
-from mmcli.kernels.weight_forms import Int4Weight, Int8Weight
 
 SHAPE, COPIES = (6144, 2048), 24  # the gate projection; 24 copies: 170 MB of int4 and more
 SMOKE_SHAPE, SMOKE_COPIES = (128, 64), 2
@@ -35,11 +34,8 @@ def weights(kind: str, outer: int, inner: int):
 
 
 def tensors(weight) -> list[torch.Tensor]:
-    if isinstance(weight, Int8Weight):
-        return list(weight.tensors().values())
-    if isinstance(weight, Int4Weight):
-        return [weight.packed, weight.scales_zeros]
-    return [weight]
+    """A weight's tensors: a quantized form's own, or the bfloat16 matrix."""
+    return [weight] if isinstance(weight, torch.Tensor) else list(weight.tensors().values())
 
 
 KERNELS = {

@@ -44,7 +44,8 @@ class Machine:
     read_gb_s: float | None = None
     peaks: Mapping[str, float] = field(default_factory=dict)
     libraries: frozenset[str] = frozenset()  # optional kernel libraries installed: fla
-    int4_vnni: bool = False  # our build has int4_vnni.c (AVX-512 VNNI and VBMI) for int4_block
+    # our build has int4_vnni.c (AVX-512 VNNI and VBMI) and torch packs int4 as it reads (64)
+    int4_vnni: bool = False
     # torch's int4 CPU layout in this process: output channels a block (weight_forms.int4_block;
     # our int4 kernels read 64), None for one the tiles' dequantizer cannot read
     int4_block: int | None = 64

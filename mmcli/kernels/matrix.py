@@ -157,7 +157,7 @@ def int4_matmul(above: int | None, vnni_above: int | None = None):
     products (cpu_ops.int4_vnni_matmul) above `vnni_above` rows where that is given."""
 
     def matmul(x, weight, bias):
-        tiles = above is not None and int4_block() is not None and _library_rows(x, above)
+        tiles = above is not None and _library_rows(x, above)
         if weight.shape[0] % 64 == 0 and tiles:
             return int4_tiles_linear(x, weight, bias)
         if vnni_above is None:

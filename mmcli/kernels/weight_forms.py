@@ -47,9 +47,12 @@ class Int4Weight:
     scales_zeros: torch.Tensor  # [in / GROUP, out, 2] bfloat16
     shape: tuple[int, int]
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed, "scales_zeros": self.scales_zeros}
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_zeros))
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
 def int4_blocks(q: torch.Tensor, block: int) -> torch.Tensor:

@@ -173,7 +173,7 @@ def as_tensors(matrices: dict[str, Int4Weight], experts: dict[str, list]) -> dic
             weights.update({f"{prefix}.{e}.{part}": w for part, w in zip(PARTS, parts)})
     tensors = {}
     for name, w in weights.items():
-        tensors[f"{name}.packed"], tensors[f"{name}.scales_zeros"] = w.packed, w.scales_zeros
+        tensors.update({f"{name}.{part}": t for part, t in w.tensors().items()})
     return tensors
 
 

@@ -106,7 +106,7 @@ class Int4Linear(nn.Module):
         self.weight, self.bias = weight, bias
 
     def held(self) -> list[torch.Tensor]:
-        return [self.weight.packed, self.weight.scales_zeros]
+        return list(self.weight.tensors().values())
 
     def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
         check_activation(activation)
