@@ -8,11 +8,12 @@ import torch
 from conftest import assert_same_choices, forced_logits, greedy, photo, with_cpu_kernels
 
 from mmcli.api.labeler import Labeler
-from mmcli.kernels import cpu
+from mmcli.kernels import cpu, matrix
 from mmcli.kernels.fused_decode import FusedDecode
 from mmcli.models.cache import AttentionBatch, DecoderCache
 from mmcli.models.config import TextConfig
 from mmcli.models.layers.linear import Linear
+from mmcli.models.layers.quantized import Int4Linear
 from mmcli.models.qwen3_vl.text import TextDecoder
 from mmcli.weights.int4 import adopt, quantize_int4
 from mmcli.weights.int8 import quantize_linears
@@ -219,16 +220,19 @@ def test_sequences_decoded_together_get_the_modules_logits(bf16_dir, monkeypatch
 @pytest.mark.skipif(not (cpu.has_vnni() and cpu.has_vbmi()), reason="no int4_vnni.c here")
 @pytest.mark.parametrize("prompts", [{2: 3, 0: 9, 1: 1, 3: 4}, {0: 5}])
 def test_an_int4_step_matches_the_int4_layers_it_replaces(monkeypatch, prompts):
-    """int4 weights (torch's layout) on int4_vnni.c in the step as in each Int4Linear (the plan
-    giving them int4_vnni.c from one row): the same products, one sequence or four; with torch's
-    int4 kernel at 1 and 2 rows the step leaves those to the modules."""
-    monkeypatch.setenv("MMCLI_CPU_PREFER", "ours")  # int4_vnni.c at every row count to 32
+    """int4 weights (torch's layout) on int4_vnni.c in the step as in each Int4Linear (given
+    int4_vnni.c from one row, whatever this CPU's plan takes): the same products, one sequence or
+    four; with torch's int4 kernel at 1 and 2 rows the step leaves those to the modules."""
     shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     cfg = _config(shape, intermediate_size=128)
     decoder = _decoder(cfg, seed=3)
     linears = [(n, m) for n, m in decoder.named_modules() if isinstance(m, Linear)]
     adopt(decoder, {f"{n}.weight": quantize_int4(m.weight) for n, m in linears}, {})
     with_cpu_kernels(decoder, quantize="int4").kernel = None
+    int4_vnni = matrix.int4_matmul(None, vnni_above=0)  # AMX's plan keeps torch's at 1-2 rows
+    for layer in decoder.modules():
+        if isinstance(layer, Int4Linear):
+            layer.kernel = int4_vnni
     reference, ref_cache = _steps(decoder, cfg, steps=8, prompts=prompts, seed=1)
     decoder.kernel = FusedDecode.for_decoder(decoder, cfg, int4_torch_rows=0)
     assert decoder.kernel is not None and decoder.kernel.structs[0].int4 == 1

@@ -437,6 +437,10 @@ def _loaded(path, units: cpu_features.CpuFeatures, monkeypatch, **settings):
 # bfloat16 rounding of the activations moves this checkpoint's logits by 2-4% of their spread;
 # a wrong kernel (a layout, a scale) moves them by all of it.
 PRODUCTS_MARGIN = 0.1
+# int4's step rows on int4_vnni.c are int8 levels per group of 32 inputs, against bfloat16 rows on
+# torch's int4 kernel: on an AMX Xeon (whose plan keeps torch's kernel at one row) the two sides'
+# logits came 0.12 of their spread apart at most, 0.074 with both on torch's kernel.
+INT4_ROWS_MARGIN = 0.25
 
 
 @needs_kernels
@@ -445,8 +449,9 @@ def test_bfloat16_products_keep_the_float32_products_choices(
     bf16_checkpoint, monkeypatch, quantize
 ):
     """Teacher-forced along the float32 products' greedy tokens: the bfloat16 products' logits
-    within PRODUCTS_MARGIN of the logits' spread at every step (the tiny random checkpoint's
-    next-token distribution is nearly flat: its greedy tokens may flip at a near-tie)."""
+    within PRODUCTS_MARGIN (int4: INT4_ROWS_MARGIN) of the logits' spread at every step (the
+    tiny random checkpoint's next-token distribution is nearly flat: its greedy tokens may flip
+    at a near-tie)."""
     # each side's units are a measurement key of their own: the measured choices kept alike
     monkeypatch.setenv("MMCLI_CPU_PREFER", "ours")
     if quantize in ("int8", "int4"):
@@ -475,4 +480,5 @@ def test_bfloat16_products_keep_the_float32_products_choices(
     (expected,) = forced_logits(vector_run, [vector_req], [reference])
     assert expected.argmax(-1).tolist() == reference  # the forced steps are the engine's
     (logits,) = forced_logits(matrix_run, [matrix_req], [reference])
-    assert_same_choices(logits, expected, PRODUCTS_MARGIN * expected.std().item())
+    margin = INT4_ROWS_MARGIN if quantize == "int4" else PRODUCTS_MARGIN
+    assert_same_choices(logits, expected, margin * expected.std().item())
