@@ -155,6 +155,8 @@ def step_tensors(model) -> list:
     """The weights a decode step reads: the decoder's and the lm_head's, in their form (quantized
     weights' own tensors), not the vision tower's nor the embedding table's (a row a token);
     each once."""
+    import torch
+
     from mmcli.kernels.weight_forms import Int4Weight, Int8Weight
 
     decoder = model.language_model
@@ -162,8 +164,8 @@ def step_tensors(model) -> list:
     tensors += [model.lm_head.weight]
     for module in decoder.modules():
         for value in vars(module).values():
-            if isinstance(value, (Int8Weight, Int4Weight)):
-                tensors += value.tensors().values()
+            if isinstance(value, (Int8Weight, Int4Weight)):  # by its fields: --against's tree
+                tensors += [t for t in vars(value).values() if isinstance(t, torch.Tensor)]
     return list({t.data_ptr(): t for t in tensors}.values())
 
 
@@ -826,9 +828,10 @@ def units_of(cap) -> dict[str, str]:
     """The unit each phase's linears ran on: int8 where the kernel plan puts them on int8 (int8's
     two towers, int4's vision tower, int4's prompt widened to int8), else the run's products'
     (int4's prompt on tiles dequantized for the bfloat16 GEMM)."""
-    products = "bfloat16" if cap.precision.products == "bfloat16" else "float32"
+    precision = compare_hf.precision_record(cap)  # --against's tree may hold a dict
+    products = "bfloat16" if precision.get("products") == "bfloat16" else "float32"
     int4 = "int8" if "int4_widened" in cap.kernel_plan.int4.id else "bfloat16"
-    text = {"int8": "int8", "int4": int4}.get(cap.precision.quantize, products)
+    text = {"int8": "int8", "int4": int4}.get(precision.get("quantize"), products)
     vision = "int8" if cap.kernel_plan.vision_int8.install is not None else text
     return {"vision": vision, "text prefill": text}
 
