@@ -142,7 +142,8 @@ def test_int4_takes_our_kernels_only_on_the_layout_they_read():
     amx = machine(AMX, "AMX")
     tiles = {**amx.crossovers, "int4_tiles": Crossover(None, "measured (by hand)")}
     blocks_of_32 = dataclasses.replace(amx, int4_block=32, crossovers=tiles)
-    assert comparisons(AMX, "AMX", int4_block=32) == ("attention", "int4_tiles")
+    expected = ("attention", "int8_step_rows", "int4_tiles")
+    assert comparisons(AMX, "AMX", int4_block=32) == expected
     assert choose(shape, blocks_of_32).int4.id == "torch_int4"
     unknown = dataclasses.replace(machine(AVX512_BF16, "AVX-512 BF16"), int4_block=None)
     assert "int4_tiles" not in comparisons(AVX512_BF16, "AVX-512 BF16", int4_block=None)
@@ -151,7 +152,7 @@ def test_int4_takes_our_kernels_only_on_the_layout_they_read():
 
 def test_our_amx_build_puts_the_few_rows_the_logits_and_int8_on_the_tiles():
     amx = machine(AMX, "AMX")
-    assert comparisons(AMX, "AMX") == ("attention",)
+    assert comparisons(AMX, "AMX") == ("attention", "int8_step_rows")
     plan = choose(shape_on(AMX, quantize="int8"), amx)
     assert plan.upcast.id == "onednn_bf16+amx_tiles"
     assert plan.upcast.kernel == "oneDNN bfloat16 (AMX) above 16 rows, AMX tiles to 16"
@@ -231,13 +232,27 @@ def test_avx512_bf16_dot_products_take_the_few_rows_and_the_decode_step(above):
         assert torch.equal(products, cpu_ops.bf16_rows_matmul(x, weight, split=split))
 
 
+@pytest.mark.parametrize("above", [None, 0, 4])
+def test_amx_int8_keeps_the_dot_products_to_the_rows_where_they_measured_faster(above):
+    """int8_linear.c's AMX build hands a product to the tiles above the rows where the vector
+    units' dot products (the same integers) read the weights faster, layer by layer and in the
+    decode step alike: every step row where the tiles never won (None), none where they always
+    did (0)."""
+    plan = choose(shape_on(AMX, quantize="int8"), machine(AMX, "AMX", above=above))
+    vnni_rows = {None: cpu.AMX_ROWS, 0: 0, 4: 4}[above]
+    assert plan.int8.install(None).keywords == {"vnni_rows": vnni_rows}
+    assert plan.decode_step.install.keywords == {"int8_vnni_rows": vnni_rows}
+    tiles = "on AMX tiles" if above == 0 else f"VNNI to {vnni_rows} rows, AMX tiles above"
+    assert plan.int8.kernel.endswith(tiles)
+
+
 @pytest.mark.parametrize("above", [None, 16, 256])
 def test_int4_takes_int4_vnni_at_a_decode_steps_rows_where_it_is_built(above):
     """With int4_vnni.c (AVX-512 VNNI and VBMI, no tiles) int4 takes it from one row where it
     measures faster than torch's int4 kernel there (above torch's two rows where it does not),
     to a decode step's 32 rows, a prompt's more rows widened to int8, each to the measured
     crossover with the tiles on oneDNN where there is one; the decode step takes int4 layers
-    from the same row count."""
+    from the same row count, on AMX too (its prompts stay on the tiles)."""
     built = machine(AVX512_BF16, "AVX-512 BF16", above=above, int4_vnni=True)
     plan = choose(shape_on(AVX512_BF16, quantize="int4"), built)
     kernels = {
@@ -252,8 +267,9 @@ def test_int4_takes_int4_vnni_at_a_decode_steps_rows_where_it_is_built(above):
     assert fewest in plan.decode_step.why
     unbuilt = choose(shape_on(AVX512_BF16, quantize="int4"), machine(AVX512_BF16, "AVX-512 BF16"))
     assert unbuilt.int4.id == "torch_int4" and unbuilt.decode_step.id == "layer_by_layer"
-    amx = machine(AMX, "AMX", int4_vnni=True)  # the tiles' own kernels
-    assert choose(shape_on(AMX, quantize="int4"), amx).decode_step.id == "layer_by_layer"
+    amx = choose(shape_on(AMX, quantize="int4"), machine(AMX, "AMX", above=above, int4_vnni=True))
+    assert amx.int4.id == "amx_int4" and amx.decode_step.id == "decode_layer.c+int4_vnni.c"
+    assert fewest in amx.decode_step.why
 
 
 def test_the_plan_is_a_function_of_the_shape_and_the_machine(monkeypatch):
@@ -476,7 +492,7 @@ def test_bfloat16_products_keep_the_float32_products_choices(
             else ("rows", matrix.int8_rows_matmul)
         )
         assert layers and all(m.weight.layout == layout for m in layers)
-        assert all(m.kernel is kernel for m in layers)
+        assert all(getattr(m.kernel, "func", m.kernel) is kernel for m in layers)
     (expected,) = forced_logits(vector_run, [vector_req], [reference])
     assert expected.argmax(-1).tolist() == reference  # the forced steps are the engine's
     (logits,) = forced_logits(matrix_run, [matrix_req], [reference])

@@ -170,9 +170,12 @@ def _int4_rows(
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def int8_matmul(x2: torch.Tensor, weight, activation: str | None = None) -> torch.Tensor | None:
+def int8_matmul(
+    x2: torch.Tensor, weight, activation: str | None = None, vnni_rows: int = cpu.INT8_VNNI_ROWS
+) -> torch.Tensor | None:
     """int8_linear.c: activation(x2 (rows, in) float32 @ an Int8Weight), each row quantized with
-    its own scale on the way, the activation applied as the outputs are stored."""
+    its own scale on the way, the activation applied as the outputs are stored (the AMX build:
+    more than `vnni_rows` rows on the tiles)."""
     if not (x2.device.type == "cpu" and cpu.eager()):
         return None
-    return cpu.int8_linear(x2, weight, activation=activation)
+    return cpu.int8_linear(x2, weight, vnni_rows, activation=activation)

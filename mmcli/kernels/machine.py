@@ -96,9 +96,13 @@ def comparisons(
         names += ["attention"]
     if not cpu.int8_matrix():
         names += ["int8_prefill", "int8_vision"]
+    if TILE_UNITS <= cpu.units and build == "AMX":
+        names += ["int8_step_rows"]
     amx_int4 = TILE_UNITS <= cpu.units and build == "AMX" and int4_block == 64
     if int4_block is not None and not amx_int4:
-        names += ["int4_tiles"] + (["int4_fewest_rows"] if int4_vnni else [])
+        names += ["int4_tiles"]
+    if int4_block is not None and int4_vnni:  # a decode step's fewest rows, AMX's too
+        names += ["int4_fewest_rows"]
     return tuple(names)
 
 

@@ -30,6 +30,7 @@ SHAPE = (2048, 6144)  # a 2B model's fused q/k/v and gate/up widths: in -> out
 BF16_ROWS = (1, 4, 8, 16, 32, 64)
 INT4_ROWS = (16, 32, 64, 128, 256, 1024)
 INT4_FEWEST_ROWS = (1, 2)  # a decode step's fewest: where torch's int4 kernel may win
+INT8_STEP_ROWS = (1, 2, 4, 8, 16)  # where AMX's int8 tiles may or may not outrun the dot products
 STREAMED_LAYERS = 12  # int4 SHAPE layers past the caches, read once a pass as a step reads them
 INT8_ROWS = (64, 256, 1024)
 VISION_ROWS = 784  # a 448x448 image's patches
@@ -186,6 +187,24 @@ def _int4_fewest_rows() -> dict:
     return {"kernels": ["int4_vnni.c", "torch int4"], "units": ["int8", "float32"], "rates": rates}
 
 
+def _int8_step_rows() -> dict:
+    """int8_linear.c's AMX build at a decode step's rows, the weights read from memory as a step
+    reads them (STREAMED_LAYERS of them): the vector units' dot products against the tiles, the
+    same integers. Which reads the weights faster moved from one AMX machine to the next."""
+    inner, outer = SHAPE
+    weights = [random_int8(outer, inner)[0] for _ in range(STREAMED_LAYERS)]
+    rates = {}
+    for rows in INT8_STEP_ROWS:
+        x = torch.randn(rows, inner)
+        ops = 2 * rows * inner * outer * STREAMED_LAYERS
+        rates[rows] = tuple(
+            _rate(lambda x=x, v=vnni_rows: [cpu.int8_linear(x, w, v) for w in weights], ops)
+            for vnni_rows in (cpu.AMX_ROWS, 0)
+        )
+    kernels = ["int8_linear.c on VNNI", "int8_linear.c on AMX tiles"]
+    return {"kernels": kernels, "units": ["int8", "int8"], "rates": rates}
+
+
 def _attention() -> dict:
     """A 448x448 image's attention in the vision tower (16 heads of 64): attention.c, on
     bfloat16 pairs where this build has them, against torch's flash attention on bfloat16."""
@@ -245,6 +264,7 @@ COMPARISONS: dict[str, Callable[[], dict]] = {
     "int8_prefill": _int8_prefill,
     "int4_tiles": _int4_tiles,
     "int4_fewest_rows": _int4_fewest_rows,
+    "int8_step_rows": _int8_step_rows,
     "attention": _attention,
     "peaks": peaks,
     "floors": floors,

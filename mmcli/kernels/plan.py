@@ -230,7 +230,7 @@ def _int8(shape: RunShape, machine: Machine) -> Choice:
     if shape.quantize != "int8":
         return NONE
     if _tiles(shape, machine):
-        return _int8_tiles()
+        return _int8_tiles(machine)
     if not machine.exact_int8:
         above, why = None, INEXACT_INT8
     elif machine.cpu.int8_matrix():
@@ -250,13 +250,26 @@ def _int8(shape: RunShape, machine: Machine) -> Choice:
     return Choice("int8_linear.c", INT8_OURS, why, _function(cpu_ops.int8_matmul))
 
 
-def _int8_tiles() -> Choice:
-    """int8_linear.c's AMX build: the tiles read its layout as stored above a decode step's few
-    rows (no copy to oneDNN's, which the tiles outrun 2.5x at 256 rows: docs/performance.md),
-    the vector units' dot products below, which read it faster there: the same integers."""
-    why = "AMX-INT8 on the weights as stored; VNNI, the same integers, at a decode step's few rows"
-    kernel = f"{INT8_OURS}, VNNI to {cpu.INT8_VNNI_ROWS} rows, AMX tiles above"
-    return Choice("int8_linear.c+amx_tiles", kernel, why, _function(cpu_ops.int8_matmul))
+def _int8_tiles(machine: Machine) -> Choice:
+    """int8_linear.c's AMX build: the tiles read its layout as stored (no copy to oneDNN's,
+    which the tiles outrun 2.5x at 256 rows: docs/performance.md), the vector units' dot
+    products at a decode step's few rows where they measure faster: the same integers."""
+    measured = machine.crossover("int8_step_rows")
+    vnni_rows = int8_vnni_rows(measured)
+    why = (
+        f"AMX-INT8 on the weights as stored; VNNI, the same integers, where faster: {measured.why}"
+    )
+    kernel = f"{INT8_OURS}, VNNI to {vnni_rows} rows, AMX tiles above"
+    if not vnni_rows:
+        kernel = f"{INT8_OURS} on AMX tiles"
+    install = _function(functools.partial(cpu_ops.int8_matmul, vnni_rows=vnni_rows))
+    return Choice("int8_linear.c+amx_tiles", kernel, why, install)
+
+
+def int8_vnni_rows(step_rows: Crossover) -> int:
+    """The rows int8_linear.c's AMX build keeps on the vector units' dot products: to where the
+    tiles measured faster from (every step row where they never did)."""
+    return cpu.AMX_ROWS if step_rows.above is None else step_rows.above
 
 
 def _vision_int8(shape: RunShape, machine: Machine) -> Choice:
@@ -267,7 +280,7 @@ def _vision_int8(shape: RunShape, machine: Machine) -> Choice:
     if shape.quantize not in ("int8", "int4") or not shape.eager_cpu():
         return NONE
     if _tiles(shape, machine):
-        return _int8_tiles()
+        return _int8_tiles(machine)
     if not machine.exact_int8:
         return _vision_int8_ours(shape, machine, INEXACT_INT8)
     if machine.cpu.int8_matrix():
@@ -384,8 +397,9 @@ def _with_fallback(kernel: Callable) -> Callable:
 
 def _decode_step(shape: RunShape, machine: Machine) -> Choice:
     int8 = shape.quantize == "int8"
-    # int4 off the tiles (AMX keeps its layer-by-layer kernels: the tiles from 5 rows)
-    int4 = shape.quantize == "int4" and machine.int4_vnni and not _tiles(shape, machine)
+    # int4 on int4_vnni.c, AMX's too: one call a layer on the int8 dot products streams the
+    # weights faster than amx.c's int4 products layer by layer at every step's rows
+    int4 = shape.quantize == "int4" and machine.int4_vnni
     bf16 = shape.quantize == "none" and shape.loaded == "bfloat16"
     if not shape.fusable_decode or not (bf16 or int8 or int4):
         why = "decode_layer.c takes dense bfloat16, int8 or (with int4_vnni.c) int4 layers only"
@@ -407,7 +421,11 @@ def _decode_step(shape: RunShape, machine: Machine) -> Choice:
         kernel = "decode_layer.c on AVX-512 BF16 dot products (bf16_dot.c)"
         return Choice("decode_layer.c+bf16_dot.c", kernel, why, install)
     work = "decode_layer.c+int8_linear.c" if int8 else "decode_layer.c"
-    choice = _c_kernel(work, shape, machine, fused_decode.FusedDecode.for_decoder)
+    step = fused_decode.FusedDecode.for_decoder
+    if int8 and _tiles(shape, machine):
+        vnni_rows = int8_vnni_rows(machine.crossover("int8_step_rows"))
+        step = functools.partial(step, int8_vnni_rows=vnni_rows)
+    choice = _c_kernel(work, shape, machine, step)
     if choice.install is None:
         return Choice("layer_by_layer", "layer by layer", choice.why)
     if int8:
