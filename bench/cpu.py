@@ -830,9 +830,10 @@ def units_of(cap) -> dict[str, str]:
     (int4's prompt on tiles dequantized for the bfloat16 GEMM)."""
     precision = compare_hf.precision_record(cap)  # --against's tree may hold a dict
     products = "bfloat16" if precision.get("products") == "bfloat16" else "float32"
-    int4 = "int8" if "int4_widened" in cap.kernel_plan.int4.id else "bfloat16"
+    plan = cap.kernel_plan  # --against's tree may name its choices in words only
+    int4 = "int8" if "int4_widened" in getattr(plan.int4, "id", plan.int4.kernel) else "bfloat16"
     text = {"int8": "int8", "int4": int4}.get(precision.get("quantize"), products)
-    vision = "int8" if cap.kernel_plan.vision_int8.install is not None else text
+    vision = "int8" if plan.vision_int8.install is not None else text
     return {"vision": vision, "text prefill": text}
 
 
