@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from conftest import with_cpu_kernels
 
-from mmcli.kernels import cpu
+from mmcli.kernels import cpu, matrix
 from mmcli.kernels.attention import bounded_attention, segment_attention
 from mmcli.models.layers.attention import RangeAttention
 from mmcli.models.layers.linear import Linear, PackedLinear
@@ -232,6 +232,26 @@ def test_the_swiglu_kernel_matches_silu_times_up(build, monkeypatch):
             silu_times(gate.clone(), up).double(), expected, atol=1e-6, rtol=1e-6
         )
     assert len(called) == 2
+
+
+def test_a_bfloat16_gemms_outputs_widen_with_their_bias_and_gelu_in_one_pass(build):
+    """oneDNN's bfloat16 products widened to float32 (exactly), the bias added (the same bits as
+    torch's), GELU's tanh form within float32's rounding of float64's; the kernel taken by
+    matrix.bf16_linear, past the threads' threshold and off the vectors' width."""
+    generator = torch.Generator().manual_seed(5)
+    for rows, cols in [(219, 600), (3, 21)]:
+        products = torch.randn(rows, cols, generator=generator).mul_(4).bfloat16()
+        bias = torch.randn(cols, generator=generator)
+        torch.testing.assert_close(
+            cpu.widen_outputs(products, bias, None), products.float() + bias, atol=0, rtol=0
+        )
+        assert torch.equal(cpu.widen_outputs(products, None, None), products.float())
+        expected = F.gelu(products.double() + bias.double(), approximate="tanh")
+        gelu = cpu.widen_outputs(products, bias, "gelu_tanh").double()
+        torch.testing.assert_close(gelu, expected, atol=1e-6, rtol=1e-6)
+    x, weight, bias = torch.randn(5, 64), torch.randn(40, 64).bfloat16(), torch.randn(40)
+    expected = cpu.widen_outputs(F.linear(x.bfloat16(), weight), bias, "gelu_tanh")
+    assert torch.equal(matrix.bf16_linear(x, weight, bias, "gelu_tanh"), expected)
 
 
 def test_the_kernels_give_the_same_bits_on_any_number_of_threads(build):

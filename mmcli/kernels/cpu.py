@@ -240,6 +240,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.rotary.restype = None
     library.silu_times.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
     library.silu_times.restype = None
+    library.widen_outputs.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    library.widen_outputs.argtypes += [ctypes.c_int] * 2
+    library.widen_outputs.restype = None
     library.decode_layer.argtypes = [ctypes.POINTER(DecodeLayer), ctypes.c_void_p, ctypes.c_int64]
     library.decode_layer.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64]
     library.decode_layer.argtypes += [ctypes.c_void_p] * 5 + [ctypes.c_int]
@@ -544,6 +547,28 @@ def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(reason)
     library.silu_times(gate.data_ptr(), up.data_ptr(), gate.numel(), torch.get_num_threads())
     return gate
+
+
+def widen_outputs(
+    products: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+) -> torch.Tensor:
+    """activation(products (..., cols) bfloat16, contiguous, widened to float32 + bias (float32,
+    contiguous, or None)), one pass (pointwise.c); activation one of ACTIVATIONS."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    y = torch.empty(products.shape, dtype=torch.float32)
+    cols = products.shape[-1]
+    library.widen_outputs(
+        products.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        y.data_ptr(),
+        products.numel() // cols,
+        cols,
+        ACTIVATIONS[activation],
+        torch.get_num_threads(),
+    )
+    return y
 
 
 def int4_dequantize(weight, group: int, start: int, stop: int) -> torch.Tensor:

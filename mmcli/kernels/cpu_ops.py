@@ -170,6 +170,19 @@ def _int4_rows(
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
+def widen_outputs(
+    products: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+) -> torch.Tensor | None:
+    """activation(bfloat16 products widened + bias) in float32, one pass (pointwise.c); None
+    where our kernels do not run it (the caller's torch operations then)."""
+    fits = bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    if not (fits and products.dtype == torch.bfloat16 and products.device.type == "cpu"):
+        return None
+    if not cpu.eager():
+        return None
+    return cpu.widen_outputs(products.contiguous(), bias, activation)
+
+
 def int8_matmul(
     x2: torch.Tensor, weight, activation: str | None = None, vnni_rows: int = cpu.INT8_VNNI_ROWS
 ) -> torch.Tensor | None:

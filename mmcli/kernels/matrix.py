@@ -36,8 +36,12 @@ def bf16_linear(
 ) -> torch.Tensor:
     """x (float32) @ weight.T (bfloat16) by oneDNN's bfloat16 GEMM: x rounded to bfloat16, the
     sums in float32, the result (rounded to bfloat16 by the GEMM) returned in float32 with the
-    bias and the activation applied there."""
-    y = F.linear(x.to(torch.bfloat16), weight).float()
+    bias and the activation applied there (in one pass where our kernels run: pointwise.c)."""
+    y = F.linear(x.to(torch.bfloat16), weight)
+    widened = cpu_ops.widen_outputs(y, bias, activation)
+    if widened is not None:
+        return widened
+    y = y.float()
     if bias is not None:
         y += bias
     return y if activation is None else F.gelu(y, approximate="tanh")

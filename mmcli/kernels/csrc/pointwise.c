@@ -1,8 +1,9 @@
 /* A layer's element-wise steps in float32 on the CPU, built by kernels/cpu.py, each one pass over
-   its tensors: the rotary (rope.apply_rotary) and SiLU(gate) * up (the MLP). PyTorch runs the
-   rotary as three passes with a temporary, and the SwiGLU as two: on a prefill's or the vision
-   tower's tensors, which outgrow the caches, every pass is a read and a write of memory. The
-   decode step (decode_layer.c) calls the same two. */
+   its tensors: the rotary (rope.apply_rotary), SiLU(gate) * up (the MLP) and a bfloat16 GEMM's
+   outputs widened with their bias and activation. PyTorch runs the rotary as three passes with a
+   temporary, the SwiGLU as two and the widening as three: on a prefill's or the vision tower's
+   tensors, which outgrow the caches, every pass is a read and a write of memory. The decode step
+   (decode_layer.c) calls the first two. */
 #include "float_tiles.h"
 
 /* One head's first 2 * half values rotated into out (which may be x): x cos, then minus x2 sin on
@@ -48,4 +49,26 @@ void silu_times(float *gate, const float *up, int64_t n, int threads) {
     }
     for (int64_t i = vectors * GL; i < n; i++)
         gate[i] = gate[i] / (1.0f + __builtin_expf(-gate[i])) * up[i];
+}
+
+/* y (rows x cols) = activation(products + bias): a bfloat16 GEMM's outputs widened to float32
+   (exactly), the bias (NULL: none) added and the activation (enum activation) applied. */
+void widen_outputs(const uint16_t *products, const float *bias, float *y, int64_t rows,
+                   int64_t cols, int activation, int threads) {
+    const int64_t vectors = cols / GL;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 1 << 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *from = products + r * cols;
+        float *to = y + r * cols;
+        for (int64_t b = 0; b < vectors; b++) {
+            vec v = widen(from + b * GL);
+            if (bias) v = vadd(v, vload(bias + b * GL));
+            vstore(to + b * GL, activation == GELU_TANH ? vgelu_tanh(v) : v);
+        }
+        for (int64_t c = vectors * GL; c < cols; c++) {
+            const float v = bf16_to_float(from[c]) + (bias ? bias[c] : 0.0f);
+            const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+            to[c] = activation == GELU_TANH ? v / (1.0f + __builtin_expf(-2.0f * u)) : v;
+        }
+    }
 }
