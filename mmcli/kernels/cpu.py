@@ -653,17 +653,40 @@ def int8_linear(
     + its bias), each row quantized to 7 bits with its own scale on the way; float32 (rows,
     padded out) out, the activation (one of ACTIVATIONS) applied as each output is stored. On
     the AMX build, more than `vnni_rows` rows on the tiles."""
+    levels, scale = int8_rows(x, weight.values.shape[1])
+    return int8_products(levels, scale, weight, vnni_rows, activation)
+
+
+def int8_rows(x: torch.Tensor, padded_in: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (rows, in) float32, contiguous, as int8_linear.c takes it: each row's levels (7 bits,
+    offset by 64, `padded_in` wide) and its scale."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
     rows, width = x.shape
-    padded_out, padded_in = weight.values.shape
-    threads = torch.get_num_threads()
     levels = torch.empty(rows, padded_in, dtype=torch.uint8)
     scale = torch.empty(rows)
+    threads = torch.get_num_threads()
     library.quantize_rows(
         x.data_ptr(), rows, width, levels.data_ptr(), padded_in, scale.data_ptr(), threads
     )
+    return levels, scale
+
+
+def int8_products(
+    levels: torch.Tensor,
+    scale: torch.Tensor,
+    weight,
+    vnni_rows: int = INT8_VNNI_ROWS,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """int8_linear.c's products of rows already quantized (int8_rows) with an Int8Weight."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    rows = levels.shape[0]
+    padded_out, padded_in = weight.values.shape
+    threads = torch.get_num_threads()
     out = torch.empty(rows, padded_out)
     library.int8_linear(
         levels.data_ptr(),

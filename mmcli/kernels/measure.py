@@ -232,7 +232,7 @@ def peaks() -> dict:
     """Each unit's peak, the best rate measured on it, on 2048-cubed products: float32 FMA
     (MKL/oneDNN), bfloat16 (oneDNN: the matrix engine where there is one) and int8 (oneDNN's,
     or int8_linear.c's where its AMX build outruns it: the unit at its int8 rate, with the
-    weights as the kernel reads them)."""
+    weights as the kernel reads them and the rows already in levels, as torch._int_mm's)."""
     a = torch.randn(2048, 2048)
     b16 = a.bfloat16()
     i8 = torch.randint(-63, 64, (2048, 2048), dtype=torch.int8)
@@ -240,7 +240,8 @@ def peaks() -> dict:
     int8 = _rate(lambda: torch._int_mm(i8, i8), ops)
     if cpu.name() == "AMX":
         weight, _ = random_int8(2048, 2048)
-        int8 = max(int8, _rate(lambda: cpu_ops.int8_matmul(a, weight), ops))
+        levels, scale = cpu.int8_rows(a, 2048)
+        int8 = max(int8, _rate(lambda: cpu.int8_products(levels, scale, weight), ops))
     return {
         "float32": _rate(lambda: F.linear(a, a), ops),
         "bfloat16": _rate(lambda: F.linear(b16, b16), ops),
