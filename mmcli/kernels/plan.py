@@ -252,7 +252,7 @@ def _int8(shape: RunShape, machine: Machine) -> Choice:
 
 def _int8_tiles(machine: Machine) -> Choice:
     """int8_linear.c's AMX build: the tiles read its layout as stored (no copy to oneDNN's,
-    which the tiles outrun 2.5x at 256 rows: docs/performance.md), the vector units' dot
+    which the tiles outrun 4x at 256 rows: docs/performance.md), the vector units' dot
     products at a decode step's few rows where they measure faster: the same integers."""
     measured = machine.crossover("int8_step_rows")
     vnni_rows = int8_vnni_rows(measured)
