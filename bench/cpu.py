@@ -155,8 +155,6 @@ def step_tensors(model) -> list:
     """The weights a decode step reads: the decoder's and the lm_head's, in their form (quantized
     weights' own tensors), not the vision tower's nor the embedding table's (a row a token);
     each once."""
-    import torch
-
     from mmcli.kernels.weight_forms import Int4Weight, Int8Weight
 
     decoder = model.language_model

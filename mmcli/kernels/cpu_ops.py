@@ -176,9 +176,8 @@ def widen_outputs(
     """activation(bfloat16 products widened + bias) in float32, one pass (pointwise.c); None
     where our kernels do not run it (the caller's torch operations then)."""
     fits = bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
-    if not (fits and products.dtype == torch.bfloat16 and products.device.type == "cpu"):
-        return None
-    if not cpu.eager():
+    on_cpu = products.dtype == torch.bfloat16 and products.device.type == "cpu"
+    if not (fits and on_cpu and cpu.eager()):
         return None
     return cpu.widen_outputs(products.contiguous(), bias, activation)
 

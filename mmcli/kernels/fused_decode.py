@@ -121,10 +121,9 @@ class FusedDecode:
     cpu.AMX_ROWS rows (on the AMX tiles, else AVX-512 BF16's dot products: cpu.bf16_rows_linear),
     else float32 FMAs (up to KERNEL_ROWS). int8 layers take up to cpu.AMX_ROWS rows on
     int8_linear.c, as a layer-by-layer step does (its AMX build on the tiles above
-    `int8_vnni_rows` rows); int4 layers from
-    `int4_torch_rows` + 1 rows (fewer are torch's int4 kernel's) to cpu.AMX_ROWS on
-    int4_vnni.c; each layer is of its own form (a decoder may keep some layers' linears
-    unquantized)."""
+    `int8_vnni_rows` rows); int4 layers from `int4_torch_rows` + 1 rows (fewer are torch's int4
+    kernel's) to cpu.AMX_ROWS on int4_vnni.c; each layer is of its own form (a decoder may keep
+    some layers' linears unquantized)."""
 
     def __init__(
         self,

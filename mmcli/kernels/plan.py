@@ -254,22 +254,20 @@ def _int8_tiles(machine: Machine) -> Choice:
     """int8_linear.c's AMX build: the tiles read its layout as stored (no copy to oneDNN's,
     which the tiles outrun 4x at 256 rows: docs/performance.md), the vector units' dot
     products at a decode step's few rows where they measure faster: the same integers."""
-    measured = machine.crossover("int8_step_rows")
-    vnni_rows = int8_vnni_rows(measured)
-    why = (
-        f"AMX-INT8 on the weights as stored; VNNI, the same integers, where faster: {measured.why}"
-    )
-    kernel = f"{INT8_OURS}, VNNI to {vnni_rows} rows, AMX tiles above"
-    if not vnni_rows:
-        kernel = f"{INT8_OURS} on AMX tiles"
+    vnni_rows = _int8_vnni_rows(machine)
+    why = "AMX-INT8 on the weights as stored; VNNI, the same integers, where faster: "
+    why += machine.crossover("int8_step_rows").why
+    tiles = f", VNNI to {vnni_rows} rows, AMX tiles above" if vnni_rows else " on AMX tiles"
+    kernel = INT8_OURS + tiles
     install = _function(functools.partial(cpu_ops.int8_matmul, vnni_rows=vnni_rows))
     return Choice("int8_linear.c+amx_tiles", kernel, why, install)
 
 
-def int8_vnni_rows(step_rows: Crossover) -> int:
+def _int8_vnni_rows(machine: Machine) -> int:
     """The rows int8_linear.c's AMX build keeps on the vector units' dot products: to where the
     tiles measured faster from (every step row where they never did)."""
-    return cpu.AMX_ROWS if step_rows.above is None else step_rows.above
+    above = machine.crossover("int8_step_rows").above
+    return cpu.AMX_ROWS if above is None else above
 
 
 def _vision_int8(shape: RunShape, machine: Machine) -> Choice:
@@ -423,8 +421,7 @@ def _decode_step(shape: RunShape, machine: Machine) -> Choice:
     work = "decode_layer.c+int8_linear.c" if int8 else "decode_layer.c"
     step = fused_decode.FusedDecode.for_decoder
     if int8 and _tiles(shape, machine):
-        vnni_rows = int8_vnni_rows(machine.crossover("int8_step_rows"))
-        step = functools.partial(step, int8_vnni_rows=vnni_rows)
+        step = functools.partial(step, int8_vnni_rows=_int8_vnni_rows(machine))
     choice = _c_kernel(work, shape, machine, step)
     if choice.install is None:
         return Choice("layer_by_layer", "layer by layer", choice.why)
