@@ -63,21 +63,28 @@ def test_int4_on_the_tiles_multiplies_its_weights(amx_build, rows, channels, inp
     assert ((got - exact).abs() <= 4e-6 * magnitude + 1e-5).all()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 300])
-@pytest.mark.parametrize("channels,inputs", [(64, 64), (192, 1024)])
-def test_int8_on_the_tiles_gives_the_vnni_builds_very_values(monkeypatch, rows, channels, inputs):
+# the last shape's outputs (4.5 MB) are stored past the caches (vectors.h's STREAM_BYTES)
+@pytest.mark.parametrize(
+    "rows,channels,inputs",
+    [(r, *shape) for r in (1, 5, 16, 17, 40, 300) for shape in ((64, 64), (192, 1024))]
+    + [(1100, 1024, 64)],
+)
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+def test_int8_on_the_tiles_gives_the_vnni_builds_very_values(
+    monkeypatch, rows, channels, inputs, activation
+):
     generator = torch.Generator().manual_seed(rows)
     weight, _ = measure.random_int8(channels, inputs)
     weight.bias.normal_(generator=generator)
     x = torch.randn(rows, inputs, generator=generator)
     cpu.load.cache_clear()
-    tiles = cpu.int8_linear(x, weight, vnni_rows=0)  # the tiles at every row count
-    assert torch.equal(cpu_ops.int8_matmul(x, weight), tiles)  # as a run takes them
+    tiles = cpu.int8_linear(x, weight, vnni_rows=0, activation=activation)  # at every row count
+    assert torch.equal(cpu_ops.int8_matmul(x, weight, activation), tiles)  # as a run takes them
     monkeypatch.setattr(cpu, "has_amx", lambda: False)
     monkeypatch.setattr(cpu, "has_bf16_dot", lambda: False)
     cpu.load.cache_clear()
     assert cpu.name() == "AVX-512 VNNI"
-    vectors = cpu_ops.int8_matmul(x, weight)
+    vectors = cpu_ops.int8_matmul(x, weight, activation)
     monkeypatch.undo()
     cpu.load.cache_clear()
     assert torch.equal(tiles, vectors)

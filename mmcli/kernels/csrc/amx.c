@@ -399,10 +399,12 @@ int amx_int4_rows(const uint16_t *x, const uint8_t *packed, const uint16_t *scal
 /* ---- amx_int8_linear ---- */
 
 /* y rows [0, rows) (rows <= 32) of channels n0 .. n0 + 32 from int8_tiles' sums:
-   acc[row block][channel tile][16 rows][16 channels] */
+   acc[row block][channel tile][16 rows][16 channels], the activation (enum activation) applied as
+   they are stored (a pass of its own would read the outputs back from memory); with `stream`,
+   past the caches (vectors.h) */
 static void int8_store(const int32_t *acc, int rows, int64_t n0, const float *x_scale,
                        const int32_t *w_sum, const float *w_scale, const float *bias, float *y,
-                       int64_t Np) {
+                       int64_t Np, int act, int stream) {
     for (int t = 0; t < 2; t++) {
         const int64_t c = n0 + t * 16;
         const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(w_sum + c), 6);
@@ -411,7 +413,12 @@ static void int8_store(const int32_t *acc, int rows, int64_t n0, const float *x_
             __m512i sums = _mm512_loadu_si512(acc + (m / 16) * 512 + t * 256 + (m % 16) * 16);
             __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, offset));
             v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(x_scale[m])), scale);
-            _mm512_storeu_ps(y + m * Np + c, _mm512_add_ps(v, add));
+            v = _mm512_add_ps(v, add);
+            if (act == GELU_TANH) v = vgelu_tanh(v);
+            if (stream)
+                vstream(y + m * Np + c, v);
+            else
+                vstore(y + m * Np + c, v);
         }
     }
 }
@@ -451,8 +458,9 @@ static void int8_tiles(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t n0
 /* int8_linear's y for Np a multiple of 32 and Kp of 64; nonzero (nothing computed) otherwise. */
 int amx_int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
                     const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
-                    int64_t Kp, int threads) {
+                    int64_t Kp, int act, int threads) {
     if (M < 1 || Np % 32 || Kp % 64 || amx_request()) return 1;
+    const int stream = STREAMED(y, M * Np, Np);
     for (int64_t m0 = 0; m0 < M; m0 += INT8_ROWS) {
         const int64_t chunk = M - m0 < INT8_ROWS ? M - m0 : INT8_ROWS;
 #pragma omp parallel num_threads(threads)
@@ -468,8 +476,10 @@ int amx_int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, con
                         configured = rows;
                     }
                     int8_tiles(x + m * Kp, w, Kp, n0, rows, acc);
-                    int8_store(acc, rows, n0, x_scale + m, w_sum, w_scale, bias, y + m * Np, Np);
+                    int8_store(acc, rows, n0, x_scale + m, w_sum, w_scale, bias, y + m * Np, Np,
+                               act, stream);
                 }
+            if (stream) _mm_sfence(); /* the streamed stores seen before the threads join */
             if (configured) _tile_release();
         }
     }

@@ -200,33 +200,18 @@ void int8_linear_tile(const uint8_t *x, const float *x_scale, const int8_t *w, c
 
 int amx_int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
                     const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
-                    int64_t Kp, int threads);
-
-#ifdef __AMX_INT8__
-/* act (enum activation) applied to y's n values, in place: the AMX tiles' results */
-static void activate(float *y, int64_t n, int act, int threads) {
-    if (act != GELU_TANH) return;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i += GL) {
-        const lanes some = first_lanes(n - i < GL ? (int)(n - i) : GL);
-        vstore_some(y + i, vgelu_tanh(vload_some(y + i, some)), some);
-    }
-}
-#endif
+                    int64_t Kp, int act, int threads);
 
 /* y is M x Np float32; w_sum, w_scale and bias hold Np values (zero past the layer's own
    channels); act (enum activation) is applied as each output is stored. The AMX build computes
-   more than `vnni_rows` rows on the tiles (amx.c: the same integers) where the shapes fit them,
-   the activation then in a pass of its own. */
+   more than `vnni_rows` rows on the tiles (amx.c: the same integers) where the shapes fit them. */
 void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
                  const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
                  int64_t Kp, int64_t vnni_rows, int act, int threads) {
 #ifdef __AMX_INT8__
     if (M > vnni_rows &&
-        !amx_int8_linear(x, x_scale, w, w_sum, w_scale, bias, y, M, Np, Kp, threads)) {
-        activate(y, M * Np, act, threads);
+        !amx_int8_linear(x, x_scale, w, w_sum, w_scale, bias, y, M, Np, Kp, act, threads))
         return;
-    }
 #else
     (void)vnni_rows;
 #endif
