@@ -50,7 +50,11 @@ def test_shapes_off_the_tiles_are_refused_and_the_callers_fall_back(amx_build):
 
 @pytest.mark.parametrize("rows", [5, 7, 16, 17, 32, 33, 600])
 @pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024)])
-def test_int4_on_the_tiles_multiplies_its_weights(amx_build, rows, channels, inputs):
+def test_int4_on_the_tiles_multiplies_its_weights(amx_build, monkeypatch, rows, channels, inputs):
+    """amx.c's int4 products: the integers to INT4_FEW_ROWS rows, panels dequantized to bfloat16
+    above, as a build without int4_vnni.c takes them (with it, more rows are widened to int8:
+    test_int4_vnni.py)."""
+    monkeypatch.setattr(cpu.load()[0], "int4_vnni", False)
     generator = torch.Generator().manual_seed(rows)
     weight = quantize_int4(torch.randn(channels, inputs, generator=generator).bfloat16())
     x, bias = torch.randn(rows, inputs, generator=generator), torch.randn(channels)

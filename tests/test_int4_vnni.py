@@ -103,6 +103,8 @@ def test_int4_at_a_prompts_rows_is_widened_to_int8(rows, channels, inputs):
     xq = _8bit_rows(x)
     got = cpu.int4_int8_linear(x, weight).double()
     assert torch.equal(got, cpu.int4_widened_linear(x, weight).double())
+    if cpu.name() == "AMX":  # a prompt's rows there: the same, on the tiles where K fits them
+        assert torch.equal(cpu.amx_int4_gemm(x, weight).double(), got)
     # every widened weight within half a level (and float32's rounding of its level) of its value
     exact = xq @ values
     assert ((got - exact).abs() <= xq.abs().sum(-1, keepdim=True) * 0.5001 * level + 1e-4).all()

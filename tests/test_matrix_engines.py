@@ -159,7 +159,8 @@ def test_our_amx_build_puts_the_few_rows_the_logits_and_int8_on_the_tiles():
     assert plan.head.id == "amx_rounded" and plan.head.kernel.startswith("AMX tiles to 32 rows")
     assert choose(shape_on(AMX), amx).head.id == "amx_split"
     assert plan.int8.id == plan.vision_int8.id == "int8_linear.c+amx_tiles"
-    assert choose(shape_on(AMX, quantize="int4"), amx).int4.id == "amx_int4"
+    int4 = choose(shape_on(AMX, quantize="int4"), amx).int4
+    assert int4.id == "amx_int4" and int4.kernel.endswith("dequantized panels above)")
     assert choose(shape_on(AMX), amx).decode_step.id == "decode_layer.c+amx_tiles"
     # units without AMX (as MMCLI_CPU_FEATURES masks them) keep the vector kernels
     masked = machine(AVX2, "AMX")
@@ -269,6 +270,7 @@ def test_int4_takes_int4_vnni_at_a_decode_steps_rows_where_it_is_built(above):
     assert unbuilt.int4.id == "torch_int4" and unbuilt.decode_step.id == "layer_by_layer"
     amx = choose(shape_on(AMX, quantize="int4"), machine(AMX, "AMX", above=above, int4_vnni=True))
     assert amx.int4.id == "amx_int4" and amx.decode_step.id == "decode_layer.c+int4_vnni.c"
+    assert amx.int4.kernel.endswith("widened to int8 above)")  # a prompt's rows on AMX-INT8
     assert fewest in amx.decode_step.why
 
 

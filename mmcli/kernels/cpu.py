@@ -346,30 +346,37 @@ def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torc
 # int4 on the AMX build: to INT4_TORCH_ROWS rows torch's int4 kernel (ours only matches it there:
 # bench/int8_kernel.py), to INT4_VNNI_ROWS on the vector units' int8 dot products, each row
 # quantized to int8 per group (int4_vnni_rows), to INT4_FEW_ROWS on the tiles with the weights'
-# integers (amx_int4_rows), more rows on panels dequantized to bfloat16 (amx_int4_gemm): amx.c
+# integers (amx_int4_rows), more rows widened to int8 for the tiles' int8 products
+# (int4_widened_rows: 1.5-1.9x amx_int4_gemm's panels dequantized to bfloat16, which a build
+# without int4_vnni.c keeps)
 INT4_TORCH_ROWS, INT4_VNNI_ROWS, INT4_FEW_ROWS = 2, 4, 16
 
 
-def amx_int4_kernel(rows: int) -> str:
-    """The AMX build's int4 kernel for `rows` rows (its name in amx.c)."""
+def amx_int4_kernel(rows: int, widened: bool = True) -> str:
+    """The AMX build's int4 kernel for `rows` rows (its name in amx.c or int4_vnni.c), with
+    int4_vnni.c in the build (`widened`) or without."""
     if rows <= INT4_VNNI_ROWS:
         return "int4_vnni_rows"
-    return "amx_int4_rows" if rows <= INT4_FEW_ROWS else "amx_int4_gemm"
+    if rows <= INT4_FEW_ROWS:
+        return "amx_int4_rows"
+    return "int4_widened_rows" if widened else "amx_int4_gemm"
 
 
 def amx_int4_gemm(x: torch.Tensor, weight) -> torch.Tensor | None:
     """x (rows, K) float32 @ W.T for an Int4Weight W (torch's CPU layout, group 32) on the AMX
-    build, float32 out: 1-4 rows quantized to int8 per group of 32 inputs, more rounded to
-    bfloat16 (see INT4_VNNI_ROWS); None where this build or the shapes (N a multiple of 64, K of
-    32) do not fit."""
+    build, float32 out: 1-4 rows quantized to int8 per group of 32 inputs, to INT4_FEW_ROWS
+    rounded to bfloat16, more to 8 bits a row against the weights widened to int8 (see
+    INT4_VNNI_ROWS); None where this build or the shapes (N a multiple of 64, K of 32) do not
+    fit."""
     library = load()[0]
     if library is None or library.build != "AMX":
         return None
-    name = amx_int4_kernel(x.shape[0])
+    name = amx_int4_kernel(x.shape[0], library.int4_vnni)
     if name == "int4_vnni_rows" and not library.int4_vnni:  # no VBMI: the tiles
         name = "amx_int4_rows"
-    # int4_vnni_rows quantizes float32 rows itself; the tiles take them rounded to bfloat16
-    x_in = x.float() if name == "int4_vnni_rows" else x.to(torch.bfloat16)
+    # int4_vnni.c quantizes float32 rows itself; amx.c's tiles take them rounded to bfloat16
+    quantized = name in ("int4_vnni_rows", "int4_widened_rows")
+    x_in = x.float() if quantized else x.to(torch.bfloat16)
     return _int4_products(getattr(library, name), x_in.contiguous(), weight)
 
 

@@ -309,8 +309,8 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
     if _tiles(shape, machine) and machine.int4_block == 64:
         kernel = f"torch int4 to {cpu.INT4_TORCH_ROWS} rows, int8 dot products to "
         kernel += f"{cpu.INT4_VNNI_ROWS}, AMX tiles (the integers to {cpu.INT4_FEW_ROWS} rows, "
-        kernel += "dequantized panels above)"
-        why = "the weights as stored, on AMX-BF16"
+        kernel += "widened to int8 above)" if machine.int4_vnni else "dequantized panels above)"
+        why = "the weights as stored, on AMX-BF16 and AMX-INT8"
         return Choice("amx_int4", kernel, why, _function(cpu_ops.amx_int4_matmul))
     if not shape.eager_cpu():
         return Choice("torch_int4", "torch int4", "torch's int4 kernel")

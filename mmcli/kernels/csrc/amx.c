@@ -455,6 +455,31 @@ static void int8_tiles(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t n0
 
 #define INT8_ROWS 256 /* rows whose activations (256 x Kp bytes) stay in L2 over a weight pass */
 
+/* Every row of x times one block of 64 channels whose int8 weights are `w` alone, as
+   int8_linear_tile takes them (w_sum, w_scale, bias and y from the block's first channel, y's
+   rows ldy apart, no activation), on the calling thread's tiles: int4_vnni.c's widened blocks.
+   Nonzero (nothing computed) where Kp is not a multiple of 64 or the tiles are not granted. */
+int amx_int8_block(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
+                   const float *w_scale, const float *bias, float *y, int64_t M, int64_t ldy,
+                   int64_t Kp) {
+    if (M < 1 || Kp % 64 || amx_request()) return 1;
+    int32_t acc[4 * 256] __attribute__((aligned(64)));
+    int configured = 0;
+    for (int64_t m = 0; m < M; m += 32) {
+        const int rows = M - m < 32 ? (int)(M - m) : 32;
+        if (rows != configured) {
+            configure_rows(rows);
+            configured = rows;
+        }
+        for (int64_t n0 = 0; n0 < 64; n0 += 32) {
+            int8_tiles(x + m * Kp, w, Kp, n0, rows, acc);
+            int8_store(acc, rows, n0, x_scale + m, w_sum, w_scale, bias, y + m * ldy, ldy, NONE, 0);
+        }
+    }
+    _tile_release();
+    return 0;
+}
+
 /* int8_linear's y for Np a multiple of 32 and Kp of 64; nonzero (nothing computed) otherwise. */
 int amx_int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
                     const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,

@@ -187,6 +187,20 @@ int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales
 void int8_linear_tile(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
                       const float *w_scale, const float *bias, float *y, int64_t M, int64_t ldy,
                       int64_t Kp);
+int amx_int8_block(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
+                   const float *w_scale, const float *bias, float *y, int64_t M, int64_t ldy,
+                   int64_t Kp);
+
+/* A widened block's products: on the AMX tiles where the build has them and the shapes fit
+   (amx.c: the same integers), else the vector units' dot products */
+static void widened_products(const uint8_t *x, const float *x_scale, const int8_t *w,
+                             const int32_t *w_sum, const float *w_scale, const float *bias,
+                             float *y, int64_t M, int64_t ldy, int64_t Kp) {
+#ifdef __AMX_INT8__
+    if (!amx_int8_block(x, x_scale, w, w_sum, w_scale, bias, y, M, ldy, Kp)) return;
+#endif
+    int8_linear_tile(x, x_scale, w, w_sum, w_scale, bias, y, M, ldy, Kp);
+}
 void quantize_rows_8bit(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
                         float *x_scale, int threads);
 
@@ -277,7 +291,7 @@ int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *sca
             if (!w || failed) continue;
             widen_block(packed, pairs, K, N, block, w, w_sum, w_scale);
             for (int c = 0; c < 64; c++) w_sum[c] *= 2;
-            int8_linear_tile(levels, x_scale, w, w_sum, w_scale, bias, y + block * 64, M, N, K);
+            widened_products(levels, x_scale, w, w_sum, w_scale, bias, y + block * 64, M, N, K);
         }
         free(w);
     }
