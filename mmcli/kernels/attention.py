@@ -87,7 +87,7 @@ def segment_attention(
         # one block of one image, no padding: its attention is the whole output
         lo, hi = bmin[0][0], bmax[0][0]
         return attend(q[0], k[0, lo:hi], v[0, lo:hi])[None].transpose(1, 2)
-    out = q.new_zeros(q.shape)
+    out = q.new_empty(q.shape)  # every row written below: no pass of zeros first
     for b, (lo_row, hi_row) in enumerate(zip(bmin, bmax)):
         r = 0
         while r < len(lo_row):
@@ -97,6 +97,8 @@ def segment_attention(
                 end += 1
             if hi > lo:
                 out[b, r:end] = attend(q[b, r:end], k[b, lo:hi], v[b, lo:hi])
+            else:  # padding
+                out[b, r:end] = 0
             r = end
     return out.transpose(1, 2)
 
