@@ -311,7 +311,8 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
         kernel += f"{cpu.INT4_VNNI_ROWS}, AMX tiles (the integers to {cpu.INT4_FEW_ROWS} rows, "
         kernel += "widened to int8 above)" if machine.int4_vnni else "dequantized panels above)"
         why = "the weights as stored, on AMX-BF16 and AMX-INT8"
-        return Choice("amx_int4", kernel, why, _function(cpu_ops.amx_int4_matmul))
+        kernels = "amx_int4+int4_widened" if machine.int4_vnni else "amx_int4"
+        return Choice(kernels, kernel, why, _function(cpu_ops.amx_int4_matmul))
     if not shape.eager_cpu():
         return Choice("torch_int4", "torch int4", "torch's int4 kernel")
     measured = machine.crossover("int4_tiles")
