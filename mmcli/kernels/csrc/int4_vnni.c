@@ -178,11 +178,11 @@ int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales
     return failed;
 }
 
-/* A prompt's many rows (more than a decode step's) on int8_linear.c's tiles, at the int8 rate:
-   each block of 64 channels widened to int8 once, in a buffer every row reads, and the rows
-   quantized to 8 bits with a scale a row (int8_linear.c's own 7 bits keep AVX2's pairs from
-   saturating; vpdpbusd does not). The per-group scaling above costs as much as the products at
-   any row count; a block widened once costs a few rows' products. */
+/* A prompt's many rows (more than a decode step's) on int8_linear.c's tiles (the AMX build: the
+   tiles' tdpbusd), at the int8 rate: each block of 64 channels widened to int8 once, in a buffer
+   every row reads, and the rows quantized to 8 bits with a scale a row (int8_linear.c's own 7
+   bits keep AVX2's pairs from saturating; vpdpbusd does not). The per-group scaling above costs
+   as much as the products at any row count; a block widened once costs a few rows' products. */
 
 void int8_linear_tile(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
                       const float *w_scale, const float *bias, float *y, int64_t M, int64_t ldy,
