@@ -309,9 +309,10 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
     if _tiles(shape, machine) and machine.int4_block == 64:
         kernel = f"torch int4 to {cpu.INT4_TORCH_ROWS} rows, int8 dot products to "
         kernel += f"{cpu.INT4_VNNI_ROWS}, AMX tiles (the integers to {cpu.INT4_FEW_ROWS} rows, "
-        kernel += "widened to int8 above)" if machine.int4_vnni else "dequantized panels above)"
-        why = "the weights as stored, on AMX-BF16 and AMX-INT8"
-        kernels = "amx_int4+int4_widened" if machine.int4_vnni else "amx_int4"
+        widened = machine.int4_vnni  # a prompt's rows widened to int8 (int4_vnni.c)
+        kernel += "widened to int8 above)" if widened else "dequantized panels above)"
+        why = "the weights as stored, on AMX-BF16" + (" and AMX-INT8" if widened else "")
+        kernels = "amx_int4+int4_widened" if widened else "amx_int4"
         return Choice(kernels, kernel, why, _function(cpu_ops.amx_int4_matmul))
     if not shape.eager_cpu():
         return Choice("torch_int4", "torch int4", "torch's int4 kernel")
