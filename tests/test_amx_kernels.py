@@ -11,11 +11,12 @@ from conftest import (
     int4_values_f64,
 )
 
-from mmcli.kernels import cpu, cpu_features, cpu_ops, matrix, measure
+from mmcli.kernels import cpu, cpu_ops, matrix, measure
 from mmcli.weights.int4 import quantize_int4
 
-AMX_HERE = cpu.AMX_UNITS <= cpu_features.real_units() and cpu.why_unavailable() is None
-pytestmark = pytest.mark.skipif(not AMX_HERE, reason="this CPU has no AMX tiles")
+# the AMX build: this CPU's tiles, not masked (MMCLI_CPU_FEATURES) or forced away (MMCLI_CPU_KERNEL)
+AMX_HERE = cpu.has_amx() and cpu.why_unavailable() is None
+pytestmark = pytest.mark.skipif(not AMX_HERE, reason="no AMX build here")
 
 
 @pytest.fixture
