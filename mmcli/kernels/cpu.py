@@ -352,14 +352,12 @@ def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torc
 INT4_TORCH_ROWS, INT4_VNNI_ROWS, INT4_FEW_ROWS = 2, 4, 16
 
 
-def amx_int4_kernel(rows: int, widened: bool = True) -> str:
+def amx_int4_kernel(rows: int, int4_vnni: bool = True) -> str:
     """The AMX build's int4 kernel for `rows` rows (its name in amx.c or int4_vnni.c), with
-    int4_vnni.c in the build (`widened`) or without."""
-    if rows <= INT4_VNNI_ROWS:
-        return "int4_vnni_rows"
+    int4_vnni.c in the build or without (no VBMI: amx.c's alone)."""
     if rows <= INT4_FEW_ROWS:
-        return "amx_int4_rows"
-    return "int4_widened_rows" if widened else "amx_int4_gemm"
+        return "int4_vnni_rows" if int4_vnni and rows <= INT4_VNNI_ROWS else "amx_int4_rows"
+    return "int4_widened_rows" if int4_vnni else "amx_int4_gemm"
 
 
 def amx_int4_gemm(x: torch.Tensor, weight) -> torch.Tensor | None:
@@ -372,8 +370,6 @@ def amx_int4_gemm(x: torch.Tensor, weight) -> torch.Tensor | None:
     if library is None or library.build != "AMX":
         return None
     name = amx_int4_kernel(x.shape[0], library.int4_vnni)
-    if name == "int4_vnni_rows" and not library.int4_vnni:  # no VBMI: the tiles
-        name = "amx_int4_rows"
     # int4_vnni.c quantizes float32 rows itself; amx.c's tiles take them rounded to bfloat16
     quantized = name in ("int4_vnni_rows", "int4_widened_rows")
     x_in = x.float() if quantized else x.to(torch.bfloat16)

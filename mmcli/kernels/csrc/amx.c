@@ -455,6 +455,21 @@ static void int8_tiles(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t n0
 
 #define INT8_ROWS 256 /* rows whose activations (256 x Kp bytes) stay in L2 over a weight pass */
 
+/* y rows [m, m + rows) (rows <= 32) of channels n0 .. n0 + 32, y's rows ldy apart, the tiles
+   configured for `rows` first where *configured says they are not */
+static void int8_block_rows(const uint8_t *x, const float *x_scale, const int8_t *w,
+                            const int32_t *w_sum, const float *w_scale, const float *bias, float *y,
+                            int64_t m, int rows, int64_t n0, int64_t ldy, int64_t Kp, int act,
+                            int stream, int *configured) {
+    int32_t acc[4 * 256] __attribute__((aligned(64)));
+    if (rows != *configured) {
+        configure_rows(rows);
+        *configured = rows;
+    }
+    int8_tiles(x + m * Kp, w, Kp, n0, rows, acc);
+    int8_store(acc, rows, n0, x_scale + m, w_sum, w_scale, bias, y + m * ldy, ldy, act, stream);
+}
+
 /* Every row of x times one block of 64 channels whose int8 weights are `w` alone, as
    int8_linear_tile takes them (w_sum, w_scale, bias and y from the block's first channel, y's
    rows ldy apart, no activation), on the calling thread's tiles: int4_vnni.c's widened blocks.
@@ -463,18 +478,12 @@ int amx_int8_block(const uint8_t *x, const float *x_scale, const int8_t *w, cons
                    const float *w_scale, const float *bias, float *y, int64_t M, int64_t ldy,
                    int64_t Kp) {
     if (M < 1 || Kp % 64 || amx_request()) return 1;
-    int32_t acc[4 * 256] __attribute__((aligned(64)));
     int configured = 0;
     for (int64_t m = 0; m < M; m += 32) {
         const int rows = M - m < 32 ? (int)(M - m) : 32;
-        if (rows != configured) {
-            configure_rows(rows);
-            configured = rows;
-        }
-        for (int64_t n0 = 0; n0 < 64; n0 += 32) {
-            int8_tiles(x + m * Kp, w, Kp, n0, rows, acc);
-            int8_store(acc, rows, n0, x_scale + m, w_sum, w_scale, bias, y + m * ldy, ldy, NONE, 0);
-        }
+        for (int64_t n0 = 0; n0 < 64; n0 += 32)
+            int8_block_rows(x, x_scale, w, w_sum, w_scale, bias, y, m, rows, n0, ldy, Kp, NONE, 0,
+                            &configured);
     }
     _tile_release();
     return 0;
@@ -490,19 +499,13 @@ int amx_int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, con
         const int64_t chunk = M - m0 < INT8_ROWS ? M - m0 : INT8_ROWS;
 #pragma omp parallel num_threads(threads)
         {
-            int32_t acc[4 * 256] __attribute__((aligned(64)));
             int configured = 0;
 #pragma omp for schedule(static)
             for (int64_t n0 = 0; n0 < Np; n0 += 32)
                 for (int64_t m = m0; m < m0 + chunk; m += 32) {
                     const int rows = m0 + chunk - m < 32 ? (int)(m0 + chunk - m) : 32;
-                    if (rows != configured) {
-                        configure_rows(rows);
-                        configured = rows;
-                    }
-                    int8_tiles(x + m * Kp, w, Kp, n0, rows, acc);
-                    int8_store(acc, rows, n0, x_scale + m, w_sum, w_scale, bias, y + m * Np, Np,
-                               act, stream);
+                    int8_block_rows(x, x_scale, w, w_sum, w_scale, bias, y, m, rows, n0, Np, Kp,
+                                    act, stream, &configured);
                 }
             if (stream) _mm_sfence(); /* the streamed stores seen before the threads join */
             if (configured) _tile_release();
