@@ -116,17 +116,33 @@ def test_causal_grouped_attention_matches_sdpa_in_float64(
         torch.testing.assert_close(attended.double(), exact, atol=2e-6, rtol=0)
 
 
-@pytest.mark.skipif(not cpu.has_attention_pairs(), reason="no AVX-512 BF16 build here")
+@pytest.mark.parametrize(
+    "products",
+    [
+        pytest.param(
+            "pairs", marks=pytest.mark.skipif(not cpu.has_attention_pairs(), reason="no pairs")
+        ),
+        pytest.param(
+            "tiles",
+            marks=pytest.mark.skipif(not cpu.has_attention_pairs(tiles=True), reason="no tiles"),
+        ),
+    ],
+)
 @pytest.mark.parametrize(
     "queries,keys,heads,kv_heads,d,causal",
-    [(100, 131, 3, 3, 64, False), (219, 219, 4, 2, 128, True), (9, 14, 2, 1, 72, True)],
+    [
+        (100, 131, 3, 3, 64, False),
+        (219, 219, 4, 2, 128, True),
+        (9, 14, 2, 1, 72, True),
+        (40, 500, 2, 2, 64, True),  # a cached prefix: keys past the last tile of pairs
+    ],
 )
 def test_attention_on_bfloat16_pairs_is_the_rounded_inputs_attention(
-    queries, keys, heads, kv_heads, d, causal
+    queries, keys, heads, kv_heads, d, causal, products
 ):
-    """q, k, v rounded to bfloat16, the probabilities too: within the probabilities' rounding
-    (2^-9 of each, relative: 2^-9 of the largest value at most) of float64 attention on the
-    rounded q, k, v."""
+    """q, k, v rounded to bfloat16, the probabilities too (on AVX-512 BF16's dot products or the
+    AMX tiles): within the probabilities' rounding (2^-9 of each, relative: 2^-9 of the largest
+    value at most) of float64 attention on the rounded q, k, v."""
     generator = torch.Generator().manual_seed(queries)
     q = torch.randn(queries, heads, d, generator=generator)
     k, v = torch.randn(2, keys, kv_heads, d, generator=generator)
@@ -135,7 +151,7 @@ def test_attention_on_bfloat16_pairs_is_the_rounded_inputs_attention(
     exact = F.scaled_dot_product_attention(
         *rounded, attn_mask=seen if causal else None, enable_gqa=True
     ).transpose(0, 1)
-    got = cpu.attention(q, k, v, causal, bf16=True).double()
+    got = cpu.attention(q, k, v, causal, products).double()
     assert (got - exact).abs().max() <= 2**-9 * v.abs().max()
 
 

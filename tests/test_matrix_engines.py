@@ -169,10 +169,17 @@ def test_our_amx_build_puts_the_few_rows_the_logits_and_int8_on_the_tiles():
 
 
 def test_bfloat16_products_take_attention_on_bfloat16_pairs_where_the_build_has_them():
-    for build in ("AVX-512 BF16", "AMX"):
-        plan = choose(shape_on(AVX512_BF16), machine(AVX512_BF16, build))
-        assert plan.attention.install(None) is cpu_ops.attention_pairs
-        assert plan.vision_blocks.kernel == "by range (attention.c on bfloat16 pairs)"
+    """On AVX-512 BF16's dot products, or the AMX tiles where the units and build have them."""
+    for units, build, on in [
+        (AVX512_BF16, "AVX-512 BF16", "bfloat16 pairs"),
+        (AVX512_BF16, "AMX", "bfloat16 pairs"),  # the tiles masked
+        (AMX, "AMX", "the AMX tiles"),
+    ]:
+        plan = choose(shape_on(units), machine(units, build))
+        install = plan.attention.install(None)
+        assert install.func is cpu_ops.attention_pairs
+        assert install.keywords == {"tiles": on == "the AMX tiles"}
+        assert plan.vision_blocks.kernel == f"by range (attention.c on {on})"
     float32 = choose(shape_on(AVX2), machine(AVX2, "AVX-512 BF16"))  # float32 products
     assert float32.attention.install(None) is cpu_ops.attention
 
@@ -478,7 +485,12 @@ def test_bfloat16_products_keep_the_float32_products_choices(
         # 0.2% change flips a level): bfloat16 attention alone moves this checkpoint's int8
         # logits by a third of their spread, torch's flash attention as attention.c's pairs. The
         # linears and the logits are compared here; the pairs' rounding in test_cpu_kernels.py
-        monkeypatch.setattr(cpu_ops, "attention_pairs", cpu_ops.attention)
+        float32 = cpu_ops.attention
+        monkeypatch.setattr(
+            cpu_ops,
+            "attention_pairs",
+            lambda q, k, v, causal=False, tiles=False: float32(q, k, v, causal),
+        )
     settings = {"quantize": quantize, "weights_cache": False}
     matrix_run, matrix_req, _ = _loaded(bf16_checkpoint, AMX, monkeypatch, **settings)
     vector_run, vector_req, reference = _loaded(bf16_checkpoint, AVX2, monkeypatch, **settings)

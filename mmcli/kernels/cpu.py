@@ -43,7 +43,9 @@ SOURCES = [
         *("pointwise.c", "decode_layer.c", "int8_linear.c", "int8_weights.c", "int4_tiles.c"),
     )
 ]
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vectors.h", "float_tiles.h")]
+HEADERS = [
+    Path(__file__).parent / "csrc" / name for name in ("vectors.h", "float_tiles.h", "amx_tiles.h")
+]
 # the tiles' kernels, in the AMX build only (their instructions exist nowhere else)
 AMX_SOURCES = [Path(__file__).parent / "csrc" / "amx.c"]
 # AVX-512 BF16's dot products, in the builds for CPUs that have them (AMX's and the BF16 one)
@@ -229,7 +231,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 3
     # out, out_row, queries, keys, heads, group, causal, d, threads
     library.attention.argtypes += [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int]
-    library.attention.argtypes += [ctypes.c_int64, ctypes.c_int, ctypes.c_int]  # d, bf16, threads
+    # d, products, threads
+    library.attention.argtypes += [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     library.attention.restype = ctypes.c_int
     library.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     library.rms_norm.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
@@ -466,13 +469,22 @@ def bf16_gemm(
     return out
 
 
+# attention.c's products: float32, bfloat16 pairs on AVX-512 BF16's dot products or on the tiles
+ATTENTION_PRODUCTS = {"float32": 0, "pairs": 1, "tiles": 2}
+
+
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, bf16: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    products: str = "float32",
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for q [queries, heads, d] and k, v [keys, kv_heads, d] (float32
     on the CPU, any row and head strides, d contiguous; heads a multiple of kv_heads), without a
-    mask or causal (query i sees keys up to i + keys - queries); out [queries, heads, d]. `bf16`:
-    the products on bfloat16 pairs (has_attention_pairs()). See attention.c."""
+    mask or causal (query i sees keys up to i + keys - queries); out [queries, heads, d].
+    `products`: one of ATTENTION_PRODUCTS, the bfloat16 ones where the build has them
+    (attention_pairs()). See attention.c."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
@@ -483,17 +495,21 @@ def attention(
     strided = [value for t in (q, k, v) for value in (t.data_ptr(), t.stride(0), t.stride(1))]
     shape = (queries, keys, heads, heads // kv_heads, int(causal), d)
     threads = torch.get_num_threads()
-    status = library.attention(*strided, out.data_ptr(), heads * d, *shape, int(bf16), threads)
+    code = ATTENTION_PRODUCTS[products]
+    status = library.attention(*strided, out.data_ptr(), heads * d, *shape, code, threads)
     if status == -2:
-        raise RuntimeError(f"the {library.build} build has no bfloat16 pairs for attention.c")
+        raise RuntimeError(f"the {library.build} build has no {products} products for attention.c")
+    if status == -3:
+        raise RuntimeError("Linux did not grant this process the AMX tiles")
     if status:
         raise MemoryError("attention.c could not allocate its scratch")
     return out
 
 
-def has_attention_pairs() -> bool:
-    """Whether this build's attention.c multiplies on bfloat16 pairs (AVX-512 BF16)."""
-    return name() in BF16_DOT_BUILDS
+def has_attention_pairs(tiles: bool = False) -> bool:
+    """Whether this build's attention.c multiplies on bfloat16 pairs (AVX-512 BF16), or with
+    `tiles` on the AMX tiles."""
+    return name() == "AMX" if tiles else name() in BF16_DOT_BUILDS
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -72,13 +72,18 @@ def attention(
 
 
 def attention_pairs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    tiles: bool = False,
 ) -> torch.Tensor | None:
-    """attention.c with its products on bfloat16 pairs, for runs whose products are bfloat16;
-    None where the loaded build has no pairs (MMCLI_CPU_FEATURES masked AVX-512 BF16 since)."""
-    if not (_attention_inputs(q, k, v) and cpu.has_attention_pairs()):
+    """attention.c with its products on bfloat16 pairs (`tiles`: on the AMX tiles), for runs
+    whose products are bfloat16; None where the loaded build has no such products
+    (MMCLI_CPU_FEATURES masked AVX-512 BF16 since)."""
+    if not (_attention_inputs(q, k, v) and cpu.has_attention_pairs(tiles)):
         return None
-    return cpu.attention(q, k, v, causal, bf16=True)
+    return cpu.attention(q, k, v, causal, "tiles" if tiles else "pairs")
 
 
 def _attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

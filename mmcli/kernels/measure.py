@@ -207,20 +207,23 @@ def _int8_step_rows() -> dict:
 
 def _attention() -> dict:
     """A 448x448 image's attention in the vision tower (16 heads of 64): attention.c, on
-    bfloat16 pairs where this build has them, against torch's flash attention on bfloat16."""
+    bfloat16 pairs where this build has them (on the tiles in the AMX build), against torch's
+    flash attention on bfloat16."""
     q, k, v = (torch.randn(1024, 16, 64) for _ in range(3))
     ops = 4 * 1024 * 1024 * 16 * 64
-    pairs = cpu.has_attention_pairs()
-    ours = cpu_ops.attention_pairs if pairs else cpu_ops.attention
+    tiles = cpu.has_attention_pairs(tiles=True)
+    pairs = tiles or cpu.has_attention_pairs()
+    ours = functools.partial(cpu_ops.attention_pairs, tiles=tiles) if pairs else cpu_ops.attention
     rates = {
         1024: (
             _rate(lambda: ours(q, k, v), ops),
             _rate(lambda: attention.bf16_attention(q, k, v), ops),
         )
     }
+    on = " on the AMX tiles" if tiles else " on bfloat16 pairs" if pairs else ""
     return {
         "kernels": [
-            "attention.c on bfloat16 pairs" if pairs else "attention.c",
+            f"attention.c{on}",
             "flash attention bfloat16",
         ],
         "units": ["bfloat16" if pairs else "float32", "bfloat16"],

@@ -357,13 +357,16 @@ def int4_torch_rows(fewest: Crossover) -> int:
 
 def _attention(shape: RunShape, machine: Machine) -> Choice:
     """attention.c (its products on bfloat16 pairs where the run's are bfloat16 and the build has
-    them), or torch's flash attention on bfloat16 where it measures faster."""
+    them: on the tiles in the AMX build), or torch's flash attention on bfloat16 where it measures
+    faster."""
     ours = _c_kernel("attention.c", shape, machine, _function(cpu_ops.attention))
     if not (shape.bf16_products() and shape.eager_cpu()):
         return ours
     if machine.bf16_pairs() and ours.install is not None:
-        kernel, install = "attention.c on bfloat16 pairs", _function(cpu_ops.attention_pairs)
-        ours = Choice("attention.c+pairs", kernel, ours.why, install)
+        tiles = machine.tiles()
+        pairs, on = ("tiles", "the AMX tiles") if tiles else ("pairs", "bfloat16 pairs")
+        install = _function(functools.partial(cpu_ops.attention_pairs, tiles=tiles))
+        ours = Choice(f"attention.c+{pairs}", f"attention.c on {on}", ours.why, install)
     measured = machine.crossover("attention")
     if measured.above is None and ours.install is not None:
         return Choice(ours.id, ours.kernel, measured.why, ours.install)

@@ -23,6 +23,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "amx_tiles.h"
 #include "float_tiles.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -36,25 +37,12 @@ int amx_request(void) {
     return granted;
 }
 
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 /* Every tile 64 bytes a row; `rows` (<= 32) rows of activations: tmm0, 1 (sums) and 4 (A) the
    first 16, tmm2, 3 and 5 the rest; tmm6, 7 16 rows (B). Each thread configures its own. */
 static void configure_rows(int rows) {
-    struct tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
     const int first = rows < 16 ? rows : 16, rest = rows > 16 ? rows - 16 : first;
     const int tile_rows[8] = {first, first, rest, rest, first, rest, 16, 16};
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = (uint8_t)tile_rows[t];
-    }
-    _tile_loadconfig(&c);
+    configure_tiles(tile_rows);
 }
 
 /* ---- amx_bf16_linear ---- */
@@ -315,14 +303,9 @@ static void int4_group_tiles(const uint8_t *block, int64_t g, uint16_t *tiles) {
 }
 
 static void configure_few(int rows) {
-    struct tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = (uint8_t)(t <= 4 ? rows : 16); /* sums and A: the rows; B: 16 pairs */
-    }
-    _tile_loadconfig(&c);
+    /* sums and A: the rows; B: 16 pairs */
+    const int tile_rows[8] = {rows, rows, rows, rows, rows, 16, 16, 16};
+    configure_tiles(tile_rows);
 }
 
 /* y rows (<= 16) x the 64 channels of `block` */

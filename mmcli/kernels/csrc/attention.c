@@ -7,11 +7,18 @@
    threads): its keys packed once, transposed, a panel of NR at a time, and its values copied
    together; then for each of its query heads and each block of QB queries their scores against
    the keys they see, a softmax over each row in place, the probabilities times the values, and
-   each row divided by its sum. Both products run on float_tiles.h's tiles (docs/performance.md
+   each row divided by its sum. Both products run on float_tiles.h's tiles, or on bfloat16 pairs:
+   AVX-512 BF16's dot products, or the AMX tiles where the build has them (docs/performance.md
    compares torch's CPU flash kernel on these shapes). */
 #include <stdlib.h>
 
 #include "float_tiles.h"
+#if defined(__AMX_BF16__)
+#include "amx_tiles.h"
+#endif
+
+/* the `products` attention() takes */
+enum { FLOAT32_PRODUCTS, PAIR_PRODUCTS, TILE_PRODUCTS };
 
 #define QB 96 /* queries per task: their scores against 1024 keys are 384 KiB, in L2 */
 
@@ -127,10 +134,12 @@ static void attend_block(struct heads q, const float *panels, const float *value
 }
 
 /* A thread's scratch for the pairs: a head's keys (panels[p][i][j]: key p NR + j's pair i) and
-   values (values[c][i][j]: keys 2i and 2i + 1 of channel c NR + j), a block's queries and
-   probabilities as pairs, and NR keys' rows on their way into a panel. */
+   values (values[c][i][j]: keys 2i and 2i + 1 of channel c NR + j, zero past the keys up to
+   PAIRS(keys) rows), a block's queries and probabilities as pairs, and NR keys' rows on their way
+   into a panel; `tiles`: the products on the AMX tiles. */
 struct pairs {
     uint32_t *panels, *values, *queries, *probabilities, *rows;
+    int tiles;
 };
 
 #if defined(__AVX512BF16__)
@@ -149,6 +158,37 @@ static void round_pairs(const float *x, int64_t n, uint32_t *out) {
         const int64_t left = n - i;
         const __m512 v = vload_some(x + i, first_lanes(left < 0 ? 0 : left > GL ? GL : (int)left));
         _mm256_storeu_si256((__m256i *)(half + i), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* softmax_rows with the probabilities rounded to pairs as they are made (out, PAIRS(keys) pairs a
+   row, o_pairs apart; zeros past each row's keys): e^(scale (s - max)) summed in float32. */
+static void softmax_pair_rows(const float *s, int64_t lds, int64_t rows, int64_t keys, int64_t seen,
+                              float scale, uint32_t *out, int64_t o_pairs, float *inverse) {
+    const vec factor = vset(scale);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = s + r * lds;
+        const int64_t n = seen + r < keys ? seen + r : keys, whole = n / GL * GL;
+        const lanes tail = first_lanes((int)(n - whole));
+        vec top = _mm512_mask_loadu_ps(vset(row[0]), tail, row + whole); /* n >= 1 */
+        for (int64_t k = 0; k < whole; k += GL) top = vmax(top, vload(row + k));
+        const vec shift = vset(-vlargest(top) * scale);
+        vec total = vzero();
+        __m256i *half = (__m256i *)(out + r * o_pairs);
+        int64_t k = 0;
+        for (; k < whole; k += GL) {
+            const vec e = vexp(vfma(vload(row + k), factor, shift));
+            total = vadd(total, e);
+            _mm256_storeu_si256(half++, (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        if (k < n) {
+            const vec e = _mm512_maskz_mov_ps(tail, vexp(vfma(vload(row + k), factor, shift)));
+            total = vadd(total, e);
+            _mm256_storeu_si256(half++, (__m256i)_mm512_cvtneps_pbh(e));
+            k += GL;
+        }
+        for (; k < 2 * PAIRS(keys); k += GL) _mm256_storeu_si256(half++, _mm256_setzero_si256());
+        inverse[r] = 1.0f / vsum(total);
     }
 }
 
@@ -195,6 +235,84 @@ static void pair_rows(const uint32_t *x, int64_t ldx, const uint32_t *panel, int
     }
 }
 
+#if defined(__AMX_BF16__)
+#if NR != 64
+#error "a panel of NR channels is four tiles of 16"
+#endif
+
+/* 16 rows of x (kc pairs, ldx apart; kc a multiple of 16) times the panel (kc rows of NR pairs,
+   ldp apart) into tmm0-3, the 16 rows' sums for the panel's four tiles of 16 channels: tmm4 the
+   rows' pairs, tmm5-7 the panel's. */
+static void tile_block(const uint32_t *x, int64_t ldx, const uint32_t *panel, int64_t ldp,
+                       int64_t kc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < kc; k += 16) {
+        const uint32_t *b = panel + k * ldp;
+        _tile_loadd(4, x + k, ldx * 4);
+        _tile_loadd(5, b, ldp * 4);
+        _tile_loadd(6, b + 16, ldp * 4);
+        _tile_loadd(7, b + 32, ldp * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, b + 48, ldp * 4);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+}
+
+/* pair_rows on the tiles (tdpbf16ps: 16 x 16 x 32 products an instruction): kc a multiple of 16,
+   x readable to a multiple of 16 rows (rows past M computed, not stored). Whole blocks of 16 rows
+   and channels are stored from the tiles, the rest through `spill`. */
+static void tile_rows(const uint32_t *x, int64_t ldx, const uint32_t *panel, int64_t ldp,
+                      int64_t kc, float *y, int64_t ldy, int64_t M, int channels) {
+    float spill[16 * NR] __attribute__((aligned(64)));
+    for (int64_t m = 0; m < M; m += 16) {
+        tile_block(x + m * ldx, ldx, panel, ldp, kc);
+        float *ym = y + m * ldy;
+        const int64_t stride = ldy * 4;
+        if (M - m >= 16 && channels % 16 == 0) {
+            if (channels > 0) _tile_stored(0, ym, stride);
+            if (channels > 16) _tile_stored(1, ym + 16, stride);
+            if (channels > 32) _tile_stored(2, ym + 32, stride);
+            if (channels > 48) _tile_stored(3, ym + 48, stride);
+            continue;
+        }
+        _tile_stored(0, spill, NR * 4);
+        _tile_stored(1, spill + 16, NR * 4);
+        _tile_stored(2, spill + 32, NR * 4);
+        _tile_stored(3, spill + 48, NR * 4);
+        for (int64_t r = 0; r < 16 && m + r < M; r++)
+            for (int j = 0; j < channels; j += GL) {
+                const lanes some = first_lanes(channels - j > GL ? GL : channels - j);
+                vstore_some(ym + r * ldy + j, vload(spill + r * NR + j), some);
+            }
+    }
+}
+
+/* Every thread's tiles: 16 rows of 64 bytes. */
+static void configure_attention_tiles(void) {
+    const int rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    configure_tiles(rows);
+}
+#endif
+
+/* pair_rows, on the tiles where `tiles` (kc then a multiple of 16, x's rows readable to one) */
+static void products_of_pairs(int tiles, const uint32_t *x, int64_t ldx, const uint32_t *panel,
+                              int64_t ldp, int64_t kc, float *y, int64_t ldy, int64_t M,
+                              int channels) {
+#if defined(__AMX_BF16__)
+    if (tiles) {
+        tile_rows(x, ldx, panel, ldp, kc, y, ldy, M, channels);
+        return;
+    }
+#endif
+    (void)tiles;
+    pair_rows(x, ldx, panel, ldp, kc, y, ldy, M, channels);
+}
+
 /* keys [key0, key0 + NR) (past `keys`: zero) -> panel[i][j] = key key0 + j's pair i */
 static void pack_key_pairs(struct heads k, int64_t key0, int64_t keys, int64_t d, uint32_t *rows,
                            uint32_t *panel) {
@@ -216,12 +334,12 @@ static void pack_value_pairs(struct heads v, int64_t keys, int64_t d, int64_t c0
     const __m512i interleave =
         _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    for (int64_t i = 0; i < (keys + 1) / 2; i++)
+    for (int64_t i = 0; i < PAIRS(keys); i++)
         for (int64_t j = 0; j < NR; j += GL) {
             const int64_t left = d - c0 - j;
             const lanes some = first_lanes(left < 0 ? 0 : left > GL ? GL : (int)left);
-            const lanes second = 2 * i + 1 < keys ? some : 0;
-            const __m512 a = vload_some(v.data + 2 * i * v.row + c0 + j, some);
+            const lanes first = 2 * i < keys ? some : 0, second = 2 * i + 1 < keys ? some : 0;
+            const __m512 a = vload_some(v.data + 2 * i * v.row + c0 + j, first);
             const __m512 b = vload_some(v.data + (2 * i + 1) * v.row + c0 + j, second);
             const __m512i both =
                 _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(a)),
@@ -235,7 +353,7 @@ static void pack_head_pairs(struct heads k, struct heads v, int64_t keys, int64_
     for (int64_t key0 = 0; key0 < keys; key0 += NR)
         pack_key_pairs(k, key0, keys, d, s->rows, s->panels + key0 * PAIRS(d));
     for (int64_t c0 = 0; c0 < d; c0 += NR)
-        pack_value_pairs(v, keys, d, c0, s->values + c0 * ((keys + 1) / 2));
+        pack_value_pairs(v, keys, d, c0, s->values + c0 * PAIRS(keys));
 }
 
 /* attend_block on the pairs: the block's queries rounded, their scores, the softmax, the
@@ -249,17 +367,18 @@ static void attend_block_pairs(struct heads q, const struct pairs *s, float *out
         round_pairs(q.data + (q0 + r) * q.row, d, s->queries + r * pairs);
     for (int64_t key0 = 0; key0 < keys; key0 += NR) {
         const int width = keys - key0 < NR ? (int)(keys - key0) : NR;
-        pair_rows(s->queries, pairs, s->panels + key0 * pairs, NR, pairs, scores + key0, lds, rows,
-                  width);
+        products_of_pairs(s->tiles, s->queries, pairs, s->panels + key0 * pairs, NR, pairs,
+                          scores + key0, lds, rows, width);
     }
-    softmax_rows(scores, lds, rows, keys, seen, 1.0f / __builtin_sqrtf((float)d), inverse);
-    for (int64_t r = 0; r < rows; r++)
-        round_pairs(scores + r * lds, keys, s->probabilities + r * p_pairs);
+    softmax_pair_rows(scores, lds, rows, keys, seen, 1.0f / __builtin_sqrtf((float)d),
+                      s->probabilities, p_pairs, inverse);
     float *o = out + q0 * out_row;
     for (int64_t c0 = 0; c0 < d; c0 += NR) {
         const int width = d - c0 < NR ? (int)(d - c0) : NR;
-        pair_rows(s->probabilities, p_pairs, s->values + c0 * ((packed + 1) / 2), NR,
-                  (keys + 1) / 2, o + c0, out_row, rows, width);
+        /* the tiles take whole tiles of pairs: the probabilities and values are zero past keys */
+        const int64_t kc = s->tiles ? PAIRS(keys) : (keys + 1) / 2;
+        products_of_pairs(s->tiles, s->probabilities, p_pairs, s->values + c0 * PAIRS(packed), NR,
+                          kc, o + c0, out_row, rows, width);
     }
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < d; i++) o[r * out_row + i] *= inverse[r];
@@ -285,7 +404,7 @@ static int allocate(struct scratch *s, int64_t keys, int64_t d, int64_t lds, int
     const int64_t pairs = PAIRS(d);
     struct pairs *p = &s->pairs;
     p->panels = aligned_alloc(64, 4 * key_rows * pairs);
-    p->values = aligned_alloc(64, 4 * chunks * NR * ((keys + 1) / 2));
+    p->values = aligned_alloc(64, 4 * chunks * NR * PAIRS(keys));
     p->queries = aligned_alloc(64, 4 * QB * pairs);
     p->probabilities = aligned_alloc(64, 4 * QB * PAIRS(lds));
     p->rows = aligned_alloc(64, 4 * NR * pairs);
@@ -335,15 +454,22 @@ static void attend_heads(struct heads q, int64_t h0, int64_t group, const struct
 
 /* out (queries x heads x d, a row every out_row floats, a head every d) for q (queries positions,
    `heads` heads), k and v (keys positions, heads / group heads), each given by its data, row
-   stride and head stride; causal: query i sees keys up to i + keys - queries; bf16: the products
-   on bfloat16 pairs (where this build has them). Returns 0, -1 where a thread's scratch could not
-   be allocated (out is then incomplete), or -2 where bf16 is asked of a build without it. */
+   stride and head stride; causal: query i sees keys up to i + keys - queries; `products`: in
+   float32, on bfloat16 pairs or on the AMX tiles (where this build has them). Returns 0, -1 where
+   a thread's scratch could not be allocated (out is then incomplete), -2 where the products are
+   not this build's, -3 where Linux did not grant the tiles. */
 int attention(const float *q, int64_t q_row, int64_t q_head, const float *k, int64_t k_row,
               int64_t k_head, const float *v, int64_t v_row, int64_t v_head, float *out,
               int64_t out_row, int64_t queries, int64_t keys, int64_t heads, int64_t group,
-              int causal, int64_t d, int bf16, int threads) {
+              int causal, int64_t d, int products, int threads) {
+    const int bf16 = products != FLOAT32_PRODUCTS, tiles = products == TILE_PRODUCTS;
 #if !defined(__AVX512BF16__)
     if (bf16) return -2;
+#endif
+#if defined(__AMX_BF16__)
+    if (tiles && amx_request()) return -3;
+#else
+    if (tiles) return -2;
 #endif
     const int64_t lds = (keys + GL - 1) / GL * GL, d_pad = (d + GL - 1) / GL * GL;
     const int64_t blocks = (queries + QB - 1) / QB, kv_heads = heads / group;
@@ -356,6 +482,10 @@ int attention(const float *q, int64_t q_row, int64_t q_head, const float *k, int
     {
         struct scratch s;
         failed = !allocate(&s, keys, d, lds, bf16);
+        s.pairs.tiles = tiles;
+#if defined(__AMX_BF16__)
+        if (tiles) configure_attention_tiles();
+#endif
 /* one task at a time to whichever thread is free, as bf16_linear.c shares out its rows */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < kv_heads * shares; t++) {
