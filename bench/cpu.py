@@ -157,10 +157,10 @@ def step_tensors(model) -> list:
     each once."""
     from mmcli.kernels.weight_forms import Int4Weight, Int8Weight
 
-    decoder = model.language_model
+    decoder, head = model.language_model, model.lm_head
     tensors = [t for n, t in decoder.named_parameters() if "embed_tokens" not in n]
-    tensors += [model.lm_head.weight]
-    for module in decoder.modules():
+    tensors += [head.weight] if isinstance(head.weight, torch.Tensor) else []
+    for module in [*decoder.modules(), head]:
         for value in vars(module).values():
             if isinstance(value, (Int8Weight, Int4Weight)):  # by its fields: --against's tree
                 tensors += [t for t in vars(value).values() if isinstance(t, torch.Tensor)]
@@ -245,13 +245,16 @@ def step_worker(ckpt: Path, settings: dict) -> dict:
         if "visual" not in n and "embed_tokens" not in n and n != "lm_head.weight" and len(s) == 2
     )  # fmt: skip
     plan = cap.kernel_plan
+    # a quantized run's tied head is an int8 copy on the decoder's int8 kernel
+    int8_head = getattr(cap.model.lm_head, "work", None) == "int8"
+    head_kernel = f"int8: {plan.int8.kernel}" if int8_head else plan.head.kernel
     return {
         "weights": weights,
         "head_bytes": head_bytes(cap.model.lm_head),
         "flops_per_row": 2 * (matrices + text.vocab_size * text.hidden_size),
         "head_flops_per_row": 2 * text.vocab_size * text.hidden_size,
         "steps": steps,
-        "kernels": {"decode_step": plan.decode_step.kernel, "head": plan.head.kernel},
+        "kernels": {"decode_step": plan.decode_step.kernel, "head": head_kernel},
         "products": compare_hf.precision_record(cap).get("products"),
     }
 
@@ -721,8 +724,10 @@ def step_unit(path: str, kernel: str, products: str | None) -> str:
 
 
 def head_unit(kernel: str) -> str:
-    """The lm_head's unit: bfloat16 (split) on the AMX tiles or AVX-512 BF16's dot products,
-    else float32 FMAs."""
+    """The lm_head's unit: int8 for an int8 head, bfloat16 on the AMX tiles or AVX-512 BF16's
+    dot products, else float32 FMAs."""
+    if kernel.startswith("int8: "):
+        return "int8"
     return "bfloat16" if "AMX" in kernel or "bf16_dot" in kernel else "float32"
 
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from mmcli.api.labeler import Labeler
 from mmcli.cli.app import app
 from mmcli.config import load_config
-from mmcli.kernels import cpu
+from mmcli.kernels import cpu, cpu_ops
 from mmcli.models.layers.linear import Linear
 from mmcli.models.layers.quantized import X_MAX, Int8Linear
 from mmcli.testing import make_outlier_checkpoint
@@ -113,15 +113,9 @@ def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
         ours.precision.weights == "int8"
         and ours.weight_bytes < 0.8 * _labeler(outlier_dir).weight_bytes
     )
-    # tied: one bfloat16 copy
-    embedding, head = (
-        ours.model.language_model.embed_tokens.weight,
-        ours.model.lm_head,
-    )
-    assert (
-        not isinstance(head, Int8Linear)
-        and head.weight.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
-    )
+    # tied: the head an int8 copy (its activations split), the embedding its bfloat16 table
+    assert isinstance(ours.model.lm_head, Int8Linear) and ours.model.lm_head.split
+    assert ours.model.language_model.embed_tokens.weight.dtype == torch.bfloat16
     assert _relative_error(_logits(ours), reference) < 0.12
     # the same int8 weights, no folding, one scale a call
     naive = _labeler(outlier_dir, weights_dtype="bfloat16")
@@ -130,6 +124,26 @@ def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
         if isinstance(layer, Int8Linear):
             layer.per_token = False
     assert _relative_error(_logits(naive), reference) > 0.12
+
+
+@pytest.mark.parametrize("kernel", [None, "int8_linear.c"])
+def test_the_int8_logits_take_each_activation_split(kernel):
+    """An int8 head takes each activation as two rows of 7-bit levels (about 14 bits): within
+    2^-12 of the largest output of the products of its int8 weights in float64, where one row of
+    levels is off by over 2%."""
+    if kernel and cpu.load()[0] is None:
+        pytest.skip(cpu.why_unavailable())
+    generator = torch.Generator().manual_seed(0)
+    weight = quantize_int8(torch.randn(300, 256, generator=generator))
+    dequantized = weight.rows()[:300, :256].double() * weight.scale[:300, None].double()
+    x = torch.randn(5, 256, generator=generator) * torch.linspace(0.1, 3, 256)  # uneven columns
+    exact = x.double() @ dequantized.t()
+    error = {}
+    for split in (False, True):
+        layer = Int8Linear(256, 300, weight, split=split)
+        layer.kernel = cpu_ops.int8_matmul if kernel else None
+        error[split] = float((layer(x).double() - exact).abs().max() / exact.abs().max())
+    assert error[True] < 2**-12 and error[False] > 0.02
 
 
 def test_quantization_is_in_the_record_and_the_resume_key(tiny_dir, tmp_path):

@@ -210,7 +210,7 @@ def test_int4_runs_the_vision_tower_on_int8s_kernel(units, above):
         int4 = choose(shape_on(units, quantize="int4"), here).vision_int8
         assert int4 == choose(shape_on(units, quantize="int8"), here).vision_int8
         assert int4.install is not None
-    ours = {name: Crossover(None, "ours") for name in ("int8_vision", "int4_tiles")}
+    ours = {name: Crossover(None, "ours") for name in ("int8_prefill", "int8_vision", "int4_tiles")}
     unbuilt = Machine(AVX2, "", "no compiler", ours)
     as_stored = choose(shape_on(AVX2, quantize="int4"), unbuilt).vision_int8
     assert as_stored.id == "as_loaded" and as_stored.install is None

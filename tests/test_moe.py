@@ -282,10 +282,15 @@ def test_int4_computes_what_its_4bit_weights_say(moe_dirs, tiny_dir, which):
 
 
 @needs_int4
-def test_an_int4_run_holds_its_vision_tower_in_int8_on_the_plans_kernel(tiny_dir):
+def test_an_int4_run_holds_its_vision_tower_and_tied_head_in_int8_on_the_plans_kernels(tiny_dir):
     settings = {"device": "cpu", "quantize": "int4", "weights_cache": False}
     labeler = Labeler.from_pretrained(str(tiny_dir), config=load_config(None, settings))
     choice, model = labeler.kernel_plan.vision_int8, labeler.model
+    head, int8 = model.lm_head, labeler.kernel_plan.int8  # tied: an int8 copy beside the table
+    if int8.install is not None:
+        assert isinstance(head, Int8Linear) and head.split and head.kernel is int8.install(head)
+    else:  # no int8 kernel on this machine: the head as loaded
+        assert type(head) is Linear
     tower = [m for m in model.visual.modules() if isinstance(m, (Linear, Int8Linear))]
     if choice.install is None:  # no int8 kernel on this machine: the tower as stored
         assert tower and not any(isinstance(m, Int8Linear) for m in tower)

@@ -221,10 +221,10 @@ def test_an_int4_load_reads_its_4bit_weights_instead_of_quantizing(
     path = tiny_dir if variant == "dense" else moe_dirs[variant]
     first = _int4(path, tmp_path)
     written, vision = _int4_files(tmp_path, path)
-    assert _files(tmp_path) == sorted([written, vision])  # the tower's int8 in a file of its own
+    assert _files(tmp_path) == sorted([written, vision])  # the int8 layers in a file of their own
     assert first.prepared_weights_report() == (
         f"prepared weights written to {written}; "
-        f"the vision tower's prepared weights written to {vision}"
+        f"its int8 layers' prepared weights written to {vision}"
     )
     read = []
     monkeypatch.setattr(int4_module, "quantize_int4", None)  # never called again
@@ -236,7 +236,7 @@ def test_an_int4_load_reads_its_4bit_weights_instead_of_quantizing(
     )
     second = _int4(path, tmp_path)
     assert (
-        f"prepared weights read from {written}; the vision tower's prepared weights read from "
+        f"prepared weights read from {written}; its int8 layers' prepared weights read from "
         f"{vision}" in second.kernels
     )
     covered = checkpoint.int4_shapes(second.model.cfg)
@@ -275,8 +275,9 @@ def test_int4_weights_packed_for_another_kernel_are_prepared_again(
 
 
 def _int4_files(cache, checkpoint):
-    """An int4 run's prepared files: its 4-bit weights' and its vision tower's int8."""
-    recipes = (prepared_module.INT4, prepared_module.INT8_VISION)
+    """An int4 run's prepared files: its 4-bit weights' and its int8 layers' (the vision tower,
+    a tied lm_head)."""
+    recipes = (prepared_module.INT4, prepared_module.INT4_INT8)
     return (prepared_module.PreparedWeights(cache, checkpoint, recipe=r).file for r in recipes)
 
 
@@ -343,7 +344,7 @@ def test_a_run_killed_while_writing_int4_leaves_the_next_run_whole(tiny_dir, tmp
     old = partial.stat().st_mtime - prepared_module.STALE_SECONDS - 1
     os.utime(partial, (old, old))
     labeler = _int4(tiny_dir, tmp_path)
-    vision_read = f"the vision tower's prepared weights read from {vision}"
+    vision_read = f"its int8 layers' prepared weights read from {vision}"
     assert labeler.prepared_weights_report() == f"prepared weights written to {file}; {vision_read}"
     assert _files(tmp_path) == sorted([file, vision])
 

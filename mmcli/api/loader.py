@@ -171,7 +171,7 @@ def _read_weights(run: Run, form: str):
     weights' file where the form has one (int8, int4) and the cache is on: int4's 4-bit weights
     read from it where it holds them, else quantized as read and written to it."""
     from mmcli.weights.checkpoint import int4_shapes, load_weights
-    from mmcli.weights.prepared import INT8_VISION, RECIPES, PreparedWeights
+    from mmcli.weights.prepared import INT4_INT8, RECIPES, PreparedWeights
 
     cfg, precision = run.config, run.precision
     prepared = None
@@ -179,8 +179,8 @@ def _read_weights(run: Run, form: str):
         directory = cache_root(cfg.cache_dir)
         prepared = PreparedWeights(directory, run.path, run.config_bytes, RECIPES[form])
     int4 = form == RECIPES["int4"].form
-    if int4 and prepared is not None:  # the vision tower's int8, where the plan takes it
-        prepared.vision = PreparedWeights(directory, run.path, run.config_bytes, INT8_VISION)
+    if int4 and prepared is not None:  # its int8 layers, where the plan takes them
+        prepared.int8 = PreparedWeights(directory, run.path, run.config_bytes, INT4_INT8)
     held = prepared.read_int4(int4_shapes(run.model_config)) if int4 and prepared else None
     weights = load_weights(
         run.path,

@@ -224,10 +224,10 @@ INEXACT_INT8 = "this CPU has no VNNI: oneDNN's int8 would saturate its 16-bit pa
 
 
 def _int8(shape: RunShape, machine: Machine) -> Choice:
-    """The decoder's int8: stored in int8_linear.c's layout (decode reads it, bound by memory);
-    at many rows on oneDNN's int8 GEMM where that wins (above 64 rows on AMX-INT8, else
-    measured), the weights copied to its layout for the call."""
-    if shape.quantize != "int8":
+    """The decoder's int8 (an int4 run's: its tied lm_head): stored in int8_linear.c's layout
+    (decode reads it, bound by memory); at many rows on oneDNN's int8 GEMM where that wins (above
+    64 rows on AMX-INT8, else measured), the weights copied to its layout for the call."""
+    if shape.quantize not in ("int8", "int4"):
         return NONE
     if _tiles(shape, machine):
         return _int8_tiles(machine)

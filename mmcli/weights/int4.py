@@ -4,8 +4,9 @@ the model is ever held (a 30B MoE's experts are most of its bytes).
 Quantized: every linear layer's weight of the text decoder (and an untied lm_head) whose shape
 torch's int4 CPU kernel takes (rows a multiple of 16, columns of GROUP) and the MoE experts, one
 expert's gate, up and down projections at a time; kept as loaded: the embeddings, the norms, the
-MoE routers and a tied lm_head. The vision tower is read as stored and then held in int8
-(weights/int8.py) where the kernel plan has an int8 kernel for it."""
+MoE routers and a tied lm_head (the embedding's table). The vision tower and a tied lm_head are
+read as stored and then held in int8 (weights/int8.py; the head as a copy beside the table) where
+the kernel plan has an int8 kernel for them (weights/loader.py)."""
 
 from __future__ import annotations
 

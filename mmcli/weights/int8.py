@@ -81,12 +81,14 @@ def int8_linear(
 ) -> Int8Linear:
     """The int8 form of `linear` (and the bias beside it), quantized from its weight alone (times
     `column_scale`, a folded norm's, where given; no float32 copy of the model is made), or as
-    `prepared` holds it from an earlier run."""
+    `prepared` holds it from an earlier run. The logits' linear (its work "head") takes its
+    activations split (Int8Linear.split)."""
     if prepared is None:
         weight = quantize_int8(linear.weight, linear.bias, column_scale)
     else:
         weight = Int8Weight(**prepared)
-    return Int8Linear(linear.in_features, linear.out_features, weight)
+    split = getattr(linear, "work", None) == "head"
+    return Int8Linear(linear.in_features, linear.out_features, weight, split)
 
 
 def replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -145,11 +147,10 @@ def fold_norm(
 
 def int8_linears(model: nn.Module, within: nn.Module | None = None) -> dict[str, Linear]:
     """The linears int8 takes, by name: all but those its family keeps as loaded (an MoE's
-    routers; the experts, 3-D, stay as loaded too) and a tied lm_head (which stays the
-    embedding's bfloat16); with `within` (int4's vision tower), only those inside it."""
+    routers; the experts, 3-D, stay as loaded too), a tied lm_head included (an int8 copy: the
+    embedding keeps its table); with `within` (an int4 run's vision tower and tied head), only
+    those inside it."""
     keep = family_of(model.cfg).kept_linears(model)
-    if tied_head(model):
-        keep.add(model.lm_head)
     inside = set(within.modules()) if within is not None else None
     return {
         name: module
@@ -158,17 +159,6 @@ def int8_linears(model: nn.Module, within: nn.Module | None = None) -> dict[str,
         and module not in keep
         and (inside is None or module in inside)
     }
-
-
-def tied_head(model: nn.Module) -> bool:
-    """Whether the lm_head's weight is an embedding table's: load_state_dict(assign=True) makes
-    two Parameters over one storage, so tied means the same memory."""
-    head = model.lm_head.weight
-    if head is None:
-        return False
-    tables = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
-    storage = head.untyped_storage().data_ptr()
-    return any(t.untyped_storage().data_ptr() == storage for t in tables)
 
 
 def quantize_model(

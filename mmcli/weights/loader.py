@@ -73,8 +73,8 @@ def prepare(
     form = plan.linears.id
     if form == INT8:
         quantize(model, prepared)
-    elif form == INT4 and plan.vision_int8.install is not None:  # the decoder is int4 as read
-        quantize(model, prepared.vision if prepared is not None else None, model.visual)
+    elif form == INT4 and (scopes := int4_int8_scopes(model, plan)):
+        quantize(model, prepared.int8 if prepared is not None else None, scopes)
     elif form == PACKED:
         pack_linears(model)
     if plan.vision_int8.install is not None:
@@ -84,6 +84,16 @@ def prepare(
         keep_freed_memory()  # after the load: its temporaries are returned as before
         populate([(t.data_ptr(), t.numel() * t.element_size()) for t in held_tensors(model)])
     return model
+
+
+def int4_int8_scopes(model: nn.Module, plan: KernelPlan) -> nn.ModuleList | None:
+    """What an int4 run holds in int8 (its decoder is int4 as read): the vision tower where the
+    plan has an int8 kernel for it, and a tied lm_head (left as loaded by the read: the
+    embedding's table) where it has one for the decoder's int8; None where neither."""
+    scopes = [model.visual] if plan.vision_int8.install is not None else []
+    if plan.int8.install is not None and type(model.lm_head) is Linear:
+        scopes.append(model.lm_head)
+    return nn.ModuleList(scopes) if scopes else None
 
 
 def held_tensors(model: nn.Module) -> list[torch.Tensor]:

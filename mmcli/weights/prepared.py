@@ -59,9 +59,9 @@ INT8 = Recipe(
         "kernels/csrc/int8_weights.c",
     ),
 )
-INT8_VISION = Recipe(
-    "int8_vision",
-    "int8 for the vision tower of an int4 run: " + INT8.words.removeprefix("int8: "),
+INT4_INT8 = Recipe(
+    "int4_int8",
+    "int8 for an int4 run's vision tower and tied lm_head: " + INT8.words.removeprefix("int8: "),
     INT8.code,
 )
 INT4 = Recipe(
@@ -128,7 +128,8 @@ class PreparedWeights:
         self._outcome = "prepared weights not written: none were prepared"
         self.status = "prepared weights not used"  # what the load did, for its line
         self.used = False  # read from or written to by this run
-        self.vision: PreparedWeights | None = None  # an int4 run's int8 vision tower's file
+        # an int4 run's int8 layers' file (loader.int4_int8_scopes: its tower, a tied head)
+        self.int8: PreparedWeights | None = None
 
     def quantize(self, model: torch.nn.Module, within: torch.nn.Module | None = None) -> None:
         """int8 for `model` (int8.quantize_model; `within` that module only), from the file when
@@ -172,14 +173,14 @@ class PreparedWeights:
         (why)"."""
         if self._writer is not None:
             self._writer.join()
-        if self.vision is not None and self.vision.used:
-            return f"{self._outcome}; the vision tower's {self.vision.written()}"
+        if self.int8 is not None and self.int8.used:
+            return f"{self._outcome}; its int8 layers' {self.int8.written()}"
         return self._outcome
 
     def described(self) -> str:
         """What the load did with the prepared weights, for its line."""
-        if self.vision is not None and self.vision.used:
-            return f"{self.status}; the vision tower's {self.vision.status}"
+        if self.int8 is not None and self.int8.used:
+            return f"{self.status}; its int8 layers' {self.int8.status}"
         return self.status
 
     def _read(self) -> dict | None:
