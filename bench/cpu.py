@@ -245,16 +245,13 @@ def step_worker(ckpt: Path, settings: dict) -> dict:
         if "visual" not in n and "embed_tokens" not in n and n != "lm_head.weight" and len(s) == 2
     )  # fmt: skip
     plan = cap.kernel_plan
-    # a quantized run's tied head is an int8 copy on the decoder's int8 kernel
-    int8_head = getattr(cap.model.lm_head, "work", None) == "int8"
-    head_kernel = f"int8: {plan.int8.kernel}" if int8_head else plan.head.kernel
     return {
         "weights": weights,
         "head_bytes": head_bytes(cap.model.lm_head),
         "flops_per_row": 2 * (matrices + text.vocab_size * text.hidden_size),
         "head_flops_per_row": 2 * text.vocab_size * text.hidden_size,
         "steps": steps,
-        "kernels": {"decode_step": plan.decode_step.kernel, "head": head_kernel},
+        "kernels": {"decode_step": plan.decode_step.kernel, "head": plan.head.kernel},
         "products": compare_hf.precision_record(cap).get("products"),
     }
 
@@ -726,7 +723,7 @@ def step_unit(path: str, kernel: str, products: str | None) -> str:
 def head_unit(kernel: str) -> str:
     """The lm_head's unit: int8 for an int8 head, bfloat16 on the AMX tiles or AVX-512 BF16's
     dot products, else float32 FMAs."""
-    if kernel.startswith("int8: "):
+    if kernel.startswith("int8 split"):
         return "int8"
     return "bfloat16" if "AMX" in kernel or "bf16_dot" in kernel else "float32"
 

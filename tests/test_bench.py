@@ -220,7 +220,7 @@ def test_a_step_is_held_to_the_unit_its_kernel_multiplies_on(path, kernel, produ
         ("bf16_dot.c, split", "bfloat16"),
         ("AMX tiles to 32 rows", "bfloat16"),
         ("bf16_linear.c", "float32"),
-        ("int8: int8_linear.c, VNNI to 2 rows, AMX tiles above", "int8"),
+        ("int8 split: int8_linear.c, VNNI to 2 rows, AMX tiles above", "int8"),
     ],
 )
 def test_the_lm_head_is_held_to_the_unit_it_multiplies_on(kernel, unit):

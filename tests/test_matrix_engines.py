@@ -156,7 +156,9 @@ def test_our_amx_build_puts_the_few_rows_the_logits_and_int8_on_the_tiles():
     plan = choose(shape_on(AMX, quantize="int8"), amx)
     assert plan.upcast.id == "onednn_bf16+amx_tiles"
     assert plan.upcast.kernel == "oneDNN bfloat16 (AMX) above 16 rows, AMX tiles to 16"
-    assert plan.head.id == "amx_rounded" and plan.head.kernel.startswith("AMX tiles to 32 rows")
+    # the logits in int8 on int8's kernel, each activation split
+    assert plan.head.id == "int8_split+int8_linear.c+amx_tiles"
+    assert plan.head.kernel.startswith("int8 split: ") and plan.head.install is None
     assert choose(shape_on(AMX), amx).head.id == "amx_split"
     assert plan.int8.id == plan.vision_int8.id == "int8_linear.c+amx_tiles"
     int4 = choose(shape_on(AMX, quantize="int4"), amx).int4
@@ -216,6 +218,23 @@ def test_int4_runs_the_vision_tower_on_int8s_kernel(units, above):
     assert as_stored.id == "as_loaded" and as_stored.install is None
 
 
+@pytest.mark.parametrize("units", [AVX2, AMX])
+def test_a_quantized_runs_logits_are_int8_but_an_untied_int4_head(units):
+    """int8's head, and int4's tied one (a copy beside the embedding's table), in int8 on the
+    decoder's int8 kernel, each activation split; an untied int4 head is int4 as read; without
+    our build an int4 run's tied head stays as loaded."""
+    build = "AMX" if units is AMX else "AVX2"
+    for quantize, tied in [("int8", False), ("int8", True), ("int4", True), ("int4", False)]:
+        shape = dataclasses.replace(shape_on(units, quantize=quantize), tied_head=tied)
+        plan = choose(shape, machine(units, build))
+        expected = "int4" if (quantize, tied) == ("int4", False) else f"int8_split+{plan.int8.id}"
+        assert plan.head.id == expected and plan.head.install is None
+    ours = {name: Crossover(None, "ours") for name in ("int8_prefill", "int8_vision", "int4_tiles")}
+    unbuilt = Machine(AVX2, "", "no compiler", ours)
+    tied_int4 = dataclasses.replace(shape_on(AVX2, quantize="int4"), tied_head=True)
+    assert choose(tied_int4, unbuilt).head.id == "chunks"
+
+
 @pytest.mark.parametrize("above", [None, 8, 32])
 def test_avx512_bf16_dot_products_take_the_few_rows_and_the_decode_step(above):
     """On our AVX-512 BF16 build (no tiles) bf16_dot.c's bfloat16 products take the few rows
@@ -232,12 +251,11 @@ def test_avx512_bf16_dot_products_take_the_few_rows_and_the_decode_step(above):
     assert vnni.decode_step.id == "decode_layer.c" and "bf16_dot" not in vnni.upcast.id
     int8 = choose(shape_on(AVX512_BF16, quantize="int8"), machine(AVX512_BF16, "AVX-512 BF16"))
     assert int8.decode_step.id == "decode_layer.c+int8_linear.c"
-    assert int8.head.id == "bf16_dot_rounded"
-    # the default run's logits from 16 bits of each activation, a quantized run's rounded
+    assert int8.head.id == f"int8_split+{int8.int8.id}"  # a quantized run's logits: int8's
+    # the default run's logits from 16 bits of each activation
     x, weight = torch.randn(3, 40), torch.randn(24, 40).bfloat16()
-    for head, split in ((plan.head, True), (int8.head, False)):
-        products = head.install(None)(x, weight, None, None)
-        assert torch.equal(products, cpu_ops.bf16_rows_matmul(x, weight, split=split))
+    products = plan.head.install(None)(x, weight, None, None)
+    assert torch.equal(products, cpu_ops.bf16_rows_matmul(x, weight, split=True))
 
 
 @pytest.mark.parametrize("above", [None, 0, 4])

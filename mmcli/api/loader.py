@@ -215,6 +215,7 @@ def choose_kernels(run: Run, model_cfg: ModelConfig | None) -> KernelPlan:
         hybrid=fam is not None and fam.hybrid(text),
         sparse=fam is not None and fam.sparse(text),
         fusable_decode=fam is None or fam.fusable_decode(text),
+        tied_head=model_cfg is not None and model_cfg.tie_word_embeddings,
     )
     return choose(shape, machine.for_device(run.device))
 

@@ -59,6 +59,7 @@ class RunShape:
     hybrid: bool = False  # Gated DeltaNet layers
     sparse: bool = False  # MoE layers
     fusable_decode: bool = False  # dense attention layers decode_layer.c computes
+    tied_head: bool = False  # the lm_head is the embedding's table
     products: str = ""  # the matrix products' operands ("": the compute dtype)
 
     def bf16_products(self) -> bool:
@@ -162,30 +163,37 @@ def _upcast(shape: RunShape, machine: Machine) -> Choice:
     return Choice(choice.id, choice.kernel, why, choice.install)
 
 
-def _head(shape: RunShape, machine: Machine, upcast: Choice) -> Choice:
-    """The lm_head as the other bfloat16 matrices, but in float32 products, or 16 bits of each
+def _head(shape: RunShape, machine: Machine, upcast: Choice, int8: Choice) -> Choice:
+    """The lm_head: a quantized run's int8 (_int8_head) or an untied int4 run's int4 (int4's
+    kernel), else as the other bfloat16 matrices, but in float32 products, or 16 bits of each
     activation where a few-rows kernel takes them split: activations rounded to bfloat16 would
-    move greedy near-ties and every log-prob (a GEMM at many sequences only). A quantized run's
-    head takes them rounded, one product each: they come through 7- and 8-bit products already,
-    and teacher-forced its log-probs move by under 0.3% of what those move them
-    (docs/performance.md), where the split doubles the products of a step's many rows."""
+    move greedy near-ties and every log-prob (a GEMM at many sequences only)."""
+    if shape.quantize == "int8" or shape.quantize == "int4" and shape.tied_head:
+        if int8.install is not None or shape.quantize == "int8":
+            return _int8_head(int8)
+    elif shape.quantize == "int4":
+        return Choice("int4", "int4: int4's kernel", "an untied head, quantized with the layers")
     if not shape.bf16_products() or upcast is NONE:
         return upcast
     ours = _c_kernel("bf16_linear.c", shape, machine, _function(cpu_ops.bf16_matmul))
     if ours.install is None:
         return Choice("chunks", "chunks", f"{ours.why}: float32 logits")
-    split = shape.quantize == "none"
-    if split:
-        form, why = "split", "each activation as two bfloat16 (16 bits) for the logits"
-    else:
-        form, why = "rounded", f"{shape.quantize}: its activations rounded as the layers' are"
-    install = _function(functools.partial(cpu_ops.head_matmul, split=split))
+    why = "each activation as two bfloat16 (16 bits) for the logits"
+    install = _function(functools.partial(cpu_ops.head_matmul, split=True))
     if _tiles(shape, machine):
         kernel = f"AMX tiles to {cpu.AMX_ROWS} rows, bf16_linear.c above"
-        return Choice(f"amx_{form}", f"{kernel}, {form}", why, install)
+        return Choice("amx_split", f"{kernel}, split", why, install)
     if _bf16_dot(shape, machine):  # the same bits at every row count, as on the tiles
-        return Choice(f"bf16_dot_{form}", f"bf16_dot.c, {form}", why, install)
+        return Choice("bf16_dot_split", "bf16_dot.c, split", why, install)
     return Choice(ours.id, ours.kernel, "float32 products for the logits", ours.install)
+
+
+def _int8_head(int8: Choice) -> Choice:
+    """A quantized run's head in int8 (a tied head: a copy beside the embedding's table, where
+    an int4 run has the decoder's int8 kernel), each activation split (Int8Linear.split); the
+    head is an Int8Linear by the install, which takes int8's kernel."""
+    why = "int8 weights, each activation as two rows of 7-bit levels (about 14 bits)"
+    return Choice(f"int8_split+{int8.id}", f"int8 split: {int8.kernel}", why)
 
 
 def _bf16_crossover(machine: Machine) -> tuple[int | None, str]:
@@ -463,14 +471,18 @@ def _delta_rule(shape: RunShape, machine: Machine) -> Choice:
 
 def choose(shape: RunShape, machine: Machine) -> KernelPlan:
     """The kernel of each kind of work for a run of `shape` on `machine`."""
-    attend, upcast = _attention(shape, machine), _upcast(shape, machine)
+    attend, upcast, int8 = (
+        _attention(shape, machine),
+        _upcast(shape, machine),
+        _int8(shape, machine),
+    )
     build = machine.describe_build() if shape.device == "cpu" else "none (not on the CPU)"
     return KernelPlan(
         build=build,
         linears=_linears(shape),
         upcast=upcast,
-        head=_head(shape, machine, upcast),
-        int8=_int8(shape, machine),
+        head=_head(shape, machine, upcast, int8),
+        int8=int8,
         vision_int8=_vision_int8(shape, machine),
         int4=_int4(shape, machine),
         attention=attend,
