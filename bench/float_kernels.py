@@ -2,9 +2,11 @@
 bf16_linear.c's GEMM (bfloat16 weights, float32 arithmetic; this CPU's build and the AVX2 one)
 against the chunked path it replaced (each chunk of weights converted, then MKL) and against MKL on
 float32 weights; attention.c against torch's SDPA on the vision tower's shapes and, causal with
-grouped query heads, on the decoder prefill's; rms_norm.c against torch's rms_norm (microseconds
-a call: too small for a share of the peak); and where the few-rows kernel (decode) hands over to
-the GEMM (linear.KERNEL_ROWS). Each figure is a share of the float32 matmul peak (2048-cubed)
+grouped query heads, on the decoder prefill's (and where the build has them, its bfloat16
+products against torch's flash attention on bfloat16, shares of the bfloat16 peak); rms_norm.c
+against torch's rms_norm (microseconds a call: too small for a share of the peak); and where the
+few-rows kernel (decode) hands over to the GEMM (linear.KERNEL_ROWS). Each figure is a share of
+the float32 matmul peak (2048-cubed)
 measured just before it, the median of --repeats rounds (this shared machine's peak moves by up
 to 2x within a minute). Weights cycle through copies larger than the last-level cache, as a
 model's do. Last, at a decode step's rows, the GB/s of bfloat16 weights each few-rows kernel reads
@@ -27,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mmcli.kernels import cpu, measure
+from mmcli.kernels import attention, cpu, measure
 from mmcli.kernels.cpu_ops import bf16_matmul
 from mmcli.models.layers.linear import upcast_linear
 
@@ -118,6 +120,32 @@ def attention_row(
     shares = rounds(variants, flops, repeats, peak)
     shape = f"{positions} x {heads}/{kv_heads} x {d}{', causal' if causal else ''}"
     return f"| {shape} | " + " | ".join(f"{s:.0%}" for s in shares.values()) + " |"
+
+
+def bf16_attention_row(
+    positions: int, heads: int, kv_heads: int, d: int, causal: bool, repeats: int, peak
+) -> str:
+    """attention.c's bfloat16 products (each this build has: AVX-512 BF16's dot products, the
+    AMX tiles) against torch's flash attention on bfloat16, each from float32 q, k, v as the
+    model holds them: shares of the bfloat16 matmul peak."""
+    q = torch.randn(positions, heads, d)
+    kv = torch.randn(positions, 2, kv_heads, d)
+    k, v = kv[:, 0].contiguous(), kv[:, 1]
+    variants = {
+        products: (lambda: None, lambda p=products: cpu.attention(q, k, v, causal, p))
+        for products in bf16_attention_products()
+    }
+    variants["flash"] = (lambda: None, lambda: attention.bf16_attention(q, k, v, causal))
+    flops = 4 * positions**2 * heads * d // (2 if causal else 1)
+    shares = rounds(variants, flops, repeats, peak)
+    shape = f"{positions} x {heads}/{kv_heads} x {d}{', causal' if causal else ''}"
+    return f"| {shape} | " + " | ".join(f"{s:.0%}" for s in shares.values()) + " |"
+
+
+def bf16_attention_products() -> list[str]:
+    """attention.c's bfloat16 products in this build."""
+    tiles = ["tiles"] if cpu.has_attention_pairs(tiles=True) else []
+    return (["pairs"] if cpu.has_attention_pairs() else []) + tiles
 
 
 def norm_row(rows: int, width: int, repeats: int) -> str:
@@ -219,6 +247,21 @@ def main() -> None:
     print("|---|---|---|")
     for shape in SMOKE_ATTENTION if args.smoke else ATTENTION:
         print(attention_row(*shape, repeats, peak), flush=True)
+    if bf16_attention_products():
+        square16 = square.bfloat16()
+
+        def peak16() -> float:
+            return 2 * 2048**3 / min(seconds(lambda: square16 @ square16) for _ in range(2))
+
+        products = bf16_attention_products()
+        print("\nbfloat16 products, shares of the bfloat16 matmul peak:")
+        print(
+            f"| positions x heads/key heads x head_dim | ours, {' | ours, '.join(products)} | "
+            "flash attention bfloat16 |"
+        )
+        print("|---|" + "---|" * (len(products) + 1))
+        for shape in SMOKE_ATTENTION if args.smoke else ATTENTION:
+            print(bf16_attention_row(*shape, repeats, peak16), flush=True)
     print("\n| RMSNorm rows x width | ours (us a call) | torch (us) | torch / ours |")
     print("|---|---|---|---|")
     for shape in NORMS[:1] if args.smoke else NORMS:
