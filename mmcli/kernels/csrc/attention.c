@@ -504,6 +504,9 @@ int attention(const float *q, int64_t q_row, int64_t q_head, const float *k, int
                          d, d_pad, lds, bf16);
         }
         release(&s);
+#if defined(__AMX_BF16__)
+        if (tiles) _tile_release(); /* as amx.c's kernels: the thread's tile state given back */
+#endif
     }
     return failed ? -1 : 0;
 }
