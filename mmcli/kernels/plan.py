@@ -471,11 +471,8 @@ def _delta_rule(shape: RunShape, machine: Machine) -> Choice:
 
 def choose(shape: RunShape, machine: Machine) -> KernelPlan:
     """The kernel of each kind of work for a run of `shape` on `machine`."""
-    attend, upcast, int8 = (
-        _attention(shape, machine),
-        _upcast(shape, machine),
-        _int8(shape, machine),
-    )
+    attend, upcast = _attention(shape, machine), _upcast(shape, machine)
+    int8 = _int8(shape, machine)  # the head's too where it is int8
     build = machine.describe_build() if shape.device == "cpu" else "none (not on the CPU)"
     return KernelPlan(
         build=build,
