@@ -15,7 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from mmcli.kernels import cpu, cpu_ops
-from mmcli.kernels.weight_forms import GROUP, X_MAX, Int4Weight, Int8Weight, int4_block
+from mmcli.kernels.weight_forms import (
+    GROUP,
+    X_MAX,
+    Int4Weight,
+    Int8Weight,
+    int4_block,
+    int8_levels,
+)
 
 INT4_TILE = 256  # output channels dequantized at a time: 1 MB of bfloat16 for 2048 inputs
 
@@ -63,14 +70,6 @@ def bf16_products(above: int, few_rows: bool = False):
         return cpu_ops.bf16_matmul(x, weight, bias, activation)
 
     return matmul
-
-
-def int8_levels(x2: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row quantized to -levels..levels with its own scale: (int8 values, float32 scales
-    [rows, 1]); the arithmetic of int8_reference."""
-    scale = torch.maximum(x2.amax(1, keepdim=True), x2.amin(1, keepdim=True).neg_())
-    scale = scale.div_(levels).clamp_min_(1e-12)
-    return torch.div(x2, scale).round_().to(torch.int8), scale
 
 
 def int8_rows_matmul(

@@ -1,6 +1,7 @@
 """The quantized weights' forms as the kernels read them: Int8Weight (int8_linear.c's layout, or
 plain rows for oneDNN's int8 GEMM) and Int4Weight (torch's int4 CPU layout), with the constants
-of their arithmetic. mmcli/weights makes them; models/layers/quantized.py computes with them."""
+of their arithmetic and the activations' levels (int8_levels). mmcli/weights makes them;
+models/layers/quantized.py computes with them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ GROUP = 32
 # int8's activations take 7 bits (-63..63): the kernel's AVX2 path multiplies them without
 # saturating
 X_MAX = 63
+
+
+def int8_levels(x2: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row quantized to -levels..levels with its own scale: (int8 values, float32 scales
+    [rows, 1]); the arithmetic of int8_reference."""
+    scale = torch.maximum(x2.amax(1, keepdim=True), x2.amin(1, keepdim=True).neg_())
+    scale = scale.div_(levels).clamp_min_(1e-12)
+    return torch.div(x2, scale).round_().to(torch.int8), scale
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmcli.kernels.weight_forms import GROUP, X_MAX, Int4Weight, Int8Weight
+from mmcli.kernels.weight_forms import GROUP, X_MAX, Int4Weight, Int8Weight, int8_levels
 from mmcli.models.layers.linear import activate, check_activation, upcast_linear
 
 _rows: dict[int, torch.Tensor] = {}
@@ -53,8 +53,8 @@ def split_rows(x2: torch.Tensor) -> torch.Tensor:
     """x2 (rows, in) as twice the rows: each row on X_MAX levels of its own scale, then below them
     its rounding rest. They sum to x2; per-token levels take the first rows exactly and the rests
     to X_MAX levels of theirs (under half a level each), about 14 bits of each activation."""
-    scale = x2.abs().amax(1, keepdim=True).div_(X_MAX).clamp_min_(1e-12)
-    high = torch.div(x2, scale).round_().mul_(scale)
+    values, scale = int8_levels(x2, X_MAX)
+    high = values.float().mul_(scale)
     return torch.cat([high, x2 - high])
 
 
