@@ -42,6 +42,7 @@ class Choice:
 NONE = Choice("none", "-", "no such work in this model")
 # the forms of `linears` that mmcli/weights puts the weights into at load
 PACKED, INT8, INT4, AS_LOADED = "packed", "int8", "int4", "as_loaded"
+INT8_HEAD = "int8_split"  # the head's choice where it is int8, its activations split
 # the vision tower's int8 on oneDNN: its weights are put in rows layout at load
 ONEDNN_INT8 = "onednn_int8"
 INT8_OURS = "int8_linear.c"  # in words
@@ -168,11 +169,10 @@ def _head(shape: RunShape, machine: Machine, upcast: Choice, int8: Choice) -> Ch
     kernel), else as the other bfloat16 matrices, but in float32 products, or 16 bits of each
     activation where a few-rows kernel takes them split: activations rounded to bfloat16 would
     move greedy near-ties and every log-prob (a GEMM at many sequences only)."""
-    if shape.quantize == "int8" or shape.quantize == "int4" and shape.tied_head:
-        if int8.install is not None or shape.quantize == "int8":
-            return _int8_head(int8)
-    elif shape.quantize == "int4":
+    if shape.quantize == "int4" and not shape.tied_head:
         return Choice("int4", "int4: int4's kernel", "an untied head, quantized with the layers")
+    if shape.quantize == "int8" or shape.quantize == "int4" and int8.install is not None:
+        return _int8_head(int8)
     if not shape.bf16_products() or upcast is NONE:
         return upcast
     ours = _c_kernel("bf16_linear.c", shape, machine, _function(cpu_ops.bf16_matmul))
@@ -193,7 +193,13 @@ def _int8_head(int8: Choice) -> Choice:
     an int4 run has the decoder's int8 kernel), each activation split (Int8Linear.split); the
     head is an Int8Linear by the install, which takes int8's kernel."""
     why = "int8 weights, each activation as two rows of 7-bit levels (about 14 bits)"
-    return Choice(f"int8_split+{int8.id}", f"int8 split: {int8.kernel}", why)
+    return Choice(f"{INT8_HEAD}+{int8.id}", f"int8 split: {int8.kernel}", why)
+
+
+def int8_head(plan: KernelPlan) -> bool:
+    """Whether the plan holds the lm_head in int8 (weights/loader.py quantizes an int4 run's tied
+    head by it)."""
+    return plan.head.id.startswith(INT8_HEAD)
 
 
 def _bf16_crossover(machine: Machine) -> tuple[int | None, str]:

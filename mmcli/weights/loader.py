@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mmcli.kernels.host_memory import keep_freed_memory, populate
-from mmcli.kernels.plan import INT4, INT8, ONEDNN_INT8, PACKED, KernelPlan, install
+from mmcli.kernels.plan import INT4, INT8, ONEDNN_INT8, PACKED, KernelPlan, install, int8_head
 from mmcli.models.config import ModelConfig
 from mmcli.models.layers.linear import Linear, PackedLinear, can_pack
 from mmcli.models.layers.quantized import Int8Linear
@@ -89,9 +89,9 @@ def prepare(
 def int4_int8_scopes(model: nn.Module, plan: KernelPlan) -> nn.ModuleList | None:
     """What an int4 run holds in int8 (its decoder is int4 as read): the vision tower where the
     plan has an int8 kernel for it, and a tied lm_head (left as loaded by the read: the
-    embedding's table) where it has one for the decoder's int8; None where neither."""
+    embedding's table) where the plan holds the head in int8; None where neither."""
     scopes = [model.visual] if plan.vision_int8.install is not None else []
-    if plan.int8.install is not None and type(model.lm_head) is Linear:
+    if int8_head(plan) and type(model.lm_head) is Linear:
         scopes.append(model.lm_head)
     return nn.ModuleList(scopes) if scopes else None
 
