@@ -51,13 +51,20 @@ static void pack_keys(struct heads k, int64_t key0, int keys, int64_t d, float *
         for (int64_t j = 0; j < NR; j++) panel[i * NR + j] = j < keys ? base[j * k.row + i] : 0.0f;
 }
 
-/* A row's first n scores -> e^(scale (s - max)) in place; returns 1 / their sum. */
-static float softmax_row(float *row, int64_t n, float scale) {
+/* The largest of a row's first n (>= 1) scores. */
+static float row_largest(const float *row, int64_t n) {
     int64_t k = 0;
     vec top = vset(row[0]);
     for (; k + GL <= n; k += GL) top = vmax(top, vload(row + k));
     float largest = vlargest(top);
     for (; k < n; k++) largest = row[k] > largest ? row[k] : largest;
+    return largest;
+}
+
+/* A row's first n scores -> e^(scale (s - max)) in place; returns 1 / their sum. */
+static float softmax_row(float *row, int64_t n, float scale) {
+    const float largest = row_largest(row, n);
+    int64_t k;
     vec total = vzero(), shift = vset(largest), factor = vset(scale);
     for (k = 0; k + GL <= n; k += GL) {
         vec e = vexp(vmul(vsub(vload(row + k), shift), factor));
@@ -170,9 +177,7 @@ static void softmax_pair_rows(const float *s, int64_t lds, int64_t rows, int64_t
         const float *row = s + r * lds;
         const int64_t n = seen + r < keys ? seen + r : keys, whole = n / GL * GL;
         const lanes tail = first_lanes((int)(n - whole));
-        vec top = _mm512_mask_loadu_ps(vset(row[0]), tail, row + whole); /* n >= 1 */
-        for (int64_t k = 0; k < whole; k += GL) top = vmax(top, vload(row + k));
-        const vec shift = vset(-vlargest(top) * scale);
+        const vec shift = vset(-row_largest(row, n) * scale);
         vec total = vzero();
         __m256i *half = (__m256i *)(out + r * o_pairs);
         int64_t k = 0;
