@@ -29,7 +29,9 @@ def cache_stream(cache, rows: int, columns: int):
     """A function that reads the K and V columns the first `rows` cache rows attend over
     (every full-attention layer), and their bytes."""
     parts = [s[:rows, :, :columns] for s in (*cache.k, *cache.v) if s is not None]
-    return (lambda: [p.amax() for p in parts]), sum(p.numel() * p.element_size() for p in parts)
+    # a bfloat16 cache read as 32-bit words: torch's bfloat16 amax is not at the memory's rate
+    words = [p.view(torch.int32) if p.element_size() == 2 else p for p in parts]
+    return (lambda: [w.amax() for w in words]), sum(p.numel() * p.element_size() for p in parts)
 
 
 def attention_rates(ckpt: Path, settings: dict, rows: list[int], columns: list[int]) -> list:

@@ -50,12 +50,13 @@ def _config(shape: dict, intermediate_size: int) -> TextConfig:
     )
 
 
-def _steps(decoder, cfg, steps: int, prompts: dict[int, int], seed: int):
+def _steps(decoder, cfg, steps: int, prompts: dict[int, int], seed: int, kv_dtype=None):
     """Prompts (cache row: length) written to their rows one at a time, then `steps` decode
     steps of all of them together, rows in the dict's order, each at its own position: each
-    step's output and the cache after the last."""
+    step's output and the cache (K/V in `kv_dtype`, float32 where None) after the last."""
     generator = torch.Generator().manual_seed(seed)
-    cache = DecoderCache(cfg, max(prompts) + 1, 256, torch.float32, torch.device("cpu"))
+    cpu_device = torch.device("cpu")
+    cache = DecoderCache(cfg, max(prompts) + 1, 256, torch.float32, cpu_device, kv_dtype)
     longest = max(prompts.values()) + steps
     cos, sin = torch.randn(2, len(prompts), longest, cfg.head_dim, generator=generator)
     hidden = torch.randn(len(prompts), longest, cfg.hidden_size, generator=generator)
@@ -249,3 +250,33 @@ def test_an_int4_step_matches_the_int4_layers_it_replaces(monkeypatch, prompts):
     torch_rows = FusedDecode.for_decoder(decoder, cfg, int4_torch_rows=cpu.INT4_TORCH_ROWS)
     assert torch_rows.min_rows == cpu.INT4_TORCH_ROWS + 1
     assert not torch_rows.fits(torch.zeros(2, cfg.hidden_size), two, None)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=128),
+        # a head off the vector length: the generic loops, their tails
+        dict(hidden_size=40, num_attention_heads=3, num_key_value_heads=1, head_dim=24),
+    ],
+)
+def test_a_bfloat16_cache_is_read_and_written_as_the_layers_do(build, shape):
+    """A cache of bfloat16 keys and values (a run of bfloat16 products): the kernel rounds what
+    it writes to the nearest bfloat16 and widens what it reads, as the layers' torch code does.
+    Its float32 inputs differ from the layers' by their sums' order, so a value near a rounding
+    boundary may round to the neighbouring bfloat16: the cache is compared within one bfloat16
+    step, the outputs within what that step moves them."""
+    cfg = _config(shape, intermediate_size=72)
+    decoder = _decoder(cfg, seed=shape["head_dim"])
+    prompts = {2: 3, 0: 9, 1: 1}
+    reference, ref_cache = _steps(decoder, cfg, 20, prompts, seed=1, kv_dtype=torch.bfloat16)
+    decoder.kernel = FusedDecode.for_decoder(decoder, cfg)
+    fused, cache = _steps(decoder, cfg, 20, prompts, seed=1, kv_dtype=torch.bfloat16)
+    for i in range(cfg.num_hidden_layers):
+        for ours, theirs in zip(cache.layer(i), ref_cache.layer(i)):
+            assert ours.dtype == theirs.dtype == torch.bfloat16
+            torch.testing.assert_close(ours.float(), theirs.float(), atol=1e-6, rtol=2**-7)
+    torch.testing.assert_close(fused, reference, atol=1e-3, rtol=1e-3)
+    # and bfloat16 it is: the same steps over a float32 cache come out elsewhere
+    float32, _ = _steps(decoder, cfg, 20, prompts, seed=1)
+    assert (float32 - fused).abs().max() > 10 * (fused - reference).abs().max()

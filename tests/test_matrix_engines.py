@@ -21,7 +21,7 @@ from mmcli.kernels.weight_forms import Int4Weight
 from mmcli.models.layers.quantized import int4_linear, int8_reference
 from mmcli.weights.int4 import int4_values, quantize_int4
 from mmcli.weights.int8 import as_rows, quantize_int8
-from mmcli.weights.precision import run_precision
+from mmcli.weights.precision import Precision, run_precision
 
 needs_kernels = pytest.mark.skipif(
     cpu.why_unavailable() is not None, reason="no AVX2 or no C compiler here"
@@ -501,19 +501,25 @@ def test_bfloat16_products_keep_the_float32_products_choices(
     if quantize in ("int8", "int4"):
         # int8's per-token levels (int4's vision tower too) amplify any difference upstream (a
         # 0.2% change flips a level): bfloat16 attention alone moves this checkpoint's int8
-        # logits by a third of their spread, torch's flash attention as attention.c's pairs. The
-        # linears and the logits are compared here; the pairs' rounding in test_cpu_kernels.py
+        # logits by a third of their spread, torch's flash attention as attention.c's pairs, and
+        # so does a cache of keys and values rounded to bfloat16. The linears and the logits are
+        # compared here; the pairs' rounding in test_cpu_kernels.py, the cache's in
+        # test_fused_decode.py
         float32 = cpu_ops.attention
         monkeypatch.setattr(
             cpu_ops,
             "attention_pairs",
             lambda q, k, v, causal=False, tiles=False: float32(q, k, v, causal),
         )
+        monkeypatch.setattr(Precision, "kv_dtype", property(lambda p: p.compute_dtype))
     settings = {"quantize": quantize, "weights_cache": False}
     matrix_run, matrix_req, _ = _loaded(bf16_checkpoint, AMX, monkeypatch, **settings)
     vector_run, vector_req, reference = _loaded(bf16_checkpoint, AVX2, monkeypatch, **settings)
     assert matrix_run.precision.products == "bfloat16"
     assert vector_run.precision.products == "float32"
+    if quantize == "none":  # the KV cache in the products' dtype (int8, int4: float32, above)
+        assert matrix_run.runner.cache.kv_dtype == torch.bfloat16
+        assert vector_run.runner.cache.kv_dtype == torch.float32
     assert matrix_run.kernel_plan.upcast.id.startswith("onednn_bf16+")
     if quantize == "int8":
         layers = [m for m in matrix_run.model.visual.modules() if hasattr(m, "per_token")]

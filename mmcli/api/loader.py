@@ -131,7 +131,7 @@ def load(run: Run) -> Loaded:
     graphs = None
     if run.backend != "eager":
         graphs = CompiledGraphs.for_run(run.backend, cfg, model_cfg, compute, device)
-    runner = ModelRunner(model, device, cfg, compute, graphs)
+    runner = ModelRunner(model, device, cfg, compute, graphs, run.precision.kv_dtype)
     prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id, cfg.thinking)
     image_cfg = run.image_cfg
     check_vision_budget(

@@ -26,7 +26,8 @@ from mmcli.models.registry import family_of
 
 
 class ModelRunner:
-    """Owns the device, the KV cache and the compiled graphs; runs prefill and decode calls."""
+    """Owns the device, the KV cache and the compiled graphs; runs prefill and decode calls.
+    `kv_dtype`: the KV cache's (Precision.kv_dtype), the compute dtype where not given."""
 
     def __init__(
         self,
@@ -35,6 +36,7 @@ class ModelRunner:
         config: Config,
         compute_dtype: torch.dtype,
         graphs: CompiledGraphs | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.model, self.cfg, self.device, self.graphs = model, model.cfg, device, graphs
         self.family = family_of(self.cfg)
@@ -58,7 +60,7 @@ class ModelRunner:
         rows, columns = (engine.max_seqs + 1, engine.max_len)
         if not self.fixed_cache:
             rows, columns = 1, min(256, engine.max_len)
-        self.cache = DecoderCache(text, rows, columns, self.dtype, device)
+        self.cache = DecoderCache(text, rows, columns, self.dtype, device, kv_dtype)
         self._decode = self._decode_variant(config, use_cuda_graphs)
         self._pinned: torch.Tensor | None = None
         self.prefixes_prefilled = 0  # shared prefixes prefilled (one per group of tasks)

@@ -247,7 +247,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.widen_outputs.argtypes += [ctypes.c_int] * 2
     library.widen_outputs.restype = None
     library.decode_layer.argtypes = [ctypes.POINTER(DecodeLayer), ctypes.c_void_p, ctypes.c_int64]
-    library.decode_layer.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+    library.decode_layer.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
     library.decode_layer.argtypes += [ctypes.c_void_p] * 5 + [ctypes.c_int]
     library.decode_layer.restype = None
     library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
@@ -637,13 +637,15 @@ def decode_layer(
 ) -> None:
     """The layer's output for one token a row into x (rows x hidden, contiguous, float32), row
     r's key and value written at column positions[r] of cache row slots[r] (kv: [cache rows,
-    kv_heads, columns, d], contiguous) and attended over positions[r] + 1 columns; slots and
-    positions int64 on the CPU, their values checked by the caller; cos/sin: d values a row;
-    scratch: decode_scratch's for these rows and positions. See decode_layer.c."""
+    kv_heads, columns, d], contiguous, float32 or bfloat16) and attended over positions[r] + 1
+    columns; slots and positions int64 on the CPU, their values checked by the caller; cos/sin:
+    d values a row; scratch: decode_scratch's for these rows and positions. See decode_layer.c."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
     k, v = kv
+    if k.dtype not in (torch.float32, torch.bfloat16) or v.dtype != k.dtype:
+        raise ValueError(f"decode_layer: a float32 or bfloat16 cache, not {k.dtype} and {v.dtype}")
     library.decode_layer(
         ctypes.byref(layer),
         x.data_ptr(),
@@ -651,6 +653,7 @@ def decode_layer(
         k.data_ptr(),
         v.data_ptr(),
         k.shape[2],
+        k.dtype == torch.bfloat16,
         slots.data_ptr(),
         positions.data_ptr(),
         cos.data_ptr(),

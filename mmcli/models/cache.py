@@ -39,19 +39,29 @@ class DecoderCache:
     """Per layer: K/V [rows, kv_heads, columns, head_dim] for a full-attention layer; a conv
     state [rows, conv_dim, kernel - 1] (the last inputs of its causal conv) and a recurrent
     state [rows, heads, key_dim, value_dim] (float32) for a linear-attention layer, fixed in size
-    whatever the length. `grow` reallocates to more rows or columns keeping what is written (the
+    whatever the length. K/V are held in `kv_dtype` (the run's products' dtype: bfloat16 where
+    they are, half the bytes a decode step reads over its context), the conv state in the
+    compute dtype. `grow` reallocates to more rows or columns keeping what is written (the
     runner sizes the cache to the job)."""
 
     def __init__(
-        self, cfg: TextConfig, rows: int, columns: int, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: TextConfig,
+        rows: int,
+        columns: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.kv_dtype = kv_dtype or dtype
         self.rows, self.columns = rows, columns
         self.k, self.v, self.conv, self.recurrent = [], [], [], []
         for layer in range(cfg.num_hidden_layers):
             linear = cfg.is_linear(layer)
-            self.k.append(None if linear else self._zeros(self._kv_shape(rows, columns)))
-            self.v.append(None if linear else self._zeros(self._kv_shape(rows, columns)))
+            kv = None if linear else self._kv_shape(rows, columns)
+            self.k.append(None if linear else self._zeros(kv, self.kv_dtype))
+            self.v.append(None if linear else self._zeros(kv, self.kv_dtype))
             self.conv.append(self._zeros(self._conv_shape(rows)) if linear else None)
             self.recurrent.append(
                 self._zeros(self._recurrent_shape(rows), torch.float32) if linear else None
@@ -106,13 +116,10 @@ class DecoderCache:
         """One sequence's state: (K/V bytes over `columns` tokens, the linear layers' fixed
         bytes)."""
         attention = sum(k is not None for k in self.k)
-        kv = 2 * attention * math.prod(self._kv_shape(1, columns)) * self._itemsize()
-        per_linear = math.prod(self._conv_shape(1)) * self._itemsize()
+        kv = 2 * attention * math.prod(self._kv_shape(1, columns)) * self.kv_dtype.itemsize
+        per_linear = math.prod(self._conv_shape(1)) * self.dtype.itemsize
         per_linear += 4 * math.prod(self._recurrent_shape(1))  # float32
         return kv, (len(self.k) - attention) * per_linear
-
-    def _itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def nbytes(self) -> int:

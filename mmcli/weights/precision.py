@@ -45,9 +45,9 @@ def resolve_weights_dtype(
 
 def resolve_products(dtype: str, compute: str, loaded: str, bf16_matrix: bool) -> str:
     """The operands' dtype of the matrix products (GEMMs and attention's). auto on a CPU that
-    multiplies bfloat16 in hardware, with bfloat16 weights: bfloat16 operands, float32
-    accumulation, float32 between the products (norms, residuals, the KV cache, the few-rows
-    decode kernels), as peer engines run there; else the compute dtype."""
+    multiplies bfloat16 in hardware, with bfloat16 weights: bfloat16 operands (and the KV cache),
+    float32 accumulation, float32 between the products (norms, residuals, the few-rows decode
+    kernels); else the compute dtype."""
     if dtype == "auto" and compute == "float32" and loaded == "bfloat16" and bf16_matrix:
         return "bfloat16"
     return compute
@@ -80,6 +80,13 @@ class Precision:
     @property
     def compute_dtype(self):
         return torch_dtype(self.compute)
+
+    @property
+    def kv_dtype(self):
+        """The KV cache's dtype: the products'. Where they are bfloat16 the prompt's attention
+        already multiplies its keys and values rounded to bfloat16; held so, a decode step reads
+        half the bytes over its context."""
+        return torch_dtype(self.products)
 
     @property
     def loaded_dtype(self):

@@ -5,14 +5,6 @@
    operand), rounded to nearest even as torch's conversion rounds. */
 #include "float_tiles.h"
 
-static inline uint16_t bf16_rounded(float f) {
-    union {
-        float f;
-        uint32_t u;
-    } v = {f};
-    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
-}
-
 /* One input's 64 values of one block into row: its scales and zeros are pairs[2 n], [2 n + 1]. */
 static void dequantize_block(const uint8_t *bytes, const uint16_t *pairs, int64_t first,
                              uint16_t *row) {

@@ -26,6 +26,16 @@ static inline float bf16_to_float(uint16_t h) {
     return c.f;
 }
 
+/* A float32 rounded to the nearest bfloat16, ties to even, as torch converts (a NaN stays one). */
+static inline uint16_t bf16_rounded(float f) {
+    union {
+        float f;
+        uint32_t u;
+    } v = {f};
+    if (f != f) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
+}
+
 /* Bytes fetched into the cache ahead of their use, `lines` cache lines a call of fetch_ahead:
    the next block's weights while a kernel computes on this block's (bf16_dot.c, int4_vnni.c).
    Where a kernel's rows pass over a block more than once, the first pass read it from memory,

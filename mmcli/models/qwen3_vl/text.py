@@ -76,8 +76,8 @@ class Attention(nn.Module):
                 continue
             # a tensor index: no host sync, and one compiled graph whatever the slot
             slot = batch.slots[i : i + 1]
-            k_cache[slot, :, :n] = k[s].transpose(0, 1)[None]
-            v_cache[slot, :, :n] = v[s].transpose(0, 1)[None]
+            k_cache[slot, :, :n] = k[s].transpose(0, 1)[None].to(k_cache.dtype)
+            v_cache[slot, :, :n] = v[s].transpose(0, 1)[None].to(v_cache.dtype)
             out.append(self.attend(q[s], k[s], v[s], causal=True))
             start += n
         return out[0] if len(out) == 1 else torch.cat(out)
@@ -86,22 +86,24 @@ class Attention(nn.Module):
         """Tokens at positions first.. of a row whose earlier tokens are cached (a shared
         prefix): written after them, attending to all of them and causally among themselves."""
         n = q.shape[0]
-        k_cache[slot, :, first : first + n] = k.transpose(0, 1)[None]
-        v_cache[slot, :, first : first + n] = v.transpose(0, 1)[None]
-        keys = k_cache[slot, :, : first + n][0].transpose(0, 1)
-        values = v_cache[slot, :, : first + n][0].transpose(0, 1)
+        k_cache[slot, :, first : first + n] = k.transpose(0, 1)[None].to(k_cache.dtype)
+        v_cache[slot, :, first : first + n] = v.transpose(0, 1)[None].to(v_cache.dtype)
+        keys = k_cache[slot, :, : first + n][0].transpose(0, 1).to(q.dtype)
+        values = v_cache[slot, :, : first + n][0].transpose(0, 1).to(q.dtype)
         return self.attend(q, keys, values, causal=True)
 
     def _decode(self, q, k, v, batch, k_cache, v_cache):
         slots, pos, n = batch.slots, batch.positions, batch.context_len
-        k_cache[slots, :, pos] = k
-        v_cache[slots, :, pos] = v
+        k_cache[slots, :, pos] = k.to(k_cache.dtype)  # the cache's dtype: rounded to it
+        v_cache[slots, :, pos] = v.to(v_cache.dtype)
         b = slots.shape[0]
+        # a cache of the products' dtype (bfloat16) under float32 compute: widened, exactly
         if batch.fixed_shapes:
-            keys, values = k_cache[slots, :, :n], v_cache[slots, :, :n]
+            keys, values = k_cache[slots, :, :n].to(q.dtype), v_cache[slots, :, :n].to(q.dtype)
         else:
             keys = k_cache[:b, :, :n] if batch.contiguous else k_cache[slots, :, :n]
             values = v_cache[:b, :, :n] if batch.contiguous else v_cache[slots, :, :n]
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
             if b == 1:  # one sequence: its whole context, no mask needed
                 # each KV head's query heads as its queries: one call, no GQA expansion
                 grouped = q.view(1, self.num_kv_heads, -1, self.head_dim)
