@@ -219,7 +219,8 @@ def step_worker(ckpt: Path, settings: dict) -> dict:
     weights = sum(t.numel() * t.element_size() for t in tensors)
     stream, streamed = weights_stream(tensors)
     per_token = text.num_hidden_layers * text.num_key_value_heads * text.head_dim  # k and v
-    per_token *= 2 * runner.cache.kv_dtype.itemsize  # the cache's dtype: the products'
+    keys = next(k for k in runner.cache.k if k is not None)  # any tree's cache: its own dtype
+    per_token *= 2 * keys.element_size()
     steps = {}
     for rows in STEP_ROWS:
         items = [DecodeItem(i, 100 + i, STEP_CONTEXT, 0) for i in range(rows)]
