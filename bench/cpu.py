@@ -261,11 +261,11 @@ def teacher_forced(
     ckpt: Path, image: Path, settings: dict, tokens: list[int] | None, count: int
 ) -> dict:
     """Log-probs of every generated position given the reference tokens (generated here when
-    `tokens` is None)."""
+    `tokens` is None), as the engine makes them: the prompt's prefill, then a decode step a
+    token (the step's kernels, its KV cache in the run's dtype)."""
     from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
-    from mmcli.engine.batch import PrefillItem
-    from mmcli.models.qwen3_vl.rope_index import rope_index
+    from mmcli.engine.batch import DecodeItem, PrefillItem
 
     cap = Labeler.from_pretrained(
         str(ckpt), config=load_config(None, {"device": "cpu", **settings})
@@ -274,17 +274,16 @@ def teacher_forced(
         # eos may end it sooner
         tokens = cap.ask([image], compare_hf.PROMPT, max_new_tokens=count).token_ids
     req, _ = cap.request("k", [image], compare_hf.PROMPT, cap.sampling())
-    ids = list(req.input_ids) + tokens[:-1]
-    rotary, _ = rope_index(
-        ids, req.vision_grids, cap.model.cfg.image_token_id, cap.model.cfg.vision.spatial_merge_size
-    )
+    n = len(req.input_ids)
+    prompt = PrefillItem(
+        0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids,
+        max_tokens=n + len(tokens),
+    )  # fmt: skip
     with torch.inference_mode():
-        hidden = cap.runner.forward_prompts(
-            [PrefillItem(0, ids, rotary, req.pixel_values, req.vision_grids)]
-        )
-        logprobs = torch.log_softmax(
-            cap.model.lm_head(hidden[len(req.input_ids) - 1 :]).float(), -1
-        )
+        logits = [cap.runner.prefill([prompt])]
+        for step, token in enumerate(tokens[:-1]):
+            logits.append(cap.runner.decode([DecodeItem(0, token, n + step, req.rope_delta)]))
+    logprobs = torch.log_softmax(torch.cat(logits).float(), -1)
     return {
         "tokens": tokens,
         "top1": logprobs.argmax(-1).tolist(),
@@ -555,6 +554,7 @@ def main() -> None:
         "--decode-only", action="store_true", help="only (e): decode steps against their floors"
     )
     parser.add_argument("--against", metavar="COMMIT", help="that tree as a third side, beside")
+    parser.add_argument("--agreement-only", action="store_true", help="only (d)")
     parser.add_argument("--worker", choices=["ask", "forced", "step"], help=argparse.SUPPRESS)
     for name in ("--ckpt", "--image", "--settings", "--tokens"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -600,6 +600,9 @@ def main() -> None:
     )
     if args.only_ask:
         ask_part(args, ckpt, ask_image)
+        return
+    if args.agreement_only:
+        agreements(args, ckpt, images[0])
         return
     if args.phases_only:
         print_units(ckpt)
