@@ -39,7 +39,7 @@ from pathlib import Path
 import compare_hf
 import torch
 
-from mmcli.testing import installed_command, make_outlier_checkpoint
+from mmcli.testing import forced_logits, installed_command, make_outlier_checkpoint
 
 ASK_IMAGE = 14  # compare_hf's 448x448 image
 PATHS = {
@@ -265,7 +265,6 @@ def teacher_forced(
     token (the step's kernels, its KV cache in the run's dtype)."""
     from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
-    from mmcli.engine.batch import DecodeItem, PrefillItem
 
     cap = Labeler.from_pretrained(
         str(ckpt), config=load_config(None, {"device": "cpu", **settings})
@@ -274,16 +273,7 @@ def teacher_forced(
         # eos may end it sooner
         tokens = cap.ask([image], compare_hf.PROMPT, max_new_tokens=count).token_ids
     req, _ = cap.request("k", [image], compare_hf.PROMPT, cap.sampling())
-    n = len(req.input_ids)
-    prompt = PrefillItem(
-        0, req.input_ids, req.rotary_position_ids, req.pixel_values, req.vision_grids,
-        max_tokens=n + len(tokens),
-    )  # fmt: skip
-    with torch.inference_mode():
-        logits = [cap.runner.prefill([prompt])]
-        for step, token in enumerate(tokens[:-1]):
-            logits.append(cap.runner.decode([DecodeItem(0, token, n + step, req.rope_delta)]))
-    logprobs = torch.log_softmax(torch.cat(logits).float(), -1)
+    logprobs = torch.log_softmax(forced_logits(cap, [req], [tokens])[0], -1)
     return {
         "tokens": tokens,
         "top1": logprobs.argmax(-1).tolist(),

@@ -25,8 +25,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 from conftest import VARIANTS, hf_processor, hf_written, photo  # noqa: E402
 
 from mmcli.api.labeler import Labeler  # noqa: E402
-from mmcli.engine.batch import DecodeItem, PrefillItem  # noqa: E402
-from mmcli.testing import MOE_VARIANTS, QWEN3_5_VARIANTS, make_tiny_checkpoint  # noqa: E402
+from mmcli.testing import (  # noqa: E402
+    MOE_VARIANTS,
+    QWEN3_5_VARIANTS,
+    forced_logits,
+    make_tiny_checkpoint,
+)
 
 CASES = {
     "text_only": [],
@@ -98,28 +102,6 @@ def ours_greedy(cap: Labeler, images: list) -> list[int]:
     return next(iter(cap.engine.generate([replace(req, stop_ids=frozenset())]))).token_ids
 
 
-def ours_teacher_forced(cap: Labeler, images: list, tokens: list[int]) -> torch.Tensor:
-    """mmcli's logits at each position [len(tokens), V], given transformers' tokens before it (fed
-    one decode step at a time: a generated token is text even when its id is a vision
-    placeholder's)."""
-    req, _ = cap.request("k", images, QUESTION, cap.sampling())
-    n = len(req.input_ids)
-    item = PrefillItem(
-        0,
-        req.input_ids,
-        req.rotary_position_ids,
-        req.pixel_values,
-        req.vision_grids,
-        max_tokens=n + len(tokens),
-    )
-    with torch.inference_mode():
-        logits = [cap.runner.prefill([item])[0]]
-        for k, token in enumerate(tokens[:-1]):
-            step = DecodeItem(0, token, n + k, req.rope_delta)
-            logits.append(cap.runner.decode([step])[0])
-    return torch.stack(logits).float().cpu()
-
-
 def distance(logits: torch.Tensor, truth: torch.Tensor) -> float:
     """The root-mean-square difference from the float32 logits, in their spread."""
     return ((logits - truth).square().mean().sqrt() / truth.std()).item()
@@ -169,7 +151,8 @@ def main() -> int:
                         continue
                     ref_tokens, ref_logits = truth[case]
                     _, theirs = reference(path, torch.bfloat16, images, forced=ref_tokens)
-                    ours = ours_teacher_forced(cap, images, ref_tokens)
+                    req, _ = cap.request("k", images, QUESTION, cap.sampling())
+                    ours = forced_logits(cap, [req], [ref_tokens])[0].cpu()
                     held, line = bfloat16_parity(ours, theirs, ref_logits)
                     failures += not held
                     print(f"{variant} {case} bfloat16: {line}", flush=True)

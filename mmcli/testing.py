@@ -818,3 +818,33 @@ def batch_peak_rss_mb(model, requests: Path, output: Path) -> float:
     if run.returncode not in (0, 1):
         raise RuntimeError(f"mmcli batch exited {run.returncode}:\n{run.stderr}")
     return float(run.stderr.rsplit("PEAK", 1)[1].split()[0])
+
+
+def forced_logits(labeler, requests, tokens: list[list[int]]) -> list[torch.Tensor]:
+    """Teacher forcing: each request's logits [len(tokens), V] (float32) at every step of decoding
+    its `tokens`, the sequences prefilled together and decoded in one batched step each, as the
+    engine runs them (the prefill's last logits, then one decode step a token: the step's kernels
+    and its KV cache)."""
+    from mmcli.engine.batch import DecodeItem, PrefillItem
+
+    runner, steps = labeler.runner, len(tokens[0])
+    items = [
+        PrefillItem(
+            i,
+            req.input_ids,
+            req.rotary_position_ids,
+            req.pixel_values,
+            req.vision_grids,
+            max_tokens=len(req.input_ids) + steps,
+        )  # fmt: skip
+        for i, req in enumerate(requests)
+    ]
+    with torch.inference_mode():
+        logits = [runner.prefill(items)]
+        for step in range(steps - 1):
+            rows = [
+                DecodeItem(i, ts[step], len(req.input_ids) + step, req.rope_delta)
+                for i, (req, ts) in enumerate(zip(requests, tokens))
+            ]
+            logits.append(runner.decode(rows))
+    return list(torch.stack(logits, dim=1).float().unbind(0))

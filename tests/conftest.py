@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmcli.testing import MOE_VARIANTS, QWEN3_5_VARIANTS, make_tiny_checkpoint
+from mmcli.testing import MOE_VARIANTS, QWEN3_5_VARIANTS, forced_logits, make_tiny_checkpoint
 
 # mmcli's default cache (prepared int8 weights) in a directory of this session's, not ~/.cache
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="mmcli-tests-cache-")
@@ -347,30 +347,6 @@ def reference_greedy(model, inputs, tokens: int = 16) -> list[int]:
 
 
 # Comparing two kernels (or products, or units) of one run: along the same tokens, with a margin
-
-
-def forced_logits(labeler, requests, tokens: list[list[int]]):
-    """Teacher forcing: each request's logits [len(tokens), V] (float32) at every step of decoding
-    its `tokens`, the sequences prefilled together and decoded in one batched step each, as the
-    engine runs them (the prefill's last logits, then one decode step a token)."""
-    import torch
-
-    from mmcli.engine.batch import DecodeItem
-
-    runner, steps = labeler.runner, len(tokens[0])
-    items = [
-        prefill_item(req, slot=i, max_tokens=len(req.input_ids) + steps)
-        for i, req in enumerate(requests)
-    ]
-    with torch.inference_mode():
-        logits = [runner.prefill(items)]
-        for step in range(steps - 1):
-            rows = [
-                DecodeItem(i, ts[step], len(req.input_ids) + step, req.rope_delta)
-                for i, (req, ts) in enumerate(zip(requests, tokens))
-            ]
-            logits.append(runner.decode(rows))
-    return list(torch.stack(logits, dim=1).float().unbind(0))
 
 
 def int4_values_f64(weight):
