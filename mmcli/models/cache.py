@@ -59,7 +59,7 @@ class DecoderCache:
         self.k, self.v, self.conv, self.recurrent = [], [], [], []
         for layer in range(cfg.num_hidden_layers):
             linear = cfg.is_linear(layer)
-            kv = None if linear else self._kv_shape(rows, columns)
+            kv = self._kv_shape(rows, columns)
             self.k.append(None if linear else self._zeros(kv, self.kv_dtype))
             self.v.append(None if linear else self._zeros(kv, self.kv_dtype))
             self.conv.append(self._zeros(self._conv_shape(rows)) if linear else None)
