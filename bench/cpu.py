@@ -39,7 +39,7 @@ from pathlib import Path
 import compare_hf
 import torch
 
-from mmcli.testing import forced_logits, installed_command, make_outlier_checkpoint
+from mmcli.testing import installed_command, make_outlier_checkpoint
 
 ASK_IMAGE = 14  # compare_hf's 448x448 image
 PATHS = {
@@ -108,6 +108,64 @@ def sustained_matmul(flops: float) -> float:
     return (time.perf_counter() - start) * flops / (calls * 2 * 2048**3)
 
 
+def prefill_linears(cap, image: Path) -> list[tuple]:
+    """The linear layers' calls of one ask's vision tower and prompt (every call of more than one
+    row: a decode step's one row left out) as (phase, layer, input, activation), the inputs
+    copied, in order."""
+    from mmcli.models.layers.linear import Linear, PackedLinear
+    from mmcli.models.layers.quantized import Int4Linear, Int8Linear
+
+    calls, phase = [], ["text prefill"]
+    encoder = cap.runner.encoder
+    encode = encoder.encode
+
+    def in_vision(*a, **k):
+        phase[0] = "vision"
+        try:
+            return encode(*a, **k)
+        finally:
+            phase[0] = "text prefill"
+
+    def record(layer, args, kwargs):
+        x, activation = args[0], kwargs.get("activation", args[1] if len(args) > 1 else None)
+        if x.numel() // x.shape[-1] > 1:
+            calls.append((phase[0], layer, x.clone(), activation))
+
+    kinds = (Linear, PackedLinear, Int8Linear, Int4Linear)
+    layers = [m for m in cap.model.modules() if isinstance(m, kinds)]
+    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in layers]
+    encoder.encode = in_vision
+    encoder.cache.clear()  # the image encoded again, not taken from the ask's features
+    try:
+        cap.ask([image], compare_hf.PROMPT, max_new_tokens=1)
+    finally:
+        encoder.encode = encode
+        for hook in hooks:
+            hook.remove()
+    return calls
+
+
+def replayed_linears(cap, image: Path) -> dict:
+    """The ask's vision and prompt linears (prefill_linears) replayed alone, back to back, as the
+    ask called them: each phase's FLOPs and best seconds of 3. Their rate is the most vision and
+    prefill could reach on these kernels were the rest of their work (attention, norms,
+    conversions) free."""
+    calls, out = prefill_linears(cap, image), {}
+    for phase in ("vision", "text prefill"):
+        mine = [(layer, x, act) for p, layer, x, act in calls if p == phase]
+        rows = [(m, x.numel() // x.shape[-1]) for m, x, _ in mine]
+        flops = sum(2 * count * m.in_features * m.out_features for m, count in rows)
+        best = float("inf")
+        with torch.inference_mode():
+            for _ in range(3):
+                start = time.perf_counter()
+                for layer, x, activation in mine:
+                    layer(x, activation=activation)
+                best = min(best, time.perf_counter() - start)
+        out[phase] = {"flops": flops, "seconds": best}
+    return out
+
+
 def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
     """What `mmcli ask` does, through the same API, timed by phase (the parent adds the
     interpreter's start)."""
@@ -127,6 +185,8 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
     done = time.perf_counter()
     after = compare_hf.machine_limits()
     assert result.ok, result.error
+    spent = dict(spent)  # the ask's own: the replay's ask below runs through the same timers
+    replayed = replayed_linears(cap, image)
     flops = total(ask_flops(cap.model.cfg, result.num_image_tokens, result.num_input_tokens)[0])
     return {
         "imports": imported - started,
@@ -134,6 +194,7 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
         "ask": done - asking,
         "sustained": sustained_matmul(flops),
         "measuring": asking - loaded + time.perf_counter() - done,
+        "replayed": replayed,
         "limits": higher(before, after),
         "spent": spent,
         "tokens": len(result.token_ids),
@@ -265,6 +326,7 @@ def teacher_forced(
     token (the step's kernels, its KV cache in the run's dtype)."""
     from mmcli.api.labeler import Labeler
     from mmcli.config import load_config
+    from mmcli.testing import forced_logits  # here: a tree run beside (--against) may lack it
 
     cap = Labeler.from_pretrained(
         str(ckpt), config=load_config(None, {"device": "cpu", **settings})
@@ -839,7 +901,8 @@ def ask_sides(args, ckpt: Path, image: Path) -> None:
     worker = ["--worker", "ask", "--ckpt", str(ckpt), "--image", str(image), "--settings"]
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
     print("\n(b) the ask, before and after: wall = load + vision + text prefill + decode (s);")
-    print("vision and text prefill each at its G(FL)OP/s and its share of its units' peaks")
+    print("vision and text prefill each at its G(FL)OP/s and its share of its units' peaks; then")
+    print("their linear layers alone (the same calls replayed back to back), their ceiling")
     print("| path | side | wall | vision | text prefill | decode | unit |")
     print("|---|---|---|---|---|---|---|")
     walls, once = {}, argparse.Namespace(**{**vars(args), "repeats": 1})
@@ -876,7 +939,12 @@ def phase_rates(cfg, timed: dict) -> str:
         flops = phases[phase]
         floor = flops["linears"] / peaks[units[phase]] + flops["attention"] / peaks[attention]
         rate = sum(flops.values()) / spent / 1e9
-        cells.append(f"{spent:.2f} s, {rate:.0f} ({floor / 1e9 / spent:.0%})")
+        alone = timed["replayed"][phase]
+        alone_rate = alone["flops"] / alone["seconds"] / 1e9
+        cells.append(
+            f"{spent:.2f} s, {rate:.0f} ({floor / 1e9 / spent:.0%}); linears alone "
+            f"{alone['seconds']:.2f} s, {alone_rate:.0f} ({alone_rate / peaks[units[phase]]:.0%})"
+        )
     unit = " / ".join(dict.fromkeys(units.values()))  # vision / text prefill where they differ
     return " | ".join(cells) + f" | {s['decode']:.2f} s | {unit}, attention {attention} |"
 

@@ -90,6 +90,7 @@ def test_cpu_bench_smoke(tmp_path):
     assert (
         "(a) images/s" in stdout
         and "(b) mmcli ask" in stdout
+        and "linears alone" in stdout
         and "int8: the first ask" in stdout
         and "cold (the checkpoint's pages dropped" in stdout
         and "outlier channels x30" in stdout
