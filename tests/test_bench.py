@@ -1,6 +1,7 @@
 """The benchmarks' smoke modes, so they keep working (their figures are not asserted: machines
 are noisy)."""
 
+import ast
 import json
 import subprocess
 import sys
@@ -193,6 +194,40 @@ def test_a_tree_run_beside_keeps_an_mmcli_cache_of_its_own(tmp_path, monkeypatch
         "XDG_CACHE_HOME": str(tmp_path / "tree-abc1234-cache"),
     }
     assert cpu_bench.third_side() == "abc1234"
+
+
+BESIDE = "2f9fc9a"  # the tree docs/performance.md's AMX figures are measured beside (--against)
+
+
+def top_level_names(source: str) -> set[str]:
+    """What a module defines or imports at its top level."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_the_cpu_bench_loads_in_the_tree_it_runs_beside():
+    """--against runs this bench's workers on that tree's mmcli, so what the bench imports from
+    mmcli at its top level must be there too (a helper imported there once failed every run)."""
+    known = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{BESIDE}^{{commit}}"])
+    if known.returncode:
+        pytest.skip(f"{BESIDE} is not in this clone's history")
+    for node in ast.parse((ROOT / "bench" / "cpu.py").read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module.startswith("mmcli"):
+            path = node.module.replace(".", "/") + ".py"
+            show = ["git", "-C", str(ROOT), "show", f"{BESIDE}:{path}"]
+            source = subprocess.run(show, capture_output=True, text=True, check=True).stdout
+            missing = {a.name for a in node.names} - top_level_names(source)
+            assert not missing, (
+                f"bench/cpu.py imports {sorted(missing)} from {path}: not at {BESIDE}"
+            )
 
 
 @pytest.mark.parametrize(
