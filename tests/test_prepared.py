@@ -67,6 +67,23 @@ def _truncate(file):
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
 
 
+def test_the_checksum_is_the_files_whatever_the_threads_and_sees_any_flipped_byte(monkeypatch):
+    """The writer checks on one thread, a read on the run's: both must agree, piece by piece."""
+    monkeypatch.setattr(prepared_module, "CHECKSUM_PIECE", 1000)
+    torch.manual_seed(0)
+    tensors = {
+        "a.values": torch.randint(-127, 128, (37, 101), dtype=torch.int8),  # 4 pieces
+        "a.scale": torch.rand(37),
+        "b.empty": torch.zeros(0),
+    }
+    once = prepared_module._checksum(tensors)
+    assert prepared_module._checksum(tensors, threads=3) == once
+    for name, at in (("a.values", 0), ("a.values", 2500), ("a.scale", 36)):
+        spoiled = {k: v.clone() for k, v in tensors.items()}
+        spoiled[name].view(torch.uint8).view(-1)[at] ^= 1
+        assert prepared_module._checksum(spoiled, threads=2) != once
+
+
 @pytest.mark.parametrize(
     "spoil, said",
     [

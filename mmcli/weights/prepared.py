@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,11 +102,20 @@ _KEYS = {
 }
 
 
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
-    crc = 0
+CHECKSUM_PIECE = 64 << 20  # bytes a CRC-32 covers: a file's pieces spread over threads
+
+
+def _checksum(tensors: dict[str, torch.Tensor], threads: int = 1) -> str:
+    """The CRC-32 of every CHECKSUM_PIECE bytes of the tensors (in name order), hashed together,
+    the pieces on `threads` threads: zlib releases the GIL, so a read checks a 2 GB file in half
+    the time on two cores (mapped pages faulted in on the way)."""
+    pieces = []
     for name in sorted(tensors):
-        crc = zlib.crc32(memoryview(tensors[name].contiguous().view(torch.uint8).numpy()), crc)
-    return f"{crc:08x}"
+        data = memoryview(tensors[name].contiguous().view(torch.uint8).reshape(-1).numpy())
+        pieces += [data[i : i + CHECKSUM_PIECE] for i in range(0, len(data) or 1, CHECKSUM_PIECE)]
+    with ThreadPoolExecutor(threads) as pool:
+        crcs = pool.map(zlib.crc32, pieces)
+        return hashlib.sha256(b"".join(crc.to_bytes(4, "little") for crc in crcs)).hexdigest()[:16]
 
 
 class PreparedWeights:
@@ -198,7 +208,7 @@ class PreparedWeights:
         if key != self.key:
             changed = [_KEYS[k] for k in self.key if key.get(k) != self.key[k]]
             return self._ignored(f"written under another {' and '.join(changed)}")
-        if meta.get("crc32") != _checksum(tensors):
+        if meta.get("crc32") != _checksum(tensors, torch.get_num_threads()):
             return self._ignored("damaged (its values do not match their CRC-32)")
         return tensors
 
