@@ -153,8 +153,7 @@ def replayed_linears(cap, image: Path) -> dict:
     calls, out = prefill_linears(cap, image), {}
     for phase in ("vision", "text prefill"):
         mine = [(layer, x, act) for p, layer, x, act in calls if p == phase]
-        rows = [(m, x.numel() // x.shape[-1]) for m, x, _ in mine]
-        flops = sum(2 * count * m.in_features * m.out_features for m, count in rows)
+        flops = sum(2 * x.numel() * m.out_features for m, x, _ in mine)  # x: rows x in
         best = float("inf")
         with torch.inference_mode():
             for _ in range(3):

@@ -114,8 +114,8 @@ def _checksum(tensors: dict[str, torch.Tensor], threads: int = 1) -> str:
         data = memoryview(tensors[name].contiguous().view(torch.uint8).reshape(-1).numpy())
         pieces += [data[i : i + CHECKSUM_PIECE] for i in range(0, len(data) or 1, CHECKSUM_PIECE)]
     with ThreadPoolExecutor(threads) as pool:
-        crcs = pool.map(zlib.crc32, pieces)
-        return hashlib.sha256(b"".join(crc.to_bytes(4, "little") for crc in crcs)).hexdigest()[:16]
+        crcs = list(pool.map(zlib.crc32, pieces))
+    return hashlib.sha256(b"".join(crc.to_bytes(4, "little") for crc in crcs)).hexdigest()[:16]
 
 
 class PreparedWeights:
