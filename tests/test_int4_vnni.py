@@ -1,7 +1,7 @@
 """int4_vnni.c, int4 weights on the vector units' int8 dot products, where this CPU has AVX-512
 VNNI and VBMI. A decode step's few rows: against float64 with each row quantized to int8 per
 group of 32 inputs as the kernel quantizes it, within 1% of the unquantized rows, the same values
-on the AMX build's dispatch; torch's int4 kernel keeps a single sequence's rows. A prompt's many
+on the AMX build's tiles; torch's int4 kernel keeps a single sequence's rows. A prompt's many
 rows, widened to int8 for int8_linear.c's tiles: each weight within half a level of its int4
 value, against float64 with each row quantized to 8 bits as the kernel quantizes it."""
 
@@ -45,9 +45,10 @@ def test_rows_are_quantized_to_the_levels_of_float32_arithmetic_ties_to_even():
     assert torch.equal(sums, q.sum(-1).int())
 
 
-# rows in one pass of 4 and in several (the last one short); one group and many
+# rows in one pass of 4 and in several (the last one short), the tiles' one 16-row pass and two;
+# one group, many, and the tiles' groups of 8 with a short last one
 @pytest.mark.parametrize("rows", [3, 4, 5, 8, 17, 32])
-@pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024)])
+@pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024), (128, 9 * 32)])
 def test_int4_at_a_few_rows_multiplies_its_weights_by_int8_rows(rows, channels, inputs):
     generator = torch.Generator().manual_seed(rows)
     weight = quantize_int4(torch.randn(channels, inputs, generator=generator).bfloat16())
@@ -64,8 +65,9 @@ def test_int4_at_a_few_rows_multiplies_its_weights_by_int8_rows(rows, channels, 
     assert cpu_ops.int4_vnni_matmul(x[:2], weight, bias) is None  # torch's kernel there
     # where the plan gives it a step's fewest rows too: each row's products the same bits
     assert torch.equal(cpu_ops.int4_vnni_matmul(x[:1], weight, bias, torch_rows=0), got[:1])
-    if cpu.name() == "AMX" and rows <= cpu.INT4_VNNI_ROWS:  # the AMX build's few rows: the same
-        assert torch.equal(cpu_ops.amx_int4_matmul(x, weight, bias), got)
+    if cpu.name() == "AMX":  # the AMX build's vector units or tiles: the same integers and floats
+        for vnni_rows in (cpu.AMX_ROWS, 0):
+            assert torch.equal(cpu_ops.amx_int4_matmul(x, weight, bias, vnni_rows), got)
 
 
 def test_shapes_off_its_blocks_are_refused():

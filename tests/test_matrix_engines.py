@@ -293,11 +293,20 @@ def test_int4_takes_int4_vnni_at_a_decode_steps_rows_where_it_is_built(above):
     assert fewest in plan.decode_step.why
     unbuilt = choose(shape_on(AVX512_BF16, quantize="int4"), machine(AVX512_BF16, "AVX-512 BF16"))
     assert unbuilt.int4.id == "torch_int4" and unbuilt.decode_step.id == "layer_by_layer"
-    amx = choose(shape_on(AMX, quantize="int4"), machine(AMX, "AMX", above=above, int4_vnni=True))
+    amx_machine = machine(AMX, "AMX", above=above, int4_vnni=True)
+    assert comparisons(AMX, "AMX", int4_vnni=True)[-2:] == ("int4_fewest_rows", "int4_step_rows")
+    amx = choose(shape_on(AMX, quantize="int4"), amx_machine)
     assert amx.int4.id == "amx_int4+int4_widened"  # a prompt's rows on AMX-INT8
-    assert amx.int4.kernel.endswith("widened to int8 above)")
     assert amx.decode_step.id == "decode_layer.c+int4_vnni.c"
     assert fewest in amx.decode_step.why
+    # a step's rows on the vector units' dot products to where the tiles measured faster
+    tiles = {None: "to 32, widened to int8 on AMX-INT8 tiles above"}
+    tiles[16] = "to 16, AMX-INT8 tiles to 32 rows (widened to int8 above)"
+    assert amx.int4.kernel.endswith(tiles.get(above, tiles[None]))
+    vnni_rows = {None: 32, 16: 16, 256: 32}[above]
+    assert amx.int4.install(None).keywords == {"vnni_rows": vnni_rows}
+    assert amx.decode_step.install.keywords["int4_vnni_rows"] == vnni_rows
+    assert ("AMX tiles above 16" in amx.decode_step.why) == (above == 16)
 
 
 def test_the_plan_is_a_function_of_the_shape_and_the_machine(monkeypatch):

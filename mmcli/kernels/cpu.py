@@ -182,6 +182,7 @@ class DecodeLayer(ctypes.Structure):
     _fields_ += [("eps", ctypes.c_float), ("bf16_products", ctypes.c_int32)]
     _fields_ += [("int8", ctypes.c_int32)]
     _fields_ += [("vnni_rows", ctypes.c_int64), ("int4", ctypes.c_int32)]
+    _fields_ += [("int4_vnni_rows", ctypes.c_int64)]
 
 
 @functools.cache
@@ -270,7 +271,8 @@ def _declare(library: ctypes.CDLL) -> None:
         library.amx_bf16_linear.argtypes += [ctypes.c_int] * 2
     int4 = ("amx_int4_gemm", "amx_int4_rows") if library.build == "AMX" else ()
     vnni = ("int4_vnni_rows", "int4_widened_rows") if library.int4_vnni else ()
-    for name in (*int4, *vnni):
+    tiles = ("int4_tile_rows",) if library.int4_vnni and library.build == "AMX" else ()
+    for name in (*int4, *vnni, *tiles):
         kernel = getattr(library, name)
         kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     if library.int4_vnni:
@@ -347,34 +349,38 @@ def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torc
 
 
 # int4 on the AMX build: to INT4_TORCH_ROWS rows torch's int4 kernel (ours only matches it there:
-# bench/int8_kernel.py), to INT4_VNNI_ROWS on the vector units' int8 dot products, each row
-# quantized to int8 per group (int4_vnni_rows), to INT4_FEW_ROWS on the tiles with the weights'
-# integers (amx_int4_rows), more rows widened to int8 for the tiles' int8 products
-# (int4_widened_rows: 1.5-1.9x amx_int4_gemm's panels dequantized to bfloat16, which a build
-# without int4_vnni.c keeps)
-INT4_TORCH_ROWS, INT4_VNNI_ROWS, INT4_FEW_ROWS = 2, 4, 16
+# bench/int8_kernel.py), then int4_vnni.c's int8 products, each row quantized to int8 per group:
+# the vector units' (int4_vnni_rows) to INT4_VNNI_ROWS (the plan's measured crossover where it
+# has one: int4_step_rows), the tiles' (int4_tile_rows: the same integers and floats) above, to
+# AMX_ROWS; more rows widened to int8 for the tiles' int8 products (int4_widened_rows: 1.5-1.9x
+# amx_int4_gemm's panels dequantized to bfloat16). A build without int4_vnni.c: amx.c's tiles on
+# the weights' integers to INT4_FEW_ROWS (amx_int4_rows), its panels above.
+INT4_TORCH_ROWS, INT4_VNNI_ROWS, INT4_FEW_ROWS = 2, 8, 16
 
 
-def amx_int4_kernel(rows: int, int4_vnni: bool = True) -> str:
+def amx_int4_kernel(rows: int, int4_vnni: bool = True, vnni_rows: int = INT4_VNNI_ROWS) -> str:
     """The AMX build's int4 kernel for `rows` rows (its name in amx.c or int4_vnni.c), with
-    int4_vnni.c in the build or without (no VBMI: amx.c's alone)."""
-    if rows <= INT4_FEW_ROWS:
-        return "int4_vnni_rows" if int4_vnni and rows <= INT4_VNNI_ROWS else "amx_int4_rows"
-    return "int4_widened_rows" if int4_vnni else "amx_int4_gemm"
+    int4_vnni.c in the build (its vector units' products to `vnni_rows`) or without (no VBMI:
+    amx.c's alone)."""
+    if not int4_vnni:
+        return "amx_int4_rows" if rows <= INT4_FEW_ROWS else "amx_int4_gemm"
+    if rows <= vnni_rows:
+        return "int4_vnni_rows"
+    return "int4_tile_rows" if rows <= AMX_ROWS else "int4_widened_rows"
 
 
-def amx_int4_gemm(x: torch.Tensor, weight) -> torch.Tensor | None:
+def amx_int4_gemm(x: torch.Tensor, weight, vnni_rows: int = INT4_VNNI_ROWS) -> torch.Tensor | None:
     """x (rows, K) float32 @ W.T for an Int4Weight W (torch's CPU layout, group 32) on the AMX
-    build, float32 out: 1-4 rows quantized to int8 per group of 32 inputs, to INT4_FEW_ROWS
-    rounded to bfloat16, more to 8 bits a row against the weights widened to int8 (see
-    INT4_VNNI_ROWS); None where this build or the shapes (N a multiple of 64, K of 32) do not
-    fit."""
+    build, float32 out: to AMX_ROWS rows quantized to int8 per group of 32 inputs (on the vector
+    units to `vnni_rows`, the tiles above), more to 8 bits a row against the weights widened to
+    int8 (see INT4_VNNI_ROWS); None where this build or the shapes (N a multiple of 64, K of 32)
+    do not fit."""
     library = load()[0]
     if library is None or library.build != "AMX":
         return None
-    name = amx_int4_kernel(x.shape[0], library.int4_vnni)
+    name = amx_int4_kernel(x.shape[0], library.int4_vnni, vnni_rows)
     # int4_vnni.c quantizes float32 rows itself; amx.c's tiles take them rounded to bfloat16
-    quantized = name in ("int4_vnni_rows", "int4_widened_rows")
+    quantized = name.startswith("int4_")
     x_in = x.float() if quantized else x.to(torch.bfloat16)
     return _int4_products(getattr(library, name), x_in.contiguous(), weight)
 

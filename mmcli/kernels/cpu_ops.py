@@ -5,6 +5,8 @@ its own torch code. The checks are the kernels' contracts, so a layer knows no k
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mmcli.kernels import cpu
@@ -144,10 +146,14 @@ def head_matmul(x, weight, bias, activation, split: bool) -> torch.Tensor | None
     return bf16_rows_matmul(x, weight, split=split)
 
 
-def amx_int4_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x @ W.T (+ bias) for an Int4Weight on the AMX build's kernels (cpu.amx_int4_gemm) above
+def amx_int4_matmul(
+    x: torch.Tensor, weight, bias: torch.Tensor | None, vnni_rows: int = cpu.INT4_VNNI_ROWS
+) -> torch.Tensor | None:
+    """x @ W.T (+ bias) for an Int4Weight on the AMX build's kernels (cpu.amx_int4_gemm: the
+    vector units' int8 products to `vnni_rows` rows, the tiles' above) above
     cpu.INT4_TORCH_ROWS rows; None (torch's int4 kernel) for fewer rows or shapes off them."""
-    return _int4_rows(cpu.amx_int4_gemm, x, weight, bias, cpu.INT4_TORCH_ROWS)
+    kernel = functools.partial(cpu.amx_int4_gemm, vnni_rows=vnni_rows)
+    return _int4_rows(kernel, x, weight, bias, cpu.INT4_TORCH_ROWS)
 
 
 def int4_vnni_matmul(

@@ -122,8 +122,8 @@ class FusedDecode:
     else float32 FMAs (up to KERNEL_ROWS). int8 layers take up to cpu.AMX_ROWS rows on
     int8_linear.c, as a layer-by-layer step does (its AMX build on the tiles above
     `int8_vnni_rows` rows); int4 layers from `int4_torch_rows` + 1 rows (fewer are torch's int4
-    kernel's) to cpu.AMX_ROWS on int4_vnni.c; each layer is of its own form (a decoder may keep
-    some layers' linears unquantized)."""
+    kernel's) to cpu.AMX_ROWS on int4_vnni.c (its AMX build's tiles above `int4_vnni_rows`);
+    each layer is of its own form (a decoder may keep some layers' linears unquantized)."""
 
     def __init__(
         self,
@@ -132,6 +132,7 @@ class FusedDecode:
         bf16_products: bool = False,
         int4_torch_rows: int = cpu.INT4_TORCH_ROWS,
         int8_vnni_rows: int = cpu.INT8_VNNI_ROWS,
+        int4_vnni_rows: int = cpu.INT4_VNNI_ROWS,
     ):
         quantized = all(layer.int8() or layer.int4() for layer in layers)
         self.max_rows = cpu.AMX_ROWS if bf16_products or quantized else KERNEL_ROWS
@@ -160,6 +161,7 @@ class FusedDecode:
                     int8=int(int8),
                     vnni_rows=int8_vnni_rows,
                     int4=int(int4),
+                    int4_vnni_rows=int4_vnni_rows,
                 )
             )
 
@@ -171,11 +173,12 @@ class FusedDecode:
         bf16_products: bool = False,
         int4_torch_rows: int = cpu.INT4_TORCH_ROWS,
         int8_vnni_rows: int = cpu.INT8_VNNI_ROWS,
+        int4_vnni_rows: int = cpu.INT4_VNNI_ROWS,
     ) -> FusedDecode | None:
         """The fused step for `decoder` (a family's `language_model`, its weights in their form;
         `cfg` its TextConfig, the decoder's own by default), or None where a layer, its weights
-        or this machine do not fit it. `bf16_products`, `int4_torch_rows`, `int8_vnni_rows`: as
-        the class's, where this build has a kernel for them."""
+        or this machine do not fit it. `bf16_products`, `int4_torch_rows`, `int8_vnni_rows`,
+        `int4_vnni_rows`: as the class's, where this build has a kernel for them."""
         cfg = cfg or decoder.cfg
         layers = decoder.fusable_layers()
         if cpu.load()[0] is None or not layers:
@@ -186,7 +189,8 @@ class FusedDecode:
         if not on_cpu or not all(layer.fits(cfg.rotary_dim) for layer in layers):
             return None
         bf16_products = bf16_products and cpu.name() in cpu.BF16_DOT_BUILDS
-        return cls(layers, cfg.rms_norm_eps, bf16_products, int4_torch_rows, int8_vnni_rows)
+        rows = (int4_torch_rows, int8_vnni_rows, int4_vnni_rows)
+        return cls(layers, cfg.rms_norm_eps, bf16_products, *rows)
 
     def fits(self, hidden: torch.Tensor, batch, deepstack) -> bool:
         """A decode step of the kernels' few rows, eager, in float32 on the CPU."""

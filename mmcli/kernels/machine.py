@@ -103,6 +103,8 @@ def comparisons(
         names += ["int4_tiles"]
     if int4_block is not None and int4_vnni:  # a decode step's fewest rows, AMX's too
         names += ["int4_fewest_rows"]
+    if amx_int4 and int4_vnni:  # and its other rows: on the vector units or the tiles
+        names += ["int4_step_rows"]
     return tuple(names)
 
 

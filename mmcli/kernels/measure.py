@@ -31,6 +31,7 @@ BF16_ROWS = (1, 4, 8, 16, 32, 64)
 INT4_ROWS = (16, 32, 64, 128, 256, 1024)
 INT4_FEWEST_ROWS = (1, 2)  # a decode step's fewest: where torch's int4 kernel may win
 INT8_STEP_ROWS = (1, 2, 4, 8, 16)  # where AMX's int8 tiles may or may not outrun the dot products
+INT4_STEP_ROWS = (3, 4, 6, 8, 16, 32)  # a step's rows past torch's int4 kernel's
 STREAMED_LAYERS = 12  # int4 SHAPE layers past the caches, read once a pass as a step reads them
 INT8_ROWS = (64, 256, 1024)
 VISION_ROWS = 784  # a 448x448 image's patches
@@ -205,6 +206,24 @@ def _int8_step_rows() -> dict:
     return {"kernels": kernels, "units": ["int8", "int8"], "rates": rates}
 
 
+def _int4_step_rows() -> dict:
+    """int4_vnni.c's AMX build at a decode step's rows, the weights read from memory as a step
+    reads them (STREAMED_LAYERS of them): the vector units' int8 dot products against the
+    tiles', the same integers and floats."""
+    inner, outer = SHAPE
+    weights = [random_int4(outer, inner) for _ in range(STREAMED_LAYERS)]
+    rates = {}
+    for rows in INT4_STEP_ROWS:
+        x = torch.randn(rows, inner)
+        ops = 2 * rows * inner * outer * STREAMED_LAYERS
+        rates[rows] = tuple(
+            _rate(lambda x=x, v=vnni_rows: [cpu.amx_int4_gemm(x, w, v) for w in weights], ops)
+            for vnni_rows in (cpu.AMX_ROWS, 0)
+        )
+    kernels = ["int4_vnni.c on VNNI", "int4_vnni.c on AMX tiles"]
+    return {"kernels": kernels, "units": ["int8", "int8"], "rates": rates}
+
+
 def _attention() -> dict:
     """A 448x448 image's attention in the vision tower (16 heads of 64): attention.c, on
     bfloat16 pairs where this build has them (on the tiles in the AMX build), against torch's
@@ -269,6 +288,7 @@ COMPARISONS: dict[str, Callable[[], dict]] = {
     "int4_tiles": _int4_tiles,
     "int4_fewest_rows": _int4_fewest_rows,
     "int8_step_rows": _int8_step_rows,
+    "int4_step_rows": _int4_step_rows,
     "attention": _attention,
     "peaks": peaks,
     "floors": floors,

@@ -321,13 +321,7 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
     if machine.int4_block is None:
         return Choice("torch_int4", "torch int4", "torch's int4 layout here is none ours reads")
     if _tiles(shape, machine) and machine.int4_block == 64:
-        kernel = f"torch int4 to {cpu.INT4_TORCH_ROWS} rows, int8 dot products to "
-        kernel += f"{cpu.INT4_VNNI_ROWS}, AMX tiles (the integers to {cpu.INT4_FEW_ROWS} rows, "
-        widened = machine.int4_vnni  # a prompt's rows widened to int8 (int4_vnni.c)
-        kernel += "widened to int8 above)" if widened else "dequantized panels above)"
-        why = "the weights as stored, on AMX-BF16" + (" and AMX-INT8" if widened else "")
-        kernels = "amx_int4+int4_widened" if widened else "amx_int4"
-        return Choice(kernels, kernel, why, _function(cpu_ops.amx_int4_matmul))
+        return _amx_int4(machine)
     if not shape.eager_cpu():
         return Choice("torch_int4", "torch int4", "torch's int4 kernel")
     measured = machine.crossover("int4_tiles")
@@ -340,6 +334,36 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
     return Choice(
         "int4_tiles+torch_int4", kernel, measured.why, _function(matrix.int4_matmul(above))
     )
+
+
+def _amx_int4(machine: Machine) -> Choice:
+    """int4 on the AMX build, the weights as stored: with int4_vnni.c, a step's rows on its int8
+    products (the vector units' to the measured crossover, the tiles' above), a prompt's widened
+    to int8 for the tiles; without it, amx.c's tiles on the weights' integers, then on panels
+    dequantized to bfloat16."""
+    kernel = f"torch int4 to {cpu.INT4_TORCH_ROWS} rows, "
+    if not machine.int4_vnni:
+        kernel += f"AMX tiles (the integers to {cpu.INT4_FEW_ROWS} rows, dequantized panels above)"
+        why = "the weights as stored, on AMX-BF16"
+        return Choice("amx_int4", kernel, why, _function(cpu_ops.amx_int4_matmul))
+    vnni_rows = _int4_vnni_rows(machine)
+    kernel += f"int8 dot products to {vnni_rows}, " if vnni_rows > cpu.INT4_TORCH_ROWS else ""
+    if vnni_rows < cpu.AMX_ROWS:
+        kernel += f"AMX-INT8 tiles to {cpu.AMX_ROWS} rows (widened to int8 above)"
+    else:
+        kernel += "widened to int8 on AMX-INT8 tiles above"
+    why = "the weights as stored, on AMX-INT8: " + machine.crossover("int4_step_rows").why
+    install = functools.partial(cpu_ops.amx_int4_matmul, vnni_rows=vnni_rows)
+    return Choice("amx_int4+int4_widened", kernel, why, _function(install))
+
+
+def _int4_vnni_rows(machine: Machine) -> int:
+    """The rows int4_vnni.c's AMX build keeps on the vector units' dot products: to where its
+    tiles measured faster from (every step row where they never did, or off those tiles)."""
+    if "int4_step_rows" not in machine.crossovers:
+        return cpu.AMX_ROWS
+    above = machine.crossover("int4_step_rows").above
+    return cpu.AMX_ROWS if above is None else min(above, cpu.AMX_ROWS)
 
 
 def _int4_vnni(tiles: Crossover, fewest: Crossover) -> Choice:
@@ -423,9 +447,15 @@ def _decode_step(shape: RunShape, machine: Machine) -> Choice:
         return Choice("layer_by_layer", "layer by layer", why)
     if int4:
         torch_rows = int4_torch_rows(machine.crossover("int4_fewest_rows"))
-        step = functools.partial(fused_decode.FusedDecode.for_decoder, int4_torch_rows=torch_rows)
+        vnni_rows = _int4_vnni_rows(machine) if _tiles(shape, machine) else cpu.AMX_ROWS
+        step = functools.partial(
+            fused_decode.FusedDecode.for_decoder,
+            int4_torch_rows=torch_rows,
+            int4_vnni_rows=vnni_rows,
+        )
         choice = _c_kernel("decode_layer.c+int4_vnni.c", shape, machine, step)
         why = f"int4_vnni.c's products at {torch_rows + 1} to {cpu.AMX_ROWS} rows"
+        why += f" (AMX tiles above {vnni_rows})" if vnni_rows < cpu.AMX_ROWS else ""
         why += ", fewer layer by layer (torch's int4 kernel)" if torch_rows else ""
         if choice.install is None:
             return Choice("layer_by_layer", "layer by layer", choice.why)

@@ -31,6 +31,9 @@ void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, flo
 int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
                        const uint8_t *packed, const uint16_t *scales_zeros, float *y, int64_t M,
                        int64_t N, int64_t K, int threads);
+int int4_tile_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
+                       const uint8_t *packed, const uint16_t *scales_zeros, float *y, int64_t M,
+                       int64_t N, int64_t K, int threads);
 
 /* A linear's weights (out x in): bfloat16 bits as loaded; int8 in int8_linear.c's layout with
    each output channel's sum of values, scale and bias; or int4 in torch's CPU layout (values) with
@@ -48,10 +51,11 @@ struct decode_layer {
     struct decode_matrix q, k, v, o, gate, up, down;
     int64_t hidden, heads, kv_heads, d, intermediate;
     float eps;
-    int32_t bf16_products; /* bfloat16 products (the run's precision has them): AMX, BF16 */
-    int32_t int8;          /* int8 weights: each product's rows quantized a row at a time */
-    int64_t vnni_rows;     /* int8_linear's: the AMX build's tiles above this many rows */
-    int32_t int4;          /* int4 weights: int4_vnni_products (set where the build has it) */
+    int32_t bf16_products;  /* bfloat16 products (the run's precision has them): AMX, BF16 */
+    int32_t int8;           /* int8 weights: each product's rows quantized a row at a time */
+    int64_t vnni_rows;      /* int8_linear's: the AMX build's tiles above this many rows */
+    int32_t int4;           /* int4 weights: int4_vnni_products (set where the build has it) */
+    int64_t int4_vnni_rows; /* int4's: the AMX build's tiles above this many rows */
 };
 
 /* A product's input rows: float32, and their levels made once for the products that share them
@@ -73,7 +77,24 @@ static void take_rows(const struct decode_layer *l, struct rows_in *in, const fl
 #endif
 }
 
-/* The step's products: int8 on int8_linear; int4 on int4_vnni_products; bfloat16 where the
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+/* int4's products on the vector units' int8 dot products, or above int4_vnni_rows rows the AMX
+   build's tiles (the same floats; where the tiles are not granted, the vector units) */
+static int int4_products(const struct decode_layer *l, const struct rows_in *in,
+                         const struct decode_matrix *w, float *y, int64_t M, int64_t N, int64_t K,
+                         int threads) {
+    const int8_t *levels = (const int8_t *)in->levels;
+#ifdef __AMX_INT8__
+    if (M > l->int4_vnni_rows && !int4_tile_products(levels, in->scale, in->group_sums, w->values,
+                                                     w->scales_zeros, y, M, N, K, threads))
+        return 0;
+#endif
+    return int4_vnni_products(levels, in->scale, in->group_sums, w->values, w->scales_zeros, y, M,
+                              N, K, threads);
+}
+#endif
+
+/* The step's products: int8 on int8_linear; int4 on int4_products; bfloat16 where the
    layer asks for them, on the AMX tiles where this build has them, else on AVX-512 BF16's dot
    products (at every row count: both sum each row alone, so a sequence's logits do not depend on
    how many share its step); else bf16_linear's float32 FMAs. */
@@ -86,9 +107,7 @@ static void linear(const struct decode_layer *l, const struct rows_in *in,
         return;
     }
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
-    if (l->int4 && !int4_vnni_products((const int8_t *)in->levels, in->scale, in->group_sums,
-                                       w->values, w->scales_zeros, y, M, N, K, threads))
-        return;
+    if (l->int4 && !int4_products(l, in, w, y, M, N, K, threads)) return;
 #endif
 #ifdef __AMX_BF16__
     if (l->bf16_products && !amx_bf16_linear(in->x, w->values, y, M, N, K, 0, threads)) return;

@@ -159,10 +159,14 @@ int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x
     return 0;
 }
 
-/* The same for x (M x K, float32), its rows quantized on the way; nonzero where the shapes are
-   not the kernel's or its rows' buffers could not be allocated. */
-int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
-                   int64_t M, int64_t N, int64_t K, int threads) {
+typedef int (*int4_products)(const int8_t *, const float *, const int32_t *, const uint8_t *,
+                             const uint16_t *, float *, int64_t, int64_t, int64_t, int);
+
+/* y = x @ W.T by `products` for x (M x K, float32), its rows quantized on the way; nonzero where
+   the shapes are not the kernel's or its rows' buffers could not be allocated. */
+static int int4_quantized_rows(int4_products products, const float *x, const uint8_t *packed,
+                               const uint16_t *scales_zeros, float *y, int64_t M, int64_t N,
+                               int64_t K, int threads) {
     if (M < 1 || N % 64 || K % 32) return 1;
     int8_t *xq = malloc((size_t)(M * K));
     float *scales = malloc((size_t)(M * (K / 32)) * sizeof(float));
@@ -170,13 +174,214 @@ int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales
     int failed = !xq || !scales || !sums;
     if (!failed) {
         int4_quantize_rows(x, M, K, xq, scales, sums);
-        failed = int4_vnni_products(xq, scales, sums, packed, scales_zeros, y, M, N, K, threads);
+        failed = products(xq, scales, sums, packed, scales_zeros, y, M, N, K, threads);
     }
     free(xq);
     free(scales);
     free(sums);
     return failed;
 }
+
+/* int4_vnni_products for x (M x K, float32), its rows quantized on the way. */
+int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
+                   int64_t M, int64_t N, int64_t K, int threads) {
+    return int4_quantized_rows(int4_vnni_products, x, packed, scales_zeros, y, M, N, K, threads);
+}
+
+#ifdef __AMX_INT8__
+#include "amx_tiles.h"
+
+/* ---- int4_tile_rows: a decode step's rows on the tiles' int8 products (the AMX build) ----
+
+   Past a few rows the dot products above cost more than the weights' bytes take to arrive. The
+   tiles take the same integers: a group's 32 inputs are one product (tdpbssd) of a row tile (xq,
+   up to 16 rows x 32 bytes) and a channel tile (8 quadruples of int4_quads' lanes as they are: 16
+   channels x 4 inputs), its int32 sums stored and scaled as int4_vnni_block scales them, in the
+   same order: the same floats. A block's quadruples are made once, for every row. */
+
+#define TILE_GROUPS 4  /* groups a block's quadruples are made for at a time: 8 KiB, in L1 */
+#define TILE_QUADS 512 /* bytes of a channel tile of one group */
+
+/* tmm0-3 four groups' sums (`rows` rows), tmm4, 5 rows of x (32 inputs), tmm6, 7 channel tiles */
+static void configure_int4_tiles(int rows) {
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = t < 6 ? (uint8_t)rows : 8;
+        c.colsb[t] = t == 4 || t == 5 ? 32 : 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Groups g0 .. g0 + groups of a block as channel tiles: quads[(g * 4 + t) * TILE_QUADS] */
+static void int4_block_quads(const uint8_t *bytes, int64_t g0, int groups, int8_t *quads) {
+    for (int g = 0; g < groups; g++)
+        for (int r = 0; r < 8; r++) {
+            __m512i w[4];
+            int4_quads(bytes + ((g0 + g) * 32 + 4 * r) * 32, w);
+            for (int t = 0; t < 4; t++)
+                _mm512_store_si512(quads + (g * 4 + t) * TILE_QUADS + r * 64, w[t]);
+        }
+}
+
+/* acc[m] += group g's sums (int32, 16 a row) scaled, for `rows` rows (a constant once inlined) */
+static inline __attribute__((always_inline)) void
+scale_group_sums(const int32_t *sums, const uint32_t *pairs, const float *x_scales,
+                 const float *x_sums, int64_t groups, int64_t g, const int rows, __m512 *acc) {
+    __m512 scale, zero;
+    scale_zero(pairs, &scale, &zero);
+    const __m512 shift = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
+    for (int m = 0; m < rows; m++) {
+        const int64_t at = m * groups + g;
+        __m512 v = _mm512_mul_ps(shift, _mm512_set1_ps(x_sums[at]));
+        v = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_load_si512(sums + m * 16)), v);
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x_scales[at]), v, acc[m]);
+    }
+}
+
+/* Group g0 + g + C's product into sums tile C, from rows tile A and channel tile B */
+#define GROUP_PRODUCT(C, A, B)                                                                     \
+    do {                                                                                           \
+        _tile_zero(C);                                                                             \
+        _tile_loadd(A, xq + (g0 + g + C) * 32, K);                                                 \
+        _tile_loadd(B, quads + ((g + C) * 4 + t) * TILE_QUADS, 64);                                \
+        _tile_dpbssd(C, A, B);                                                                     \
+    } while (0)
+
+/* y's `rows` rows (<= 16, a constant once inlined) x channel tile t of a block, over groups g0 ..
+   g0 + count (their quadruples made): four groups' products in flight on tmm0-3 before their
+   sums are stored and scaled; y holds the sums of the groups before g0 unless `first` */
+static inline __attribute__((always_inline)) void
+int4_tile_chunk(const int8_t *xq, const float *x_scales, const float *x_sums, const int8_t *quads,
+                const uint32_t *pairs, int64_t K, int64_t N, int64_t g0, int count, int t,
+                const int rows, int first, float *y, struct ahead *ahead) {
+    const int64_t groups = K / 32;
+    int32_t sums[4][16 * 16] __attribute__((aligned(64)));
+    __m512 acc[16];
+    for (int m = 0; m < rows; m++)
+        acc[m] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * N + t * 16);
+    for (int g = 0; g < count; g += 4) {
+        const int n = count - g < 4 ? count - g : 4;
+        fetch_ahead(ahead);
+        GROUP_PRODUCT(0, 4, 6);
+        if (n > 1) GROUP_PRODUCT(1, 5, 7);
+        fetch_ahead(ahead);
+        if (n > 2) GROUP_PRODUCT(2, 4, 6);
+        if (n > 3) GROUP_PRODUCT(3, 5, 7);
+        _tile_stored(0, sums[0], 64);
+        if (n > 1) _tile_stored(1, sums[1], 64);
+        if (n > 2) _tile_stored(2, sums[2], 64);
+        if (n > 3) _tile_stored(3, sums[3], 64);
+        for (int j = 0; j < n; j++)
+            scale_group_sums(sums[j], pairs + (g0 + g + j) * N + t * 16, x_scales, x_sums, groups,
+                             g0 + g + j, rows, acc);
+    }
+    for (int m = 0; m < rows; m++) _mm512_storeu_ps(y + m * N + t * 16, acc[m]);
+}
+#undef GROUP_PRODUCT
+
+/* The 4 channel tiles of a block for `rows` rows (a constant once inlined) */
+static inline __attribute__((always_inline)) void
+int4_tile_block(const int8_t *xq, const float *x_scales, const float *x_sums, const int8_t *quads,
+                const uint32_t *pairs, int64_t K, int64_t N, int64_t g0, int count, const int rows,
+                float *y, struct ahead *ahead) {
+    for (int t = 0; t < 4; t++)
+        int4_tile_chunk(xq, x_scales, x_sums, quads, pairs, K, N, g0, count, t, rows, g0 == 0, y,
+                        ahead);
+}
+
+/* Rows m .. m + rows (<= 16) of a block over groups g0 .. g0 + count: each row count its own
+   loop, the sums held in registers */
+static void int4_tile_rows_of(const int8_t *xq, const float *x_scales, const float *x_sums,
+                              const int8_t *quads, const uint32_t *pairs, int64_t K, int64_t N,
+                              int64_t g0, int count, int rows, float *y, struct ahead *ahead) {
+#define ROWS(R) int4_tile_block(xq, x_scales, x_sums, quads, pairs, K, N, g0, count, R, y, ahead)
+    switch (rows) {
+    case 1: ROWS(1); break;
+    case 2: ROWS(2); break;
+    case 3: ROWS(3); break;
+    case 4: ROWS(4); break;
+    case 5: ROWS(5); break;
+    case 6: ROWS(6); break;
+    case 7: ROWS(7); break;
+    case 8: ROWS(8); break;
+    case 9: ROWS(9); break;
+    case 10: ROWS(10); break;
+    case 11: ROWS(11); break;
+    case 12: ROWS(12); break;
+    case 13: ROWS(13); break;
+    case 14: ROWS(14); break;
+    case 15: ROWS(15); break;
+    default: ROWS(16); break;
+    }
+#undef ROWS
+}
+
+/* The next block's bytes, spread over this block's chunks of groups and rows (vectors.h) */
+static struct ahead tile_ahead(const uint8_t *packed, int64_t K, int64_t N, int64_t block,
+                               int64_t M) {
+    const int64_t bytes = K * 32, steps = ((K / 32 + 3) / 4) * 8 * ((M + 15) / 16);
+    struct ahead a = {NULL, NULL, 0};
+    if ((block + 1) * 64 >= N) return a; /* the last block: none after it */
+    a.next = (const char *)(packed + (block + 1) * bytes), a.end = a.next + bytes;
+    a.lines = (bytes / 64 + steps - 1) / steps;
+    return a;
+}
+
+/* Groups g0 .. g0 + TILE_GROUPS's scales and zeros of a block (a group's 256 bytes, N * 4 apart) */
+static void fetch_pairs(const uint32_t *pairs, int64_t N, int64_t g0, int64_t groups) {
+    for (int64_t g = g0; g < g0 + TILE_GROUPS && g < groups; g++)
+        for (int i = 0; i < 4; i++)
+            _mm_prefetch((const char *)(pairs + g * N) + 64 * i, _MM_HINT_T0);
+}
+
+/* int4_vnni_products' y on the tiles: each block's quadruples made TILE_GROUPS groups at a time
+   and multiplied by every 16 rows of x; nonzero (nothing computed) where the shapes are not the
+   kernel's or the tiles are not granted. */
+int int4_tile_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
+                       const uint8_t *packed, const uint16_t *scales_zeros, float *y, int64_t M,
+                       int64_t N, int64_t K, int threads) {
+    if (M < 1 || N % 64 || K % 32 || amx_request()) return 1;
+    const uint32_t *pairs = (const uint32_t *)scales_zeros;
+    const int64_t groups = K / 32;
+    /* the sums as floats once (each is scaled for every channel tile) */
+    float *sums = malloc((size_t)(M * groups) * sizeof(float));
+    if (!sums) return 1;
+    for (int64_t i = 0; i < M * groups; i++) sums[i] = (float)x_sums[i];
+#pragma omp parallel num_threads(threads)
+    {
+        int8_t quads[TILE_GROUPS * 4 * TILE_QUADS] __attribute__((aligned(64)));
+        int configured = 0;
+#pragma omp for schedule(static)
+        for (int64_t block = 0; block < N / 64; block++) {
+            const uint8_t *bytes = packed + block * K * 32;
+            struct ahead ahead = tile_ahead(packed, K, N, block, M);
+            for (int64_t g0 = 0; g0 < groups; g0 += TILE_GROUPS) {
+                const int count = groups - g0 < TILE_GROUPS ? (int)(groups - g0) : TILE_GROUPS;
+                int4_block_quads(bytes, g0, count, quads);
+                fetch_pairs(pairs + block * 64, N, g0 + TILE_GROUPS, groups);
+                for (int64_t m = 0; m < M; m += 16) {
+                    const int rows = M - m < 16 ? (int)(M - m) : 16;
+                    if (rows != configured) configure_int4_tiles(configured = rows);
+                    int4_tile_rows_of(xq + m * K, x_scales + m * groups, sums + m * groups, quads,
+                                      pairs + block * 64, K, N, g0, count, rows,
+                                      y + m * N + block * 64, &ahead);
+                }
+            }
+        }
+        if (configured) _tile_release();
+    }
+    free(sums);
+    return 0;
+}
+
+/* The same for x (M x K, float32), its rows quantized on the way (int4_quantize_rows). */
+int int4_tile_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
+                   int64_t M, int64_t N, int64_t K, int threads) {
+    return int4_quantized_rows(int4_tile_products, x, packed, scales_zeros, y, M, N, K, threads);
+}
+#endif
 
 /* A prompt's many rows (more than a decode step's) on int8_linear.c's tiles (the AMX build: the
    tiles' tdpbusd), at the int8 rate: each block of 64 channels widened to int8 once, in a buffer
