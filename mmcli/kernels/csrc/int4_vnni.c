@@ -240,56 +240,68 @@ scale_group_sums(const int32_t *sums, const uint32_t *pairs, const float *x_scal
     }
 }
 
-/* Group g0 + g + C's product into sums tile C, from rows tile A and channel tile B */
-#define GROUP_PRODUCT(C, A, B)                                                                     \
+/* Group g0 + C's product for channel tile t into sums tile C (tmm0-3), from rows tile A and
+   channel tile B */
+#define GROUP_PRODUCT(C, A, B, t)                                                                  \
     do {                                                                                           \
         _tile_zero(C);                                                                             \
-        _tile_loadd(A, xq + (g0 + g + C) * 32, K);                                                 \
-        _tile_loadd(B, quads + ((g + C) * 4 + t) * TILE_QUADS, 64);                                \
+        _tile_loadd(A, xq + (g0 + C) * 32, K);                                                     \
+        _tile_loadd(B, quads + (C * 4 + (t)) * TILE_QUADS, 64);                                    \
         _tile_dpbssd(C, A, B);                                                                     \
     } while (0)
 
-/* y's `rows` rows (<= 16, a constant once inlined) x channel tile t of a block, over groups g0 ..
-   g0 + count (their quadruples made): four groups' products in flight on tmm0-3 before their
-   sums are stored and scaled; y holds the sums of the groups before g0 unless `first` */
-static inline __attribute__((always_inline)) void
-int4_tile_chunk(const int8_t *xq, const float *x_scales, const float *x_sums, const int8_t *quads,
-                const uint32_t *pairs, int64_t K, int64_t N, int64_t g0, int count, int t,
-                const int rows, int first, float *y, struct ahead *ahead) {
-    const int64_t groups = K / 32;
-    int32_t sums[4][16 * 16] __attribute__((aligned(64)));
-    __m512 acc[16];
-    for (int m = 0; m < rows; m++)
-        acc[m] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * N + t * 16);
-    for (int g = 0; g < count; g += 4) {
-        const int n = count - g < 4 ? count - g : 4;
-        fetch_ahead(ahead);
-        GROUP_PRODUCT(0, 4, 6);
-        if (n > 1) GROUP_PRODUCT(1, 5, 7);
-        fetch_ahead(ahead);
-        if (n > 2) GROUP_PRODUCT(2, 4, 6);
-        if (n > 3) GROUP_PRODUCT(3, 5, 7);
-        _tile_stored(0, sums[0], 64);
-        if (n > 1) _tile_stored(1, sums[1], 64);
-        if (n > 2) _tile_stored(2, sums[2], 64);
-        if (n > 3) _tile_stored(3, sums[3], 64);
-        for (int j = 0; j < n; j++)
-            scale_group_sums(sums[j], pairs + (g0 + g + j) * N + t * 16, x_scales, x_sums, groups,
-                             g0 + g + j, rows, acc);
-    }
-    for (int m = 0; m < rows; m++) _mm512_storeu_ps(y + m * N + t * 16, acc[m]);
-}
-#undef GROUP_PRODUCT
+/* Channel tile t's products of the `count` groups (<= 4), each into its sums tile */
+#define PRODUCTS(t)                                                                                \
+    do {                                                                                           \
+        GROUP_PRODUCT(0, 4, 6, t);                                                                 \
+        if (count > 1) GROUP_PRODUCT(1, 5, 7, t);                                                  \
+        if (count > 2) GROUP_PRODUCT(2, 4, 6, t);                                                  \
+        if (count > 3) GROUP_PRODUCT(3, 5, 7, t);                                                  \
+    } while (0)
 
-/* The 4 channel tiles of a block for `rows` rows (a constant once inlined) */
+/* Sums tile C stored, and group C's product for channel tile t + 1 begun in it (t < 3) */
+#define STORE_AND_NEXT(C, A, B, t)                                                                 \
+    do {                                                                                           \
+        _tile_stored(C, sums[(t) & 1][C], 64);                                                     \
+        if ((t) < 3) GROUP_PRODUCT(C, A, B, (t) + 1);                                              \
+    } while (0)
+
+/* Channel tile t's sums tiles stored, the next channel tile's products begun in them */
+#define STORES_AND_NEXT(t)                                                                         \
+    do {                                                                                           \
+        STORE_AND_NEXT(0, 4, 6, t);                                                                \
+        if (count > 1) STORE_AND_NEXT(1, 5, 7, t);                                                 \
+        if (count > 2) STORE_AND_NEXT(2, 4, 6, t);                                                 \
+        if (count > 3) STORE_AND_NEXT(3, 5, 7, t);                                                 \
+    } while (0)
+
+/* y's `rows` rows (<= 16, a constant once inlined) x a block's 4 channel tiles over groups g0 ..
+   g0 + count (<= 4, their quadruples made); y holds the sums of the groups before g0 unless g0
+   is 0. The tiles do not wait on the scaling: each sums tile, once stored, takes the next
+   channel tile's product while the vector units scale this one's. */
 static inline __attribute__((always_inline)) void
 int4_tile_block(const int8_t *xq, const float *x_scales, const float *x_sums, const int8_t *quads,
                 const uint32_t *pairs, int64_t K, int64_t N, int64_t g0, int count, const int rows,
                 float *y, struct ahead *ahead) {
-    for (int t = 0; t < 4; t++)
-        int4_tile_chunk(xq, x_scales, x_sums, quads, pairs, K, N, g0, count, t, rows, g0 == 0, y,
-                        ahead);
+    const int64_t groups = K / 32;
+    int32_t sums[2][4][16 * 16] __attribute__((aligned(64)));
+    PRODUCTS(0);
+    for (int t = 0; t < 4; t++) {
+        fetch_ahead(ahead);
+        STORES_AND_NEXT(t);
+        __m512 acc[16];
+        for (int m = 0; m < rows; m++)
+            acc[m] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * N + t * 16);
+        for (int j = 0; j < count; j++)
+            scale_group_sums(sums[t & 1][j], pairs + (g0 + j) * N + t * 16, x_scales, x_sums,
+                             groups, g0 + j, rows, acc);
+        for (int m = 0; m < rows; m++) _mm512_storeu_ps(y + m * N + t * 16, acc[m]);
+    }
 }
+#undef STORES_AND_NEXT
+#undef STORE_AND_NEXT
+#undef PRODUCTS
+#undef GROUP_PRODUCT
 
 /* Rows m .. m + rows (<= 16) of a block over groups g0 .. g0 + count: each row count its own
    loop, the sums held in registers */
@@ -321,7 +333,8 @@ static void int4_tile_rows_of(const int8_t *xq, const float *x_scales, const flo
 /* The next block's bytes, spread over this block's chunks of groups and rows (vectors.h) */
 static struct ahead tile_ahead(const uint8_t *packed, int64_t K, int64_t N, int64_t block,
                                int64_t M) {
-    const int64_t bytes = K * 32, steps = ((K / 32 + 3) / 4) * 8 * ((M + 15) / 16);
+    const int64_t chunks = (K / 32 + TILE_GROUPS - 1) / TILE_GROUPS;
+    const int64_t bytes = K * 32, steps = chunks * 4 * ((M + 15) / 16); /* a call a channel tile */
     struct ahead a = {NULL, NULL, 0};
     if ((block + 1) * 64 >= N) return a; /* the last block: none after it */
     a.next = (const char *)(packed + (block + 1) * bytes), a.end = a.next + bytes;
