@@ -306,7 +306,7 @@ def test_int4_takes_int4_vnni_at_a_decode_steps_rows_where_it_is_built(above):
     vnni_rows = {None: 32, 16: 16, 256: 32}[above]
     assert amx.int4.install(None).keywords == {"vnni_rows": vnni_rows}
     assert amx.decode_step.install.keywords["int4_vnni_rows"] == vnni_rows
-    assert ("AMX tiles above 16" in amx.decode_step.why) == (above == 16)
+    assert ("AMX tiles above 16 rows" in amx.decode_step.kernel) == (above == 16)
 
 
 def test_the_plan_is_a_function_of_the_shape_and_the_machine(monkeypatch):

@@ -455,11 +455,12 @@ def _decode_step(shape: RunShape, machine: Machine) -> Choice:
         )
         choice = _c_kernel("decode_layer.c+int4_vnni.c", shape, machine, step)
         why = f"int4_vnni.c's products at {torch_rows + 1} to {cpu.AMX_ROWS} rows"
-        why += f" (AMX tiles above {vnni_rows})" if vnni_rows < cpu.AMX_ROWS else ""
         why += ", fewer layer by layer (torch's int4 kernel)" if torch_rows else ""
         if choice.install is None:
             return Choice("layer_by_layer", "layer by layer", choice.why)
-        return Choice(choice.id, "decode_layer.c, int4 on int4_vnni.c", why, choice.install)
+        kernel = "decode_layer.c, int4 on int4_vnni.c"
+        kernel += f", AMX tiles above {vnni_rows} rows" if vnni_rows < cpu.AMX_ROWS else ""
+        return Choice(choice.id, kernel, why, choice.install)
     if bf16 and shape.bf16_products() and (_tiles(shape, machine) or _bf16_dot(shape, machine)):
         install = functools.partial(fused_decode.FusedDecode.for_decoder, bf16_products=True)
         why = f"bfloat16 products, float32 sums, to {cpu.AMX_ROWS} rows"
