@@ -199,17 +199,18 @@ int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales
    channels x 4 inputs), its int32 sums stored and scaled as int4_vnni_block scales them, in the
    same order: the same floats. A block's quadruples are made once, for every row. */
 
-#define TILE_GROUPS 4  /* groups a block's quadruples are made for at a time: 8 KiB, in L1 */
+#define TILE_GROUPS 3  /* groups a block's quadruples are made for at a time: 6 KiB, in L1 */
 #define TILE_QUADS 512 /* bytes of a channel tile of one group */
 
-/* tmm0-3 four groups' sums (`rows` rows), tmm4, 5 rows of x (32 inputs), tmm6, 7 channel tiles */
+/* tmm0-2 three groups' sums (`rows` rows), tmm3-5 their rows of x (32 inputs), tmm6, 7 channel
+   tiles */
 static void configure_int4_tiles(int rows) {
     struct tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
         c.rows[t] = t < 6 ? (uint8_t)rows : 8;
-        c.colsb[t] = t == 4 || t == 5 ? 32 : 64;
+        c.colsb[t] = t >= 3 && t < 6 ? 32 : 64;
     }
     _tile_loadconfig(&c);
 }
@@ -240,23 +241,21 @@ scale_group_sums(const int32_t *sums, const uint32_t *pairs, const float *x_scal
     }
 }
 
-/* Group g0 + C's product for channel tile t into sums tile C (tmm0-3), from rows tile A and
-   channel tile B */
+/* Group g0 + C's product for channel tile t into sums tile C (tmm0-2), from its rows tile A
+   (loaded once for the four channel tiles) and channel tile B */
 #define GROUP_PRODUCT(C, A, B, t)                                                                  \
     do {                                                                                           \
         _tile_zero(C);                                                                             \
-        _tile_loadd(A, xq + (g0 + C) * 32, K);                                                     \
         _tile_loadd(B, quads + (C * 4 + (t)) * TILE_QUADS, 64);                                    \
         _tile_dpbssd(C, A, B);                                                                     \
     } while (0)
 
-/* Channel tile t's products of the `count` groups (<= 4), each into its sums tile */
+/* Channel tile t's products of the `count` groups (<= 3), each into its sums tile */
 #define PRODUCTS(t)                                                                                \
     do {                                                                                           \
-        GROUP_PRODUCT(0, 4, 6, t);                                                                 \
-        if (count > 1) GROUP_PRODUCT(1, 5, 7, t);                                                  \
-        if (count > 2) GROUP_PRODUCT(2, 4, 6, t);                                                  \
-        if (count > 3) GROUP_PRODUCT(3, 5, 7, t);                                                  \
+        GROUP_PRODUCT(0, 3, 6, t);                                                                 \
+        if (count > 1) GROUP_PRODUCT(1, 4, 7, t);                                                  \
+        if (count > 2) GROUP_PRODUCT(2, 5, 6, t);                                                  \
     } while (0)
 
 /* Sums tile C stored, and group C's product for channel tile t + 1 begun in it (t < 3) */
@@ -269,14 +268,13 @@ scale_group_sums(const int32_t *sums, const uint32_t *pairs, const float *x_scal
 /* Channel tile t's sums tiles stored, the next channel tile's products begun in them */
 #define STORES_AND_NEXT(t)                                                                         \
     do {                                                                                           \
-        STORE_AND_NEXT(0, 4, 6, t);                                                                \
-        if (count > 1) STORE_AND_NEXT(1, 5, 7, t);                                                 \
-        if (count > 2) STORE_AND_NEXT(2, 4, 6, t);                                                 \
-        if (count > 3) STORE_AND_NEXT(3, 5, 7, t);                                                 \
+        STORE_AND_NEXT(0, 3, 6, t);                                                                \
+        if (count > 1) STORE_AND_NEXT(1, 4, 7, t);                                                 \
+        if (count > 2) STORE_AND_NEXT(2, 5, 6, t);                                                 \
     } while (0)
 
 /* y's `rows` rows (<= 16, a constant once inlined) x a block's 4 channel tiles over groups g0 ..
-   g0 + count (<= 4, their quadruples made); y holds the sums of the groups before g0 unless g0
+   g0 + count (<= 3, their quadruples made); y holds the sums of the groups before g0 unless g0
    is 0. The tiles do not wait on the scaling: each sums tile, once stored, takes the next
    channel tile's product while the vector units scale this one's. */
 static inline __attribute__((always_inline)) void
@@ -284,7 +282,10 @@ int4_tile_block(const int8_t *xq, const float *x_scales, const float *x_sums, co
                 const uint32_t *pairs, int64_t K, int64_t N, int64_t g0, int count, const int rows,
                 float *y, struct ahead *ahead) {
     const int64_t groups = K / 32;
-    int32_t sums[2][4][16 * 16] __attribute__((aligned(64)));
+    int32_t sums[2][TILE_GROUPS][16 * 16] __attribute__((aligned(64)));
+    _tile_loadd(3, xq + g0 * 32, K);
+    if (count > 1) _tile_loadd(4, xq + (g0 + 1) * 32, K);
+    if (count > 2) _tile_loadd(5, xq + (g0 + 2) * 32, K);
     PRODUCTS(0);
     for (int t = 0; t < 4; t++) {
         fetch_ahead(ahead);
