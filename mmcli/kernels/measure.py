@@ -172,19 +172,26 @@ def _int4_tiles() -> dict:
     }
 
 
+def _step_rates(weights: list, counts: tuple[int, ...], sides: tuple) -> dict:
+    """Each side's rate (side(x, weight), G(OP)/s) over `weights` (of SHAPE, read from memory as
+    a decode step reads them) at each of a step's row counts."""
+    inner, outer = SHAPE
+    rates = {}
+    for rows in counts:
+        x = torch.randn(rows, inner)
+        ops = 2 * rows * inner * outer * len(weights)
+        rates[rows] = tuple(
+            _rate(lambda x=x, side=side: [side(x, w) for w in weights], ops) for side in sides
+        )
+    return rates
+
+
 def _int4_fewest_rows() -> dict:
     """int4_vnni.c against torch's int4 kernel at a decode step's fewest rows, the weights read
     from memory as a step reads them (STREAMED_LAYERS of them, past the caches)."""
     inner, outer = SHAPE
     weights = [random_int4(outer, inner) for _ in range(STREAMED_LAYERS)]
-    rates = {}
-    for rows in INT4_FEWEST_ROWS:
-        x = torch.randn(rows, inner)
-        ops = 2 * rows * inner * outer * STREAMED_LAYERS
-        rates[rows] = (
-            _rate(lambda x=x: [cpu.int4_vnni_linear(x, w) for w in weights], ops),
-            _rate(lambda x=x: [torch_int4(x, w) for w in weights], ops),
-        )
+    rates = _step_rates(weights, INT4_FEWEST_ROWS, (cpu.int4_vnni_linear, torch_int4))
     return {"kernels": ["int4_vnni.c", "torch int4"], "units": ["int8", "float32"], "rates": rates}
 
 
@@ -194,14 +201,8 @@ def _int8_step_rows() -> dict:
     same integers. Which reads the weights faster moved from one AMX machine to the next."""
     inner, outer = SHAPE
     weights = [random_int8(outer, inner)[0] for _ in range(STREAMED_LAYERS)]
-    rates = {}
-    for rows in INT8_STEP_ROWS:
-        x = torch.randn(rows, inner)
-        ops = 2 * rows * inner * outer * STREAMED_LAYERS
-        rates[rows] = tuple(
-            _rate(lambda x=x, v=vnni_rows: [cpu.int8_linear(x, w, v) for w in weights], ops)
-            for vnni_rows in (cpu.AMX_ROWS, 0)
-        )
+    sides = tuple(functools.partial(cpu.int8_linear, vnni_rows=v) for v in (cpu.AMX_ROWS, 0))
+    rates = _step_rates(weights, INT8_STEP_ROWS, sides)
     kernels = ["int8_linear.c on VNNI", "int8_linear.c on AMX tiles"]
     return {"kernels": kernels, "units": ["int8", "int8"], "rates": rates}
 
@@ -212,14 +213,8 @@ def _int4_step_rows() -> dict:
     tiles', the same integers and floats."""
     inner, outer = SHAPE
     weights = [random_int4(outer, inner) for _ in range(STREAMED_LAYERS)]
-    rates = {}
-    for rows in INT4_STEP_ROWS:
-        x = torch.randn(rows, inner)
-        ops = 2 * rows * inner * outer * STREAMED_LAYERS
-        rates[rows] = tuple(
-            _rate(lambda x=x, v=vnni_rows: [cpu.amx_int4_gemm(x, w, v) for w in weights], ops)
-            for vnni_rows in (cpu.AMX_ROWS, 0)
-        )
+    sides = tuple(functools.partial(cpu.amx_int4_gemm, vnni_rows=v) for v in (cpu.AMX_ROWS, 0))
+    rates = _step_rates(weights, INT4_STEP_ROWS, sides)
     kernels = ["int4_vnni.c on VNNI", "int4_vnni.c on AMX tiles"]
     return {"kernels": kernels, "units": ["int8", "int8"], "rates": rates}
 
