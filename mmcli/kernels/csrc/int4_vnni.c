@@ -250,14 +250,6 @@ scale_group_sums(const int32_t *sums, const uint32_t *pairs, const float *x_scal
         _tile_dpbssd(C, A, B);                                                                     \
     } while (0)
 
-/* Channel tile t's products of the `count` groups (<= 3), each into its sums tile */
-#define PRODUCTS(t)                                                                                \
-    do {                                                                                           \
-        GROUP_PRODUCT(0, 3, 6, t);                                                                 \
-        if (count > 1) GROUP_PRODUCT(1, 4, 7, t);                                                  \
-        if (count > 2) GROUP_PRODUCT(2, 5, 6, t);                                                  \
-    } while (0)
-
 /* Sums tile C stored, and group C's product for channel tile t + 1 begun in it (t < 3) */
 #define STORE_AND_NEXT(C, A, B, t)                                                                 \
     do {                                                                                           \
@@ -265,12 +257,13 @@ scale_group_sums(const int32_t *sums, const uint32_t *pairs, const float *x_scal
         if ((t) < 3) GROUP_PRODUCT(C, A, B, (t) + 1);                                              \
     } while (0)
 
-/* Channel tile t's sums tiles stored, the next channel tile's products begun in them */
-#define STORES_AND_NEXT(t)                                                                         \
+/* OP(C, A, B, t) for each of the `count` groups (<= 3): its sums tile, rows tile and a channel
+   tile */
+#define EACH_GROUP(OP, t)                                                                          \
     do {                                                                                           \
-        STORE_AND_NEXT(0, 3, 6, t);                                                                \
-        if (count > 1) STORE_AND_NEXT(1, 4, 7, t);                                                 \
-        if (count > 2) STORE_AND_NEXT(2, 5, 6, t);                                                 \
+        OP(0, 3, 6, t);                                                                            \
+        if (count > 1) OP(1, 4, 7, t);                                                             \
+        if (count > 2) OP(2, 5, 6, t);                                                             \
     } while (0)
 
 /* y's `rows` rows (<= 16, a constant once inlined) x a block's 4 channel tiles over groups g0 ..
@@ -286,10 +279,10 @@ int4_tile_block(const int8_t *xq, const float *x_scales, const float *x_sums, co
     _tile_loadd(3, xq + g0 * 32, K);
     if (count > 1) _tile_loadd(4, xq + (g0 + 1) * 32, K);
     if (count > 2) _tile_loadd(5, xq + (g0 + 2) * 32, K);
-    PRODUCTS(0);
+    EACH_GROUP(GROUP_PRODUCT, 0); /* then each channel tile's as the last one's are stored */
     for (int t = 0; t < 4; t++) {
         fetch_ahead(ahead);
-        STORES_AND_NEXT(t);
+        EACH_GROUP(STORE_AND_NEXT, t);
         __m512 acc[16];
         for (int m = 0; m < rows; m++)
             acc[m] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * N + t * 16);
@@ -299,9 +292,8 @@ int4_tile_block(const int8_t *xq, const float *x_scales, const float *x_sums, co
         for (int m = 0; m < rows; m++) _mm512_storeu_ps(y + m * N + t * 16, acc[m]);
     }
 }
-#undef STORES_AND_NEXT
+#undef EACH_GROUP
 #undef STORE_AND_NEXT
-#undef PRODUCTS
 #undef GROUP_PRODUCT
 
 /* Rows m .. m + rows (<= 16) of a block over groups g0 .. g0 + count: each row count its own
