@@ -27,17 +27,24 @@ def plan_table(run: Run) -> Table:
     return table
 
 
+def _both_here(name: str, machine: Machine) -> bool:
+    """Whether both kernels of the comparison `name` run here (else there is nothing to time)."""
+    if name in ("peaks", "floors"):
+        return False
+    if name == "int4_tiles":  # the library's tiles and torch's kernel, whatever we built
+        return machine.int4_block is not None
+    if name == "int4_fewest_rows":
+        return machine.int4_vnni
+    if name in ("int8_step_rows", "int4_step_rows"):  # the vector units against the tiles
+        return machine.tiles() and (name == "int8_step_rows" or machine.int4_vnni)
+    return bool(machine.build)
+
+
 def rates_table(machine: Machine, again: bool) -> Table:
     table = Table(title="measured kernels, against their unit's peak", title_justify="left")
     for column in ("comparison", "rows", "kernel", "G(FL)OP/s", "of the peak"):
         table.add_column(column, justify="right" if column in ("rows", "G(FL)OP/s") else "left")
-    for name in measure.COMPARISONS:
-        if name in ("peaks", "floors") or (name != "int4_tiles" and not machine.build):
-            continue
-        if (name == "int4_fewest_rows" and not machine.int4_vnni) or (
-            name == "int4_tiles" and machine.int4_block is None
-        ):
-            continue  # ours is not here: nothing to time
+    for name in filter(lambda name: _both_here(name, machine), measure.COMPARISONS):
         result = measure.measured(name, machine.key(), again)
         for rows, pair in result["rates"].items():
             for kernel, unit, rate in zip(result["kernels"], result["units"], pair):
