@@ -297,7 +297,7 @@ int4_tile_block(const int8_t *xq, const float *x_scales, const float *x_sums, co
 #undef GROUP_PRODUCT
 
 /* Rows m .. m + rows (<= 16) of a block over groups g0 .. g0 + count: each row count its own
-   loop, the sums held in registers */
+   loop, a channel tile's float sums held in registers */
 static void int4_tile_rows_of(const int8_t *xq, const float *x_scales, const float *x_sums,
                               const int8_t *quads, const uint32_t *pairs, int64_t K, int64_t N,
                               int64_t g0, int count, int rows, float *y, struct ahead *ahead) {
