@@ -46,7 +46,7 @@ def test_rows_are_quantized_to_the_levels_of_float32_arithmetic_ties_to_even():
 
 
 # rows in one pass of 4 and in several (the last one short), the tiles' one 16-row pass and two;
-# one group, many, and the tiles' groups of 8 with a short last one
+# one group, 32 (the tiles' chunks of three groups, the last one short) and 9 (every chunk full)
 @pytest.mark.parametrize("rows", [3, 4, 5, 8, 17, 32])
 @pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024), (128, 9 * 32)])
 def test_int4_at_a_few_rows_multiplies_its_weights_by_int8_rows(rows, channels, inputs):

@@ -189,8 +189,14 @@ class FusedDecode:
         if not on_cpu or not all(layer.fits(cfg.rotary_dim) for layer in layers):
             return None
         bf16_products = bf16_products and cpu.name() in cpu.BF16_DOT_BUILDS
-        rows = (int4_torch_rows, int8_vnni_rows, int4_vnni_rows)
-        return cls(layers, cfg.rms_norm_eps, bf16_products, *rows)
+        return cls(
+            layers,
+            cfg.rms_norm_eps,
+            bf16_products,
+            int4_torch_rows=int4_torch_rows,
+            int8_vnni_rows=int8_vnni_rows,
+            int4_vnni_rows=int4_vnni_rows,
+        )
 
     def fits(self, hidden: torch.Tensor, batch, deepstack) -> bool:
         """A decode step of the kernels' few rows, eager, in float32 on the CPU."""
