@@ -182,12 +182,13 @@ static void softmax_pair_rows(const float *s, int64_t lds, int64_t rows, int64_t
         __m256i *half = (__m256i *)(out + r * o_pairs);
         int64_t k = 0;
         for (; k < whole; k += GL) {
-            const vec e = vexp(vfma(vload(row + k), factor, shift));
+            const vec e = vexp_softmax(vfma(vload(row + k), factor, shift));
             total = vadd(total, e);
             _mm256_storeu_si256(half++, (__m256i)_mm512_cvtneps_pbh(e));
         }
         if (k < n) {
-            const vec e = _mm512_maskz_mov_ps(tail, vexp(vfma(vload(row + k), factor, shift)));
+            const vec e =
+                _mm512_maskz_mov_ps(tail, vexp_softmax(vfma(vload(row + k), factor, shift)));
             total = vadd(total, e);
             _mm256_storeu_si256(half++, (__m256i)_mm512_cvtneps_pbh(e));
             k += GL;
