@@ -270,6 +270,26 @@ def test_a_bfloat16_gemms_outputs_widen_with_their_bias_and_gelu_in_one_pass(bui
     assert torch.equal(matrix.bf16_linear(x, weight, bias, "gelu_tanh"), expected)
 
 
+def test_a_gemms_outputs_are_handed_on_as_the_next_product_rounds_them(build):
+    """`rounded`: the widened outputs (bias, GELU) rounded to bfloat16 in the same pass, and the
+    SwiGLU of two products' outputs rounded: the bits of float32's pass then torch's rounding (a
+    NaN stays one), past the threads' threshold and off the vectors' width."""
+    generator = torch.Generator().manual_seed(6)
+    for rows, cols in [(219, 600), (3, 21)]:
+        products, up = torch.randn(2, rows, cols, generator=generator).mul_(4).bfloat16()
+        products[rows - 1, cols - 2] = float("nan")
+        bias = torch.randn(cols, generator=generator)
+        for activation in (None, "gelu_tanh"):
+            rounded = cpu.widen_outputs(products, bias, activation, rounded=True)
+            widened = cpu.widen_outputs(products, bias, activation).bfloat16()
+            assert rounded.dtype == torch.bfloat16
+            torch.testing.assert_close(rounded, widened, atol=0, rtol=0, equal_nan=True)
+        swiglu = cpu.silu_times(products.float(), up.float()).bfloat16()
+        torch.testing.assert_close(
+            cpu.silu_times_rounded(products, up), swiglu, atol=0, rtol=0, equal_nan=True
+        )
+
+
 def test_the_kernels_give_the_same_bits_on_any_number_of_threads(build):
     """The threads take panels, tiles and heads as they come free, so who computes what changes
     from call to call; every sum is still made in one order: one thread and three (more than

@@ -374,6 +374,30 @@ def test_bf16_products_are_float32s_to_bfloat16_rounding_and_few_rows_stay_exact
         assert (y - reference).abs().max().item() <= tolerance + 1e-4
 
 
+@pytest.mark.skipif(cpu.why_unavailable() is not None, reason="no C kernels here")
+def test_bf16_products_hand_their_outputs_on_rounded_for_the_same_bits():
+    """A GEMM of bfloat16 products hands its outputs on in bfloat16 (Linear's `rounded`), as
+    the next product would round them: the dense MLP and the vision tower's give the bits of
+    each product's outputs widened, then rounded again by the next; a few rows, in float32."""
+    from mmcli.models.layers.linear import Linear
+    from mmcli.models.layers.mlp import MLP
+
+    torch.manual_seed(3)
+    mlp, fc1, fc2 = MLP(64, 96), Linear(64, 96), Linear(96, 64)
+    for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj, fc1, fc2):
+        layer.weight.data = layer.weight.data.bfloat16()
+        layer.kernel = matrix.bf16_products(above=8)
+    mlp.act.kernel = cpu_ops.silu_times
+    with torch.inference_mode():
+        for rows in (40, 4):
+            x = torch.randn(rows, 64)
+            handed = fc1(x, activation="gelu_tanh", rounded=True)
+            assert handed.dtype == (torch.bfloat16 if rows > 8 else torch.float32)
+            assert torch.equal(fc2(handed), fc2(fc1(x, activation="gelu_tanh")))
+            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+            assert torch.equal(mlp(x), mlp.down_proj(cpu_ops.silu_times(gate, up)))
+
+
 @pytest.mark.skipif(not cpu_features.exact_int8(), reason="oneDNN's int8 saturates without VNNI")
 def test_int8_on_onednn_is_int8_references_arithmetic_exactly():
     weight = quantize_int8(torch.randn(40, 52))

@@ -244,8 +244,10 @@ def _declare(library: ctypes.CDLL) -> None:
     library.rotary.restype = None
     library.silu_times.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
     library.silu_times.restype = None
+    library.silu_times_rounded.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
+    library.silu_times_rounded.restype = None
     library.widen_outputs.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
-    library.widen_outputs.argtypes += [ctypes.c_int] * 2
+    library.widen_outputs.argtypes += [ctypes.c_int] * 3
     library.widen_outputs.restype = None
     library.decode_layer.argtypes = [ctypes.POINTER(DecodeLayer), ctypes.c_void_p, ctypes.c_int64]
     library.decode_layer.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
@@ -574,15 +576,32 @@ def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return gate
 
 
-def widen_outputs(
-    products: torch.Tensor, bias: torch.Tensor | None, activation: str | None
-) -> torch.Tensor:
-    """activation(products (..., cols) bfloat16, contiguous, widened to float32 + bias (float32,
-    contiguous, or None)), one pass (pointwise.c); activation one of ACTIVATIONS."""
+def silu_times_rounded(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in float32 from bfloat16 gate and up (contiguous, of one shape, on the
+    CPU), rounded to bfloat16: a new tensor."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
-    y = torch.empty(products.shape, dtype=torch.float32)
+    out = torch.empty_like(gate)
+    library.silu_times_rounded(
+        gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), torch.get_num_threads()
+    )
+    return out
+
+
+def widen_outputs(
+    products: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    rounded: bool = False,
+) -> torch.Tensor:
+    """activation(products (..., cols) bfloat16, contiguous, widened to float32 + bias (float32,
+    contiguous, or None)), one pass (pointwise.c); activation one of ACTIVATIONS. `rounded`:
+    the result in bfloat16, each value rounded as torch rounds float32."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    y = torch.empty(products.shape, dtype=torch.bfloat16 if rounded else torch.float32)
     cols = products.shape[-1]
     library.widen_outputs(
         products.data_ptr(),
@@ -591,6 +610,7 @@ def widen_outputs(
         products.numel() // cols,
         cols,
         ACTIVATIONS[activation],
+        int(rounded),
         torch.get_num_threads(),
     )
     return y

@@ -50,17 +50,24 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """pointwise.c's SwiGLU, silu(gate) * up in one pass, into gate (the layer does not keep
-    it)."""
+    it). bfloat16 gate and up, a bfloat16 GEMM's outputs handed on as they are (Linear's
+    `rounded`), give silu(gate) * up in float32 rounded to bfloat16: the down projection's input
+    as its product would round it."""
     if not (
-        _float32_on_cpu(gate, up)
-        and gate.shape == up.shape
+        gate.shape == up.shape
         and gate.is_contiguous()
         and up.is_contiguous()
         and not gate.requires_grad
         and cpu.eager()
     ):
         return None
-    return cpu.silu_times(gate, up)
+    if _bf16_on_cpu(gate, up):
+        return cpu.silu_times_rounded(gate, up)
+    return cpu.silu_times(gate, up) if _float32_on_cpu(gate, up) else None
+
+
+def _bf16_on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
 
 
 def attention(
@@ -95,11 +102,15 @@ def _attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
 
 
 def bf16_matmul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    rounded: bool = False,
 ) -> torch.Tensor | None:
     """bf16_linear.c: x (float32) @ weight.T (bfloat16) + bias, then the activation; up to
     KERNEL_ROWS rows the few-rows kernel, more rows the GEMM (which applies the bias and the
-    activation as it stores)."""
+    activation as it stores). Its products are float32, so are its outputs, `rounded` or not."""
     if not (
         weight.dtype == torch.bfloat16
         and x.dtype == torch.float32
@@ -138,9 +149,10 @@ def bf16_rows_matmul(x: torch.Tensor, weight: torch.Tensor, split: bool) -> torc
     return bf16_matmul(x, weight, None, None)
 
 
-def head_matmul(x, weight, bias, activation, split: bool) -> torch.Tensor | None:
+def head_matmul(x, weight, bias, activation, rounded=False, *, split: bool) -> torch.Tensor | None:
     """The head's kernel on the tiles or AVX-512 BF16's dot products: bf16_rows_matmul, each
-    activation split or rounded (a bias or an activation: bf16_matmul's)."""
+    activation split or rounded (a bias or an activation: bf16_matmul's); float32 logits,
+    `rounded` or not."""
     if bias is not None or activation is not None:
         return bf16_matmul(x, weight, bias, activation)
     return bf16_rows_matmul(x, weight, split=split)
@@ -182,15 +194,21 @@ def _int4_rows(
 
 
 def widen_outputs(
-    products: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+    products: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    rounded: bool = False,
 ) -> torch.Tensor | None:
-    """activation(bfloat16 products widened + bias) in float32, one pass (pointwise.c); None
-    where our kernels do not run it (the caller's torch operations then)."""
+    """activation(bfloat16 products widened + bias) in float32, one pass (pointwise.c); with
+    `rounded`, in bfloat16 (the products as they are where there is nothing to add or apply);
+    None where our kernels do not run it (the caller's torch operations then)."""
     fits = bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     on_cpu = products.dtype == torch.bfloat16 and products.device.type == "cpu"
     if not (fits and on_cpu and cpu.eager()):
         return None
-    return cpu.widen_outputs(products.contiguous(), bias, activation)
+    if rounded and bias is None and activation is None:
+        return products
+    return cpu.widen_outputs(products.contiguous(), bias, activation, rounded)
 
 
 def int8_matmul(

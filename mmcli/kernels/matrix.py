@@ -29,9 +29,10 @@ INT4_TILE = 256  # output channels dequantized at a time: 1 MB of bfloat16 for 2
 
 def _library_rows(x: torch.Tensor, above: int) -> bool:
     """Whether a product of these rows is the library's (more than `above` rows, float32
-    activations, eager: a graph being traced keeps torch's own operations)."""
+    activations or bfloat16 ones handed on by a product before, eager: a graph being traced
+    keeps torch's own operations)."""
     return (
-        x.dtype == torch.float32
+        x.dtype in (torch.float32, torch.bfloat16)
         and x.device.type == "cpu"
         and x.numel() // x.shape[-1] > above
         and not torch.compiler.is_compiling()
@@ -39,13 +40,20 @@ def _library_rows(x: torch.Tensor, above: int) -> bool:
 
 
 def bf16_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    rounded: bool = False,
 ) -> torch.Tensor:
-    """x (float32) @ weight.T (bfloat16) by oneDNN's bfloat16 GEMM: x rounded to bfloat16, the
-    sums in float32, the result (rounded to bfloat16 by the GEMM) returned in float32 with the
-    bias and the activation applied there (in one pass where our kernels run: pointwise.c)."""
+    """x (float32, or bfloat16 as a product before handed it on) @ weight.T (bfloat16) by
+    oneDNN's bfloat16 GEMM: x rounded to bfloat16, the sums in float32, the result (rounded to
+    bfloat16 by the GEMM) returned in float32 with the bias and the activation applied there (in
+    one pass where our kernels run: pointwise.c). `rounded`: that result rounded to bfloat16 in
+    the same pass, as the next product would round it; a float32 one where our kernels do not
+    run."""
     y = F.linear(x.to(torch.bfloat16), weight)
-    widened = cpu_ops.widen_outputs(y, bias, activation)
+    widened = cpu_ops.widen_outputs(y, bias, activation, rounded)
     if widened is not None:
         return widened
     y = y.float()
@@ -60,11 +68,13 @@ def bf16_products(above: int, few_rows: bool = False):
     memory) or, with `few_rows`, on this build's kernel for bfloat16 products of few rows, the
     AMX tiles or AVX-512 BF16's dot products (where bf16_linear.c's float32 FMAs fall behind the
     memory from 4 rows; at every row count, so that a row's products do not depend on how many
-    share its step)."""
+    share its step). The GEMM hands its outputs on `rounded` where asked; the few rows' kernels
+    give float32, and take a handed-on input widened."""
 
-    def matmul(x, weight, bias, activation):
+    def matmul(x, weight, bias, activation, rounded=False):
         if weight.dtype == torch.bfloat16 and _library_rows(x, above):
-            return bf16_linear(x, weight, bias, activation)
+            return bf16_linear(x, weight, bias, activation, rounded)
+        x = x.float()
         if few_rows and bias is None and activation is None:
             return cpu_ops.bf16_rows_matmul(x, weight, split=False)
         return cpu_ops.bf16_matmul(x, weight, bias, activation)

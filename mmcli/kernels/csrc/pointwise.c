@@ -52,23 +52,50 @@ void silu_times(float *gate, const float *up, int64_t n, int threads) {
 }
 
 /* y (rows x cols) = activation(products + bias): a bfloat16 GEMM's outputs widened to float32
-   (exactly), the bias (NULL: none) added and the activation (enum activation) applied. */
-void widen_outputs(const uint16_t *products, const float *bias, float *y, int64_t rows,
-                   int64_t cols, int activation, int threads) {
+   (exactly), the bias (NULL: none) added and the activation (enum activation) applied; with
+   `rounded`, y is bfloat16, each value rounded as the next bfloat16 product would round it. */
+void widen_outputs(const uint16_t *products, const float *bias, void *y, int64_t rows, int64_t cols,
+                   int activation, int rounded, int threads) {
     const int64_t vectors = cols / GL;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 1 << 16)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *from = products + r * cols;
-        float *to = y + r * cols;
+        float *to = (float *)y + r * cols;
+        uint16_t *to_bf16 = (uint16_t *)y + r * cols;
         for (int64_t b = 0; b < vectors; b++) {
             vec v = widen(from + b * GL);
             if (bias) v = vadd(v, vload(bias + b * GL));
-            vstore(to + b * GL, activation == GELU_TANH ? vgelu_tanh(v) : v);
+            if (activation == GELU_TANH) v = vgelu_tanh(v);
+            if (rounded)
+                store_bf16(to_bf16 + b * GL, v);
+            else
+                vstore(to + b * GL, v);
         }
         for (int64_t c = vectors * GL; c < cols; c++) {
-            const float v = bf16_to_float(from[c]) + (bias ? bias[c] : 0.0f);
+            float v = bf16_to_float(from[c]) + (bias ? bias[c] : 0.0f);
             const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
-            to[c] = activation == GELU_TANH ? v / (1.0f + __builtin_expf(-2.0f * u)) : v;
+            v = activation == GELU_TANH ? v / (1.0f + __builtin_expf(-2.0f * u)) : v;
+            if (rounded)
+                to_bf16[c] = bf16_rounded(v);
+            else
+                to[c] = v;
         }
+    }
+}
+
+/* out = silu(gate) * up, rounded to bfloat16, over n values of a bfloat16 GEMM's outputs:
+   silu_times on them widened, for a next bfloat16 product that would round its input anyway. */
+void silu_times_rounded(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n,
+                        int threads) {
+    const int64_t vectors = n / GL;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n >= 1 << 16)
+    for (int64_t b = 0; b < vectors; b++) {
+        const vec g = widen(gate + b * GL);
+        const vec s = vdiv(g, vadd(vset(1.0f), vexp(vsub(vzero(), g))));
+        store_bf16(out + b * GL, vmul(s, widen(up + b * GL)));
+    }
+    for (int64_t i = vectors * GL; i < n; i++) {
+        const float g = bf16_to_float(gate[i]);
+        out[i] = bf16_rounded(g / (1.0f + __builtin_expf(-g)) * bf16_to_float(up[i]));
     }
 }

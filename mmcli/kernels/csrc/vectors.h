@@ -86,6 +86,16 @@ static inline vec widen(const uint16_t *p) { /* 16 bfloat16 -> float32, exactly 
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+/* 16 float32 rounded to bfloat16 at p, each as bf16_rounded (ties to even; a NaN stays one) */
+static inline void store_bf16(uint16_t *p, vec v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_srli_epi32(r, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
 /* int4's scale and zero of 16 channels from their bfloat16 pairs (scale the lower half) */
 static inline void scale_zero(const uint32_t *pairs, __m512 *scale, __m512 *zero) {
     const __m512i sz = _mm512_loadu_si512(pairs);
@@ -185,6 +195,18 @@ static inline vec high_bf16(vec pairs) {
 static inline vec widen(const uint16_t *p) { /* 8 bfloat16 -> float32, exactly */
     __m128i h = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+/* 8 float32 rounded to bfloat16 at p, each as bf16_rounded (ties to even; a NaN stays one) */
+static inline void store_bf16(uint16_t *p, vec v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    /* values below 2^16: packing without saturation, the two halves' quads put in order */
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
 }
 /* r[i][j] -> r[j][i] for an 8 x 8 block */
 static inline void transpose(vec r[8]) {

@@ -80,15 +80,21 @@ class Linear(nn.Linear):
         if not self.weight.is_meta:
             super().reset_parameters()
 
-    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, activation: str | None = None, rounded: bool = False
+    ) -> torch.Tensor:
         """x @ W.T + b, then `activation` (None or "gelu_tanh"), fused into the kernel where it
-        can be."""
+        can be. `rounded`: the output may come in bfloat16, rounded as a next bfloat16 product
+        rounds its input: a run of bfloat16 products hands a GEMM's outputs on that way, one
+        pass fewer for the same values (matrix.bf16_linear), and x may be such an output."""
         check_activation(activation)
-        if self.weight.dtype != x.dtype:
+        handed_on = x.dtype == self.weight.dtype == torch.bfloat16 and self.kernel is not None
+        if self.weight.dtype != x.dtype or handed_on:
             if self.kernel is not None:
-                y = self.kernel(x, self.weight, self.bias, activation)
+                y = self.kernel(x, self.weight, self.bias, activation, rounded)
                 if y is not None:
                     return y
+            x = x.float() if handed_on else x
             return upcast_linear(x, self.weight, self.bias, activation)
         if (
             x.device.type != "cpu"
@@ -128,7 +134,10 @@ class PackedLinear(nn.Module):
         """The tensors this layer computes with beyond its parameters."""
         return [self.packed_weight]
 
-    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, activation: str | None = None, rounded: bool = False
+    ) -> torch.Tensor:
+        """As Linear's, in float32 (`rounded` or not)."""
         check_activation(activation)
         post, algorithm = ("gelu", "tanh") if activation else ("none", "")
         return torch.ops.mkldnn._linear_pointwise(

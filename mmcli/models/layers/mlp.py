@@ -11,7 +11,8 @@ from mmcli.models.layers.linear import Linear
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up, the SwiGLU; the installed kernel may write into gate (callers hand over a
-    gate they do not keep)."""
+    gate they do not keep). The kernel takes bfloat16 gate and up as well, products handed on as
+    they are (Linear's `rounded`): computed in float32, rounded once for down's product."""
 
     work = "swiglu"
     kernel = None  # (gate, up) -> silu(gate) * up, or None where they are not the kernel's
@@ -31,4 +32,7 @@ class MLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        # gate and up as their products give them (bfloat16 where the run's are), the SwiGLU's
+        # output as down's product reads it: no pass widens or rounds them in between
+        gate, up = self.gate_proj(x, rounded=True), self.up_proj(x, rounded=True)
+        return self.down_proj(self.act(gate, up))

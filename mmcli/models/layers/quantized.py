@@ -81,7 +81,10 @@ class Int8Linear(nn.Module):
         """The tensors this layer computes with (no parameters: the Int8Weight's)."""
         return list(self.weight.tensors().values())
 
-    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, activation: str | None = None, rounded: bool = False
+    ) -> torch.Tensor:
+        """As Linear's, in float32 (`rounded` or not)."""
         check_activation(activation)
         x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
         rows, y = x2.shape[0], None
@@ -128,7 +131,10 @@ class Int4Linear(nn.Module):
     def held(self) -> list[torch.Tensor]:
         return list(self.weight.tensors().values())
 
-    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, activation: str | None = None, rounded: bool = False
+    ) -> torch.Tensor:
+        """As Linear's, in float32 (`rounded` or not)."""
         check_activation(activation)
         y = self.kernel(x, self.weight, self.bias) if self.kernel is not None else None
         if y is None:

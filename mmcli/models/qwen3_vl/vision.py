@@ -121,7 +121,7 @@ class VisionMLP(nn.Module):
         self.linear_fc2 = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.linear_fc1(x, activation="gelu_tanh"))
+        return self.linear_fc2(self.linear_fc1(x, activation="gelu_tanh", rounded=True))
 
 
 class VisionBlock(nn.Module):
