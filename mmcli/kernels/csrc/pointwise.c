@@ -38,17 +38,53 @@ void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t r
     }
 }
 
-/* gate <- silu(gate) * up over n values, as F.silu(gate) * up: gate / (1 + e^-gate) * up. */
-void silu_times(float *gate, const float *up, int64_t n, int threads) {
+/* Element i of a float32 tensor or, with bf16, of a bfloat16 one: its vector from i, its value,
+   each read widened exactly and written rounded as torch rounds float32 */
+static inline vec load_as(const void *p, int64_t i, int bf16) {
+    return bf16 ? widen((const uint16_t *)p + i) : vload((const float *)p + i);
+}
+static inline void store_as(void *p, int64_t i, vec v, int bf16) {
+    if (bf16)
+        store_bf16((uint16_t *)p + i, v);
+    else
+        vstore((float *)p + i, v);
+}
+static inline float value_at(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+static inline void set_at(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = bf16_rounded(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* out = silu(gate) * up over n values, as F.silu(gate) * up: gate / (1 + e^-gate) * up; with
+   bf16, gate, up and out are bfloat16 */
+static void swiglu(const void *gate, const void *up, void *out, int64_t n, int bf16, int threads) {
     const int64_t vectors = n / GL;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n >= 1 << 16)
     for (int64_t b = 0; b < vectors; b++) {
-        const vec g = vload(gate + b * GL);
+        const vec g = load_as(gate, b * GL, bf16);
         const vec s = vdiv(g, vadd(vset(1.0f), vexp(vsub(vzero(), g))));
-        vstore(gate + b * GL, vmul(s, vload(up + b * GL)));
+        store_as(out, b * GL, vmul(s, load_as(up, b * GL, bf16)), bf16);
     }
-    for (int64_t i = vectors * GL; i < n; i++)
-        gate[i] = gate[i] / (1.0f + __builtin_expf(-gate[i])) * up[i];
+    for (int64_t i = vectors * GL; i < n; i++) {
+        const float g = value_at(gate, i, bf16);
+        set_at(out, i, g / (1.0f + __builtin_expf(-g)) * value_at(up, i, bf16), bf16);
+    }
+}
+
+/* gate <- silu(gate) * up over n float32 values */
+void silu_times(float *gate, const float *up, int64_t n, int threads) {
+    swiglu(gate, up, gate, n, 0, threads);
+}
+
+/* out = silu(gate) * up over n values of bfloat16 GEMMs' outputs, computed in float32 and rounded
+   for a next bfloat16 product, which would round its input anyway */
+void silu_times_rounded(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n,
+                        int threads) {
+    swiglu(gate, up, out, n, 1, threads);
 }
 
 /* y (rows x cols) = activation(products + bias): a bfloat16 GEMM's outputs widened to float32
@@ -60,42 +96,16 @@ void widen_outputs(const uint16_t *products, const float *bias, void *y, int64_t
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 1 << 16)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *from = products + r * cols;
-        float *to = (float *)y + r * cols;
-        uint16_t *to_bf16 = (uint16_t *)y + r * cols;
         for (int64_t b = 0; b < vectors; b++) {
             vec v = widen(from + b * GL);
             if (bias) v = vadd(v, vload(bias + b * GL));
-            if (activation == GELU_TANH) v = vgelu_tanh(v);
-            if (rounded)
-                store_bf16(to_bf16 + b * GL, v);
-            else
-                vstore(to + b * GL, v);
+            store_as(y, r * cols + b * GL, activation == GELU_TANH ? vgelu_tanh(v) : v, rounded);
         }
         for (int64_t c = vectors * GL; c < cols; c++) {
-            float v = bf16_to_float(from[c]) + (bias ? bias[c] : 0.0f);
+            const float v = bf16_to_float(from[c]) + (bias ? bias[c] : 0.0f);
             const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
-            v = activation == GELU_TANH ? v / (1.0f + __builtin_expf(-2.0f * u)) : v;
-            if (rounded)
-                to_bf16[c] = bf16_rounded(v);
-            else
-                to[c] = v;
+            const float a = activation == GELU_TANH ? v / (1.0f + __builtin_expf(-2.0f * u)) : v;
+            set_at(y, r * cols + c, a, rounded);
         }
-    }
-}
-
-/* out = silu(gate) * up, rounded to bfloat16, over n values of a bfloat16 GEMM's outputs:
-   silu_times on them widened, for a next bfloat16 product that would round its input anyway. */
-void silu_times_rounded(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t n,
-                        int threads) {
-    const int64_t vectors = n / GL;
-#pragma omp parallel for num_threads(threads) schedule(static) if (n >= 1 << 16)
-    for (int64_t b = 0; b < vectors; b++) {
-        const vec g = widen(gate + b * GL);
-        const vec s = vdiv(g, vadd(vset(1.0f), vexp(vsub(vzero(), g))));
-        store_bf16(out + b * GL, vmul(s, widen(up + b * GL)));
-    }
-    for (int64_t i = vectors * GL; i < n; i++) {
-        const float g = bf16_to_float(gate[i]);
-        out[i] = bf16_rounded(g / (1.0f + __builtin_expf(-g)) * bf16_to_float(up[i]));
     }
 }
