@@ -8,6 +8,8 @@ form each layer takes at load (mmcli/weights) and installs the kernels they call
   buffer that stays in cache, then multiplied (MKL's kernel choice depends on the orientation, so
   the product is taken as x @ chunk.T or (chunk @ x.T).T by row count). A bfloat16 value converts
   to float32 exactly, so the numbers are those of the float32 path up to the order of the sums.
+  In a run of bfloat16 products (matrix.bf16_products) a layer whose output only feeds the next
+  product takes `rounded` and hands it on in bfloat16, as that product would round it.
 - PackedLinear: float32 weights reordered once into oneDNN's blocked layout (`torch.ops.mkldnn`,
   the ops Inductor emits for CPU linears); `dtype: float32` runs this.
 """
