@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import assert_same_choices, forced_logits, greedy, photo
 
 from mmcli.kernels import attention, cpu, cpu_features, cpu_ops, matrix, measure, weight_forms
@@ -396,6 +397,10 @@ def test_bf16_products_hand_their_outputs_on_rounded_for_the_same_bits():
             assert torch.equal(fc2(handed), fc2(fc1(x, activation="gelu_tanh")))
             gate, up = mlp.gate_proj(x), mlp.up_proj(x)
             assert torch.equal(mlp(x), mlp.down_proj(cpu_ops.silu_times(gate, up)))
+        # products the kernel declines (here: not contiguous) are still computed in float32
+        gate, up = torch.randn(2, 40, 192).bfloat16()[:, :, ::2]
+        expected = F.silu(gate.float()) * up.float()
+        assert torch.equal(mlp.act(gate, up), expected)
 
 
 @pytest.mark.skipif(not cpu_features.exact_int8(), reason="oneDNN's int8 saturates without VNNI")

@@ -18,8 +18,11 @@ class SiluAndMul(nn.Module):
     kernel = None  # (gate, up) -> silu(gate) * up, or None where they are not the kernel's
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and (y := self.kernel(gate, up)) is not None:
-            return y
+        if self.kernel is not None:
+            if (y := self.kernel(gate, up)) is not None:
+                return y
+            if gate.dtype == torch.bfloat16:  # handed on in a float32 run (the kernel's only)
+                gate, up = gate.float(), up.float()
         return F.silu(gate) * up
 
 
