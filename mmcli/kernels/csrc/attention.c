@@ -169,26 +169,28 @@ static void round_pairs(const float *x, int64_t n, uint32_t *out) {
 }
 
 /* softmax_rows with the probabilities rounded to pairs as they are made (out, PAIRS(keys) pairs a
-   row, o_pairs apart; zeros past each row's keys): e^(scale (s - max)) summed in float32. */
+   row, o_pairs apart; zeros past each row's keys): e^(scale (s - max)), as 2^(scale log2(e)
+   (s - max)), summed in float32. */
 static void softmax_pair_rows(const float *s, int64_t lds, int64_t rows, int64_t keys, int64_t seen,
                               float scale, uint32_t *out, int64_t o_pairs, float *inverse) {
-    const vec factor = vset(scale);
+    const float base2 = scale * 1.44269504088896341f;
+    const vec factor = vset(base2);
     for (int64_t r = 0; r < rows; r++) {
         const float *row = s + r * lds;
         const int64_t n = seen + r < keys ? seen + r : keys, whole = n / GL * GL;
         const lanes tail = first_lanes((int)(n - whole));
-        const vec shift = vset(-row_largest(row, n) * scale);
+        const vec shift = vset(-row_largest(row, n) * base2);
         vec total = vzero();
         __m256i *half = (__m256i *)(out + r * o_pairs);
         int64_t k = 0;
         for (; k < whole; k += GL) {
-            const vec e = vexp_softmax(vfma(vload(row + k), factor, shift));
+            const vec e = vexp2_softmax(vfma(vload(row + k), factor, shift));
             total = vadd(total, e);
             _mm256_storeu_si256(half++, (__m256i)_mm512_cvtneps_pbh(e));
         }
         if (k < n) {
             const vec e =
-                _mm512_maskz_mov_ps(tail, vexp_softmax(vfma(vload(row + k), factor, shift)));
+                _mm512_maskz_mov_ps(tail, vexp2_softmax(vfma(vload(row + k), factor, shift)));
             total = vadd(total, e);
             _mm256_storeu_si256(half++, (__m256i)_mm512_cvtneps_pbh(e));
             k += GL;
