@@ -1,12 +1,15 @@
 """Vision tower time on the CPU for a mixed-size set: packed blocks vs one flat masked sequence
-vs padded batch.
+vs padded batch (fixed shapes, as compiled graphs take them), then the eager CPU's two layouts:
+a row per block, trimmed to its fullest, vs the blocks end to end in one row.
 
 Random weights with the Qwen3-VL-2B vision shapes (hidden 1024, 16 heads, MLP 4096); --depth sets
 how many of its 24 blocks run (time per block is the same for every block, so the ratios do not
-depend on it). All three layouts run through the same bounded-attention path and give the same
+depend on it). The three fixed layouts run through the same bounded-attention path, the eager ones
+through attention range by range (segment_attention, the eager CPU's), and all give the same
 features; only the layout differs.
 
-python bench/vision_packing.py [--depth 4] [--block-size 1024] [--threads N]"""
+python bench/vision_packing.py [--depth 4] [--block-size 1024] [--threads N] [--same 448]
+(--same S: 8 images of S x S pixels, where the mixed set's sizes were)"""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 
 from mmcli.engine.packing import ffd_pack, flat_efficiency, packed_efficiency, padded_efficiency
 from mmcli.engine.vision_encoder import VisionEncoder
-from mmcli.kernels.attention import bounded_attention
+from mmcli.kernels.attention import bounded_attention, segment_attention
 from mmcli.models.config import VisionConfig
 from mmcli.models.qwen3_vl.vision import VisionTower
 
@@ -35,11 +38,11 @@ GRIDS = [
 ]
 
 
-def run(visual, pixels, bins, block_size, repeats):
+def run(visual, pixels, grids, bins, block_size, repeats, fixed=True, one_row=False):
     encoder = VisionEncoder(
-        visual, torch.device("cpu"), block_size, (1, 2, 4, 8, 16), fixed_shapes=True
+        visual, torch.device("cpu"), block_size, (1, 2, 4, 8, 16), fixed, one_row=one_row
     )
-    inputs, unpack = encoder.packed_inputs(pixels, GRIDS, bins)
+    inputs, unpack = encoder.packed_inputs(pixels, grids, bins)
     args = [
         inputs[k]
         for k in ("pixels", "pos_idx", "pos_weights", "cos", "sin", "bound_min", "bound_max")
@@ -59,7 +62,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=1280)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--same", type=int, default=0, help="8 images of this many pixels a side")
     args = parser.parse_args()
+    grids = [(1, args.same // 16, args.same // 16)] * 8 if args.same else GRIDS
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -77,7 +82,7 @@ def main() -> None:
     visual.kernel = bounded_attention
     for p in visual.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    patches = [t * h * w for t, h, w in GRIDS]
+    patches = [t * h * w for t, h, w in grids]
     pixels = [torch.randn(n, 1536) for n in patches]
     total = sum(patches)
     layouts = {
@@ -98,7 +103,7 @@ def main() -> None:
     )
     times, outputs = {}, {}
     for name, (bins, size) in layouts.items():
-        times[name], outputs[name], shape = run(visual, pixels, bins, size, args.repeats)
+        times[name], outputs[name], shape = run(visual, pixels, grids, bins, size, args.repeats)
         print(
             f"{name:14s} {shape[0]:2d} x {shape[1]:5d} rows  attention efficiency "
             f"{100 * efficiency[name]:5.1f}%  {times[name] * 1000:8.1f} ms"
@@ -109,6 +114,20 @@ def main() -> None:
         f"speed-up of packed blocks: {times['flat + mask'] / times['packed blocks']:.2f}x over "
         f"flat + mask, {times['padded batch'] / times['packed blocks']:.2f}x over padded batch"
     )
+    eager(visual, pixels, grids, layouts["packed blocks"], args.repeats, outputs["packed blocks"])
+
+
+def eager(visual, pixels, grids, packed, repeats, reference) -> None:
+    """The eager CPU's layouts of the packed blocks, attention range by range."""
+    visual.kernel = segment_attention
+    bins, size = packed
+    times = {}
+    for name, one_row in (("a row per block", False), ("one row", True)):
+        times[name], out, shape = run(visual, pixels, grids, bins, size, repeats, False, one_row)
+        torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
+        print(f"eager, {name:15s} {shape[0]:2d} x {shape[1]:5d} rows  {times[name] * 1000:8.1f} ms")
+    ratio = times["a row per block"] / times["one row"]
+    print(f"eager, one row: {ratio:.2f}x a row per block")
 
 
 if __name__ == "__main__":

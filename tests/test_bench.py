@@ -71,6 +71,7 @@ def test_vision_packing_bench_runs(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "speed-up of packed blocks" in out.stdout
+    assert "eager, one row:" in out.stdout  # and its outputs equal the packed blocks'
 
 
 def _smoke(script: str, *args: str) -> str:

@@ -8,6 +8,7 @@ from conftest import SAMPLES, photo
 
 from mmcli.api.labeler import Labeler
 from mmcli.config import load_config
+from mmcli.engine.packing import ffd_pack
 from mmcli.engine.vision_encoder import VisionEncoder
 
 SIZES = [
@@ -51,22 +52,53 @@ def test_packed_vision_equals_per_image_path(tiny_dir):
     grids = [r.vision_grids[0] for r in reqs]
     assert 64 in [t * h * w for t, h, w in grids]
     reference = _per_image(cap, pixels, grids)
-    # (64, (1, 2)) needs more blocks than its largest bucket: the wave is split into several calls
-    for block_size, buckets, fixed in (
-        (64, (1, 2, 4, 8), True),
-        (64, (1, 2), True),
-        (128, (4, 8), True),
-        (256, (2,), True),
-        (1024, (1,), False),
+    # (64, (1, 2)) needs more blocks than its largest bucket: the wave is split into several calls;
+    # eager, a row per block or (attention by range) the blocks end to end in one row
+    for block_size, buckets, fixed, one_row in (
+        (64, (1, 2, 4, 8), True, False),
+        (64, (1, 2), True, False),
+        (128, (4, 8), True, False),
+        (256, (2,), True, False),
+        (1024, (1,), False, False),
+        (128, (4, 8), False, False),
+        (128, (4, 8), False, True),
+        (64, (1, 2), False, True),
     ):
         packed = VisionEncoder(
-            cap.model.visual, cap.runner.device, block_size, buckets, fixed
+            cap.model.visual, cap.runner.device, block_size, buckets, fixed, one_row=one_row
         ).encode(pixels, grids)
         for (f_ref, ds_ref), (f, ds) in zip(reference, packed):
             torch.testing.assert_close(f, f_ref, atol=1e-5, rtol=0)
             for a, b in zip(ds, ds_ref):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert len(reference) == len(images)
+
+
+def test_eager_vision_lays_its_blocks_end_to_end_without_padding(tiny_dir):
+    """Where the tower's attention works range by range (eager on the CPU) a call computes no
+    padding rows: a wave of several blocks of unequal fill is one row as long as its patches,
+    each image's rows bounded to its own. Fixed shapes keep the blocks and the bucket, other
+    eager attention (masked: its cost the row's square) a row per block."""
+    cap = _labeler(tiny_dir)
+    images = [photo(NAMES[i % 4], s) for i, s in enumerate([(256, 256), (128, 64), (64, 64)])]
+    reqs = [cap.request(f"k{i}", [im], "q", cap.sampling())[0] for i, im in enumerate(images)]
+    pixels, grids = [r.pixel_values[0] for r in reqs], [r.vision_grids[0] for r in reqs]
+    patches = [t * h * w for t, h, w in grids]
+    block = max(patches)
+    bins = ffd_pack(patches, block)
+    assert len({sum(patches[i] for i in b) for b in bins}) > 1  # a row per block would pad
+    assert cap.runner.encoder.one_row  # the CPU's eager attention works range by range
+    eager = VisionEncoder(cap.model.visual, cap.runner.device, block, (4,), False, one_row=True)
+    inputs, _ = eager.packed_inputs(pixels, grids, bins)
+    assert tuple(inputs["pixels"].shape[:2]) == (1, sum(patches))
+    bounds = list(zip(inputs["bound_min"][0].tolist(), inputs["bound_max"][0].tolist()))
+    start = 0
+    for n in patches:  # in image order
+        assert bounds[start : start + n] == [(start, start + n)] * n
+        start += n
+    for fixed, shape in ((True, (4, block)), (False, (len(bins), block))):
+        encoder = VisionEncoder(cap.model.visual, cap.runner.device, block, (4,), fixed)
+        assert tuple(encoder.packed_inputs(pixels, grids, bins)[0]["pixels"].shape[:2]) == shape
 
 
 def _per_image(cap, pixels, grids):

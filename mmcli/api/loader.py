@@ -121,6 +121,7 @@ def load(run: Run) -> Loaded:
     from mmcli.compiled.graphs import CompiledGraphs
     from mmcli.engine.runner import ModelRunner
     from mmcli.inputs.prompt import PromptBuilder
+    from mmcli.kernels.plan import vision_by_range
 
     if run.path is None:  # a hub id: fetched now, and its files read once
         run = resolve_run(run.config, resolve_model(run.config.model))
@@ -131,7 +132,8 @@ def load(run: Run) -> Loaded:
     graphs = None
     if run.backend != "eager":
         graphs = CompiledGraphs.for_run(run.backend, cfg, model_cfg, compute, device)
-    runner = ModelRunner(model, device, cfg, compute, graphs, run.precision.kv_dtype)
+    one_row = vision_by_range(kernel_plan)
+    runner = ModelRunner(model, device, cfg, compute, graphs, run.precision.kv_dtype, one_row)
     prompts = PromptBuilder.from_checkpoint(path, model_cfg.image_token_id, cfg.thinking)
     image_cfg = run.image_cfg
     check_vision_budget(

@@ -27,7 +27,9 @@ from mmcli.models.registry import family_of
 
 class ModelRunner:
     """Owns the device, the KV cache and the compiled graphs; runs prefill and decode calls.
-    `kv_dtype`: the KV cache's (Precision.kv_dtype), the compute dtype where not given."""
+    `kv_dtype`: the KV cache's (Precision.kv_dtype), the compute dtype where not given;
+    `vision_in_one_row`: the vision tower's attention works range by range (VisionEncoder's
+    `one_row`)."""
 
     def __init__(
         self,
@@ -37,6 +39,7 @@ class ModelRunner:
         compute_dtype: torch.dtype,
         graphs: CompiledGraphs | None = None,
         kv_dtype: torch.dtype | None = None,
+        vision_in_one_row: bool = False,
     ):
         self.model, self.cfg, self.device, self.graphs = model, model.cfg, device, graphs
         self.family = family_of(self.cfg)
@@ -71,6 +74,7 @@ class ModelRunner:
             config.vision.num_blocks_buckets,
             fixed_shapes=graphs is not None,
             graphs=graphs,
+            one_row=vision_in_one_row,
         )
 
     def _decode_variant(self, config: Config, use_cuda_graphs: bool):

@@ -28,14 +28,17 @@ class VisionEncoder:
         fixed_shapes: bool,
         graphs: CompiledGraphs | None = None,
         cache_size: int = 64,
+        one_row: bool = False,
     ):
         """`visual`: the family's vision tower (`model.visual`: called on images, `forward_packed`
         on blocks, `patch_inputs` of grids). block_size None: the per-image reference path.
         fixed_shapes: pad every call to its configured bucket (compiled graphs need it);
-        otherwise eager calls trim padding blocks and block tails."""
+        otherwise eager calls trim padding blocks and block tails, and with `one_row` (the
+        tower's attention works range by range: kernels/plan.py's vision_by_range) lay their
+        blocks end to end in one row, no padding at all."""
         self.visual, self.device, self.graphs = visual, device, graphs
         self.block_size, self.num_blocks_buckets = block_size, tuple(sorted(num_blocks_buckets))
-        self.fixed_shapes = fixed_shapes
+        self.fixed_shapes, self.one_row = fixed_shapes, one_row
         # recent encoded images by content hash
         self.cache: OrderedDict[str, VisionFeatures] = OrderedDict()
         self.cache_size = cache_size
@@ -117,6 +120,11 @@ class VisionEncoder:
         if self.fixed_shapes:
             num_blocks = num_blocks or choose_bucket(len(bins), list(self.num_blocks_buckets))
             layout = make_layout(patches, bins, num_blocks, self.block_size)
+        elif self.one_row:
+            # the bins end to end: the bounds keep each image to itself, and attention by range
+            # costs no more over one long row (a masked one would cost its square)
+            images = [i for b in bins for i in b]
+            layout = make_layout(patches, [images], 1, sum(patches[i] for i in images))
         else:
             # eager: each block as long as its fullest bin (padding rows are computed too)
             used = max(sum(patches[i] for i in b) for b in bins)

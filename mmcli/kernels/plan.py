@@ -42,6 +42,7 @@ class Choice:
 NONE = Choice("none", "-", "no such work in this model")
 # the forms of `linears` that mmcli/weights puts the weights into at load
 PACKED, INT8, INT4, AS_LOADED = "packed", "int8", "int4", "as_loaded"
+BY_RANGE = "by_range"  # the vision blocks' attention range by range, each image's own
 INT8_HEAD = "int8_split"  # the head's choice where it is int8, its activations split
 # the vision tower's int8 on oneDNN: its weights are put in rows layout at load
 ONEDNN_INT8 = "onednn_int8"
@@ -412,6 +413,13 @@ def _attention(shape: RunShape, machine: Machine) -> Choice:
     return Choice("flash_bf16", kernel, measured.why, _function(attention.bf16_attention))
 
 
+def vision_by_range(plan: KernelPlan) -> bool:
+    """Whether the plan's attention over vision blocks works range by range (eager on the CPU):
+    one row of many images then costs no more than a row each (engine/vision_encoder.py lays a
+    wave's blocks end to end)."""
+    return plan.vision_blocks.id.startswith(BY_RANGE)
+
+
 def _vision_blocks(shape: RunShape, attend: Choice) -> Choice:
     if shape.backend == "neuron":
         from mmcli.kernels.nki import nki_bounded_attention
@@ -423,7 +431,7 @@ def _vision_blocks(shape: RunShape, attend: Choice) -> Choice:
         if attend.install is not None:
             kernel = functools.partial(kernel, attend=_with_fallback(attend.install(None)))
         words, why = f"by range ({attend.kernel})", "eager: only inside the bounds"
-        return Choice(f"by_range+{attend.id}", words, why, _function(kernel))
+        return Choice(f"{BY_RANGE}+{attend.id}", words, why, _function(kernel))
     words, why = "bounded (masked SDPA)", "fixed shapes: one masked call a layer"
     return Choice("bounded_sdpa", words, why, _function(attention.bounded_attention))
 
