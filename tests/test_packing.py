@@ -176,7 +176,9 @@ def test_plan_thumbnails_and_recommendation():
     assert best >= max(mixed) and all(
         vision_work(mixed, best) <= vision_work(mixed, c) for c in candidates
     )
-    assert f"recommended block_size: {best} " in _plan("--tokens", ",".join(map(str, mixed)))
+    out = _plan("--tokens", ",".join(map(str, mixed)))
+    assert f"recommended block_size: {best} " in out
+    assert f"eager on the CPU: the blocks end to end in one row of {sum(mixed)} patches" in out
 
 
 def test_plan_on_a_folder(tmp_path):

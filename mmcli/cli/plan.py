@@ -97,3 +97,7 @@ def print_plan(names: list[str], patches: list[int], size: int) -> None:
         f"{100 * packed_efficiency(patches, best_blocks, best):.1f}% attention efficiency, least "
         "estimated vision work: padded linear layers plus block attention)"
     )
+    console.print(
+        f"eager on the CPU: the blocks end to end in one row of {sum(patches)} patches, no padding "
+        "(the figures above are the compiled backends')"
+    )
