@@ -251,9 +251,11 @@ def test_filters_and_sorting_change_what_is_shown(server, browser):
         (it for it in store.items if it.confidence() > float("-inf")),
         key=lambda it: it.confidence(),
     )
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    WebDriverWait(browser, 10).until(
+    # the sorted page replaces the cards: one found before it lands may be gone when it is read
+    WebDriverWait(browser, 10, ignored_exceptions=(StaleElementReferenceException,)).until(
         lambda d: d.find_elements("css selector", ".card")[0].get_attribute("data-key") == least.key
     )
 
