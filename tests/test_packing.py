@@ -178,7 +178,11 @@ def test_plan_thumbnails_and_recommendation():
     )
     out = _plan("--tokens", ",".join(map(str, mixed)))
     assert f"recommended block_size: {best} " in out
-    assert f"eager on the CPU: the blocks end to end in one row of {sum(mixed)} patches" in out
+    assert "eager on the CPU: 1 call(s) of up to 8 blocks" in out  # vision.num_blocks_buckets
+    # 9 images of 1024 patches a block at 1024: a call of 8 blocks, then one of the ninth
+    many = _plan("--tokens", ",".join(["1024"] * 9), "--block-size", "1024")
+    assert "2 call(s) of up to 8 blocks, each one row of its blocks end to end" in many
+    assert "8192 patches at most" in many
 
 
 def test_plan_on_a_folder(tmp_path):

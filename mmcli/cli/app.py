@@ -140,7 +140,7 @@ def plan(
                 f"{names[patches.index(max(patches))]}: {max(patches)} patches do not fit a block "
                 f"of {size} (--block-size or vision.block_size)"
             )
-        print_plan(names, patches, size)
+        print_plan(names, patches, size, max(cfg.vision.num_blocks_buckets))
 
 
 CAPTION_HELP = """Caption every image under PATHS, appending one JSONL record per image; resumable.

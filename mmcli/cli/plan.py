@@ -16,6 +16,7 @@ from mmcli.engine.packing import (
     packed_efficiency,
     padded_efficiency,
     recommend_block_size,
+    vision_calls,
 )
 from mmcli.errors import ImageError
 
@@ -62,7 +63,9 @@ def image_patches(
     return names, patches
 
 
-def print_plan(names: list[str], patches: list[int], size: int) -> None:
+def print_plan(names: list[str], patches: list[int], size: int, most_blocks: int) -> None:
+    """The blocks of a wave of these images, and the calls eager on the CPU makes of them
+    (`most_blocks` a call: vision.num_blocks_buckets' largest)."""
     bins = ffd_pack(patches, size)
     console = Console(width=100)
     table = Table(title=f"{len(patches)} images in {len(bins)} blocks of {size} patches")
@@ -97,7 +100,10 @@ def print_plan(names: list[str], patches: list[int], size: int) -> None:
         f"{100 * packed_efficiency(patches, best_blocks, best):.1f}% attention efficiency, least "
         "estimated vision work: padded linear layers plus block attention)"
     )
+    calls = vision_calls(bins, most_blocks)
+    longest = max(sum(patches[i] for b in call for i in b) for call in calls)
     console.print(
-        f"eager on the CPU: the blocks end to end in one row of {sum(patches)} patches, no padding "
-        "(the figures above are the compiled backends')"
+        f"eager on the CPU: {len(calls)} call(s) of up to {most_blocks} blocks, each one row of "
+        f"its blocks end to end, no padding ({longest} patches at most; the figures above are "
+        "the compiled backends')"
     )

@@ -46,6 +46,11 @@ def ffd_pack(tokens: list[int], block_size: int) -> list[list[int]]:
     return bins
 
 
+def vision_calls(bins: list[list[int]], most_blocks: int) -> list[list[list[int]]]:
+    """The blocks of a wave in calls of at most `most_blocks` (the largest bucket), in order."""
+    return [bins[start : start + most_blocks] for start in range(0, len(bins), most_blocks)]
+
+
 def make_layout(
     tokens: list[int], bins: list[list[int]], num_blocks: int, block_size: int
 ) -> BlockLayout:

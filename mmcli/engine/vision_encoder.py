@@ -12,7 +12,14 @@ import torch
 
 from mmcli.compiled.buckets import Bucket, choose_bucket
 from mmcli.compiled.graphs import CompiledGraphs
-from mmcli.engine.packing import block_bounds, ffd_pack, gather_index, make_layout, unpack_index
+from mmcli.engine.packing import (
+    block_bounds,
+    ffd_pack,
+    gather_index,
+    make_layout,
+    unpack_index,
+    vision_calls,
+)
 
 # merged [n, out], DeepStack levels [n, out] each
 VisionFeatures = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
@@ -88,10 +95,8 @@ class VisionEncoder:
             )
         features: list = [None] * len(grids)
         bins = ffd_pack([t * h * w for t, h, w in grids], self.block_size)
-        largest = self.num_blocks_buckets[-1]
         # a wave larger than the largest bucket: several calls
-        for start in range(0, len(bins), largest):
-            group = bins[start : start + largest]
+        for group in vision_calls(bins, self.num_blocks_buckets[-1]):
             images = sorted(i for b in group for i in b)
             local = {i: n for n, i in enumerate(images)}
             merged, deepstack = self.encode_packed(
