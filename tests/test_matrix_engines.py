@@ -361,6 +361,20 @@ def test_a_measurement_is_made_once_per_machine_and_cached(monkeypatch, tmp_path
     assert len(calls) == 3
 
 
+@pytest.mark.skipif(cpu.why_unavailable() is not None, reason="no build of our kernels")
+@pytest.mark.parametrize("build", ["AVX2", "VNNI", "AMX"])
+def test_the_int8_peak_is_timed_on_int8_linear_c_wherever_our_build_runs(monkeypatch, build):
+    # oneDNN's int8 alone gave an AVX2 EPYC a peak of 2 G(OP)/s, int8_linear.c ran at 86
+    monkeypatch.setattr(cpu, "name", lambda: build)
+    int8 = measure.peak_kernels()["int8"]
+    ours = {f"int8_linear.c, {rows} rows" for rows in (measure.PEAK_SIDE, measure.PEAK_PROMPT_ROWS)}
+    assert set(int8) == {"oneDNN int8", *ours}
+    for name in ours:
+        product, ops = int8[name]
+        y = product()
+        assert 2 * y.shape[0] * y.shape[1] * measure.PEAK_SIDE == ops and y.isfinite().all()
+
+
 def test_bf16_products_are_float32s_to_bfloat16_rounding_and_few_rows_stay_exact():
     weight = torch.randn(96, 64).bfloat16()
     kernel = matrix.bf16_products(above=8)

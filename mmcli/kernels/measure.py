@@ -245,24 +245,41 @@ def _attention() -> dict:
     }
 
 
-def peaks() -> dict:
-    """Each unit's peak, the best rate measured on it, on 2048-cubed products: float32 FMA
-    (MKL/oneDNN), bfloat16 (oneDNN: the matrix engine where there is one) and int8 (oneDNN's,
-    or int8_linear.c's where its AMX build outruns it: the unit at its int8 rate, with the
-    weights as the kernel reads them and the rows already in levels, as torch._int_mm's)."""
-    a = torch.randn(2048, 2048)
+PEAK_SIDE = 2048  # each unit's peak on PEAK_SIDE-cubed products
+PEAK_PROMPT_ROWS = 256  # and int8_linear.c's on a prompt's rows of SHAPE
+
+
+def peak_kernels() -> dict[str, dict[str, tuple[Callable[[], object], float]]]:
+    """Each unit's kernels that `peaks` times, with their operations: float32 FMA (MKL/oneDNN),
+    bfloat16 (oneDNN: the matrix engine where there is one) and int8: oneDNN's, and wherever our
+    build runs int8_linear.c's (AMX's tiles, VNNI's or AVX2's dot products) with the weights as
+    it reads them and the rows already in levels, as torch._int_mm's. On an AVX2 CPU oneDNN's
+    int8 runs at a fortieth of int8_linear.c's, and int8_linear.c at PEAK_SIDE rows, its levels
+    past L2, at 0.8x its rate at a prompt's: a peak below the kernels' rate is no floor."""
+    a = torch.randn(PEAK_SIDE, PEAK_SIDE)
     b16 = a.bfloat16()
-    i8 = torch.randint(-63, 64, (2048, 2048), dtype=torch.int8)
-    ops = 2 * 2048**3
-    int8 = _rate(lambda: torch._int_mm(i8, i8), ops)
-    if cpu.name() == "AMX":
-        weight, _ = random_int8(2048, 2048)
-        levels, scale = cpu.int8_rows(a, 2048)
-        int8 = max(int8, _rate(lambda: cpu.int8_products(levels, scale, weight), ops))
+    i8 = torch.randint(-63, 64, (PEAK_SIDE, PEAK_SIDE), dtype=torch.int8)
+    cube = 2 * PEAK_SIDE**3
+    int8 = {"oneDNN int8": (lambda: torch._int_mm(i8, i8), cube)}
+    if cpu.name():
+        for rows, (inner, outer) in ((PEAK_SIDE, (PEAK_SIDE,) * 2), (PEAK_PROMPT_ROWS, SHAPE)):
+            weight, _ = random_int8(outer, inner)
+            levels, scale = cpu.int8_rows(a[:rows, :inner].contiguous(), inner)
+            ops = 2 * rows * inner * outer
+            product = functools.partial(cpu.int8_products, levels, scale, weight)
+            int8[f"int8_linear.c, {rows} rows"] = (product, ops)
     return {
-        "float32": _rate(lambda: F.linear(a, a), ops),
-        "bfloat16": _rate(lambda: F.linear(b16, b16), ops),
+        "float32": {"float32 GEMM": (lambda: F.linear(a, a), cube)},
+        "bfloat16": {"oneDNN bfloat16": (lambda: F.linear(b16, b16), cube)},
         "int8": int8,
+    }
+
+
+def peaks() -> dict:
+    """Each unit's peak: the best rate of its kernels (peak_kernels), G(FL)OP/s."""
+    return {
+        unit: max(_rate(kernel, ops) for kernel, ops in kernels.values())
+        for unit, kernels in peak_kernels().items()
     }
 
 
@@ -313,8 +330,8 @@ def _write(store: dict) -> None:
 
 @functools.cache
 def code_digest() -> str:
-    """A digest of the kernels compared (ours in C and their callers, the library's callers): a
-    new mmcli measures again."""
+    """A digest of the kernels compared (ours in C and their callers, the library's callers) and
+    of what is measured on them (this module): a new mmcli measures again."""
     here = Path(__file__).parent
     sources = [
         *cpu.SOURCES,
@@ -324,6 +341,7 @@ def code_digest() -> str:
         *cpu.HEADERS,
         here / "cpu_ops.py",
         here / "matrix.py",
+        Path(__file__),
     ]
     return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
 
