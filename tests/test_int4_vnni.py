@@ -1,19 +1,26 @@
-"""int4_vnni.c, int4 weights on the vector units' int8 dot products, where this CPU has AVX-512
-VNNI and VBMI. A decode step's few rows: against float64 with each row quantized to int8 per
-group of 32 inputs as the kernel quantizes it, within 1% of the unquantized rows, the same values
-on the AMX build's tiles; torch's int4 kernel keeps a single sequence's rows. A prompt's many
-rows, widened to int8 for int8_linear.c's tiles: each weight within half a level of its int4
-value, against float64 with each row quantized to 8 bits as the kernel quantizes it."""
+"""int4_vnni.c, int4 weights on the vector units' int8 dot products, where the build reads
+torch's int4 layout (AVX-512 VNNI and VBMI's 64 channels a block, AVX2's 32). A decode step's few
+rows: against float64 with each row quantized to int8 per group of 32 inputs as the kernel
+quantizes it, within 1% of the unquantized rows, the same values on the AMX build's tiles; torch's
+int4 kernel keeps a single sequence's rows. A prompt's many rows (VBMI's build), widened to int8
+for int8_linear.c's tiles: each weight within half a level of its int4 value, against float64
+with each row quantized to 8 bits as the kernel quantizes it."""
+
+import dataclasses
 
 import pytest
 import torch
 from conftest import int4_values_f64
 
-from mmcli.kernels import cpu, cpu_ops
+from mmcli.kernels import cpu, cpu_ops, weight_forms
 from mmcli.weights.int4 import quantize_int4
 
-VNNI_HERE = cpu.why_unavailable() is None and cpu.has_vnni() and cpu.has_vbmi()
-pytestmark = pytest.mark.skipif(not VNNI_HERE, reason="this CPU has no AVX-512 VNNI and VBMI")
+LIBRARY = cpu.load()[0]
+VNNI_HERE = LIBRARY is not None and LIBRARY.int4_vnni
+pytestmark = pytest.mark.skipif(not VNNI_HERE, reason="no int4_vnni.c for torch's layout here")
+WIDENED = pytest.mark.skipif(
+    not (VNNI_HERE and LIBRARY.int4_widened), reason="AVX2's build leaves a prompt to torch's int4"
+)
 
 
 def _int8_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +77,33 @@ def test_int4_at_a_few_rows_multiplies_its_weights_by_int8_rows(rows, channels, 
             assert torch.equal(cpu_ops.amx_int4_matmul(x, weight, bias, vnni_rows), got)
 
 
+def _q(weight) -> torch.Tensor:
+    """An Int4Weight's q [out, in] (0..15), read back from torch's layout here."""
+    out, inner = weight.shape
+    block = weight_forms.int4_block()
+    packed = weight.packed.view(out // block, inner, block // 2)
+    return torch.cat([packed & 0xF, packed >> 4], -1).permute(0, 2, 1).reshape(out, inner)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_avx2s_blocks_of_32_give_the_floats_of_this_builds_blocks(monkeypatch, rows):
+    """AVX2's build reads torch's AVX2 layout (32 channels a block) on vpmaddubsw: on any CPU,
+    the same integers and floats as int4_vnni.c on the layout torch packs here."""
+    weight = quantize_int4(torch.randn(192, 1024, generator=torch.Generator().manual_seed(2)))
+    x = torch.randn(rows, 1024)
+    here = cpu.int4_vnni_linear(x, weight)
+    by_32 = dataclasses.replace(weight, packed=weight_forms.int4_blocks(_q(weight), 32))
+    monkeypatch.setenv("MMCLI_CPU_KERNEL", "avx2")
+    cpu.load.cache_clear()
+    try:
+        library = cpu.load()[0]
+        got = cpu._int4_products(library.int4_vnni_rows, x, by_32)
+    finally:
+        monkeypatch.undo()
+        cpu.load.cache_clear()
+    assert torch.equal(got, here)
+
+
 def test_shapes_off_its_blocks_are_refused():
     weight = quantize_int4(torch.randn(64, 64).bfloat16())
     assert cpu.int4_vnni_linear(torch.randn(4, 64), weight) is not None
@@ -94,6 +128,7 @@ def _widened_level(weight) -> torch.Tensor:
 
 # more rows than a decode step's: the tiles' 6-row passes and a short last one; one group, many,
 # and more inputs than the tiles take at once (their int32 sums kept in y between blocks)
+@WIDENED
 @pytest.mark.parametrize("rows", [cpu.AMX_ROWS + 1, 64, 70])
 @pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024), (64, 8192 + 32)])
 def test_int4_at_a_prompts_rows_is_widened_to_int8(rows, channels, inputs):

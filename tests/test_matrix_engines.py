@@ -52,12 +52,13 @@ def machine(
     above: int | None = None,
     int4_vnni: bool = False,
 ):
-    """A machine with `units` and our `build` (`int4_vnni`: with int4_vnni.c), every comparison
+    """A machine with `units` and our `build` (`int4_vnni`: with int4_vnni.c and VBMI's
+    widening), every comparison
     it consults measured with the library's kernel winning above `above` rows (None: ours
     everywhere)."""
     consulted = comparisons(units, build, int4_vnni)
     measured = {name: Crossover(above, "measured (by hand)") for name in consulted}
-    return Machine(units, build, crossovers=measured, int4_vnni=int4_vnni)
+    return Machine(units, build, crossovers=measured, int4_vnni=int4_vnni, int4_widened=int4_vnni)
 
 
 def test_the_units_are_read_from_cpuinfo_for_x86_and_aarch64():
@@ -328,6 +329,20 @@ def test_the_plan_is_a_function_of_the_shape_and_the_machine(monkeypatch):
 
 
 @needs_kernels
+def test_int4_on_avx2_takes_int4_vnni_at_a_steps_rows_and_torch_int4_for_a_prompt():
+    """AVX2's build reads torch's blocks of 32 channels on vpmaddubsw: a decode step's rows (to
+    32) on int4_vnni.c, in the fused step too; a prompt's more rows stay on torch's int4 kernel
+    (AVX2's pairs would saturate on the widened rows' 8-bit levels)."""
+    consulted = comparisons(AVX2, "AVX2", int4_vnni=True)
+    assert "int4_fewest_rows" in consulted
+    ours = {name: Crossover(None, "measured (by hand)") for name in consulted}
+    avx2 = Machine(AVX2, "AVX2", crossovers=ours, int4_vnni=True)
+    plan = choose(shape_on(AVX2, quantize="int4"), avx2)
+    assert plan.int4.id == "int4_vnni.c"
+    assert plan.int4.kernel == "int4_vnni.c (int8 dot products) to 32, torch int4 above"
+    assert plan.decode_step.id == "decode_layer.c+int4_vnni.c"
+
+
 @pytest.mark.parametrize("prefer", ["library", "ours"])
 def test_mmcli_cpu_prefer_stands_in_for_every_measurement(monkeypatch, prefer):
     from mmcli.kernels import machine as machines
@@ -368,7 +383,8 @@ def test_the_int8_peak_is_timed_on_int8_linear_c_wherever_our_build_runs(monkeyp
     monkeypatch.setattr(cpu, "name", lambda: build)
     int8 = measure.peak_kernels()["int8"]
     ours = {f"int8_linear.c, {rows} rows" for rows in (measure.PEAK_SIDE, measure.PEAK_PROMPT_ROWS)}
-    assert set(int8) == {"oneDNN int8", *ours}
+    int4 = {f"int4_vnni.c, {cpu.AMX_ROWS} rows"} if cpu.load()[0].int4_vnni else set()
+    assert set(int8) == {"oneDNN int8", *ours, *int4}
     for name in ours:
         product, ops = int8[name]
         y = product()

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from mmcli.kernels import cpu_features
+from mmcli.kernels import cpu_features, weight_forms
 from mmcli.paths import mmcli_cache
 
 SOURCES = [
@@ -41,6 +41,7 @@ SOURCES = [
     for name in (
         *("bf16_linear.c", "attention.c", "rms_norm.c"),
         *("pointwise.c", "decode_layer.c", "int8_linear.c", "int8_weights.c", "int4_tiles.c"),
+        "int4_vnni.c",
     )
 ]
 HEADERS = [
@@ -50,8 +51,8 @@ HEADERS = [
 AMX_SOURCES = [Path(__file__).parent / "csrc" / "amx.c"]
 # AVX-512 BF16's dot products, in the builds for CPUs that have them (AMX's and the BF16 one)
 BF16_SOURCES = [Path(__file__).parent / "csrc" / "bf16_dot.c"]
-# int4 on VNNI's int8 dot products, in the AVX-512 builds of CPUs with VBMI's byte permutes
-VBMI_SOURCES = [Path(__file__).parent / "csrc" / "int4_vnni.c"]
+# int4_vnni.c (int4 on int8 dot products) in every build: VNNI's with VBMI's byte permutes in the
+# AVX-512 builds of CPUs that have them (and the widening of a prompt's rows), else AVX2's
 VBMI_FLAGS = ["-mavx512vbmi"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
@@ -196,16 +197,21 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     builds = [("AMX", AMX_FLAGS, [*SOURCES, *AMX_SOURCES, *BF16_SOURCES])] if has_amx() else []
     builds += [("AVX-512 BF16", BF16_FLAGS, [*SOURCES, *BF16_SOURCES])] if has_bf16_dot() else []
     builds += [("AVX-512 VNNI", VNNI_FLAGS, SOURCES)] if has_vnni() else []
-    # every AVX-512 build takes int4_vnni.c where the CPU has VBMI (AMX's flags have it)
-    vbmi = (VBMI_FLAGS, VBMI_SOURCES) if has_vbmi() else ([], [])
-    builds = [(build, [*flags, *vbmi[0]], [*sources, *vbmi[1]]) for build, flags, sources in builds]
+    # every AVX-512 build takes VBMI where the CPU has it (AMX's flags have it)
+    vbmi = VBMI_FLAGS if has_vbmi() else []
+    builds = [(build, [*flags, *vbmi], sources) for build, flags, sources in builds]
     for build, extra, sources in [*builds, ("AVX2", [], SOURCES)]:
         try:
             torch_lib = Path(torch.__file__).parent / "lib"
             path = _build(os.environ.get("CC", "cc"), torch_lib, extra, sources)
             library = ctypes.CDLL(str(path))
             library.build, library.sources, library.flags = build, sources, extra
-            library.int4_vnni = bool(VBMI_SOURCES[0] in sources)
+            # int4_vnni.c reads blocks of 64 output channels with VBMI (torch's AVX-512 layout),
+            # else 32 (its AVX2 one): its kernels run where torch packs int4 so here; a prompt's
+            # rows are widened to int8 with VBMI only (8-bit levels, which AVX2's pairs saturate)
+            library.int4_widened = VBMI_FLAGS[0] in extra
+            block = 64 if library.int4_widened else 32
+            library.int4_vnni = weight_forms.int4_block() == block
             break
         except (OSError, subprocess.SubprocessError) as error:
             detail = getattr(error, "stderr", b"") or b""
@@ -272,7 +278,7 @@ def _declare(library: ctypes.CDLL) -> None:
         library.amx_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         library.amx_bf16_linear.argtypes += [ctypes.c_int] * 2
     int4 = ("amx_int4_gemm", "amx_int4_rows") if library.build == "AMX" else ()
-    vnni = ("int4_vnni_rows", "int4_widened_rows") if library.int4_vnni else ()
+    vnni = ("int4_vnni_rows", "int4_widened_rows") if library.int4_widened else ("int4_vnni_rows",)
     tiles = ("int4_tile_rows",) if library.int4_vnni and library.build == "AMX" else ()
     for name in (*int4, *vnni, *tiles):
         kernel = getattr(library, name)
@@ -410,9 +416,9 @@ def int4_int8_linear(x: torch.Tensor, weight) -> torch.Tensor | None:
 def int4_widened_linear(x: torch.Tensor, weight) -> torch.Tensor | None:
     """x (rows, K) float32 @ W.T for an Int4Weight W on int8_linear.c's tiles, each block of 64
     channels widened to int8 (a scale a channel) and each row to 8 bits (a scale a row), float32
-    out; None where this build has no int4_vnni.c or the shapes do not fit."""
+    out; None where this build does not widen (AVX2's: no VBMI) or the shapes do not fit."""
     library = load()[0]
-    if library is None or not library.int4_vnni:
+    if library is None or not library.int4_widened:
         return None
     return _int4_products(library.int4_widened_rows, x.float().contiguous(), weight)
 

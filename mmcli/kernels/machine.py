@@ -44,8 +44,11 @@ class Machine:
     read_gb_s: float | None = None
     peaks: Mapping[str, float] = field(default_factory=dict)
     libraries: frozenset[str] = frozenset()  # optional kernel libraries installed: fla
-    # our build has int4_vnni.c (AVX-512 VNNI and VBMI) and torch packs int4 as it reads (64)
+    # our build's int4_vnni.c reads torch's int4 layout here (VNNI and VBMI's 64 channels a
+    # block, AVX2's 32)
     int4_vnni: bool = False
+    # and widens a prompt's rows to int8 (VBMI's build; AVX2's leaves them to torch's int4)
+    int4_widened: bool = False
     # torch's int4 CPU layout in this process: output channels a block (weight_forms.int4_block;
     # our int4 kernels read 64), None for one the tiles' dequantizer cannot read
     int4_block: int | None = 64
@@ -137,7 +140,8 @@ def _made(environment: tuple[str | None, ...], floors: bool) -> Machine:
     library, unavailable = cpu.load()
     build = library.build if library is not None else ""
     int4_block = weight_forms.int4_block()
-    int4_vnni = bool(library is not None and library.int4_vnni and int4_block == 64)
+    int4_vnni = bool(library is not None and library.int4_vnni)
+    int4_widened = bool(int4_vnni and library.int4_widened)
     crossovers = {
         name: _crossover(name, units, build, unavailable)
         for name in comparisons(units, build, int4_vnni, int4_block)
@@ -149,6 +153,7 @@ def _made(environment: tuple[str | None, ...], floors: bool) -> Machine:
         crossovers,
         libraries=installed_libraries(),
         int4_vnni=int4_vnni,
+        int4_widened=int4_widened,
         int4_block=int4_block,
         exact_int8=cpu_features.exact_int8(),
     )

@@ -152,10 +152,13 @@ def _int4_tiles() -> dict:
     kernel."""
     inner = outer = 2048
     weight = random_int4(outer, inner)
-    vnni = cpu.load()[0] is not None and cpu.load()[0].int4_vnni
+    library = cpu.load()[0]
+    vnni = library is not None and library.int4_vnni
+    label = INT4_INT8 if vnni and library.int4_widened else f"int4_vnni.c to {cpu.AMX_ROWS} rows"
 
-    def ours(x):
-        return cpu.int4_int8_linear(x, weight) if vnni else torch_int4(x, weight)
+    def ours(x):  # torch's int4 kernel where int4_vnni.c does not take the rows
+        y = cpu.int4_int8_linear(x, weight) if vnni else None
+        return torch_int4(x, weight) if y is None else y
 
     rates = {}
     for rows in INT4_ROWS:
@@ -166,7 +169,7 @@ def _int4_tiles() -> dict:
             _rate(lambda x=x: matrix.int4_tiles_linear(x, weight, None), ops),
         )
     return {
-        "kernels": [INT4_INT8 if vnni else "torch int4", "int4 tiles + oneDNN bfloat16"],
+        "kernels": [label if vnni else "torch int4", "int4 tiles + oneDNN bfloat16"],
         "units": ["int8" if vnni else "float32", "bfloat16"],
         "rates": rates,
     }
@@ -253,9 +256,11 @@ def peak_kernels() -> dict[str, dict[str, tuple[Callable[[], object], float]]]:
     """Each unit's kernels that `peaks` times, with their operations: float32 FMA (MKL/oneDNN),
     bfloat16 (oneDNN: the matrix engine where there is one) and int8: oneDNN's, and wherever our
     build runs int8_linear.c's (AMX's tiles, VNNI's or AVX2's dot products) with the weights as
-    it reads them and the rows already in levels, as torch._int_mm's. On an AVX2 CPU oneDNN's
-    int8 runs at a fortieth of int8_linear.c's, and int8_linear.c at PEAK_SIDE rows, its levels
-    past L2, at 0.8x its rate at a prompt's: a peak below the kernels' rate is no floor."""
+    it reads them and the rows already in levels, as torch._int_mm's; and int4_vnni.c's at a
+    decode step's most rows (its int8 products, summed in int16 on AVX2). On an AVX2 CPU oneDNN's
+    int8 runs at a fortieth of int8_linear.c's, int8_linear.c at PEAK_SIDE rows (its levels past
+    L2) at 0.8x its rate at a prompt's, and int4_vnni.c at 1.1x that: a peak below a kernel's
+    rate is no floor."""
     a = torch.randn(PEAK_SIDE, PEAK_SIDE)
     b16 = a.bfloat16()
     i8 = torch.randint(-63, 64, (PEAK_SIDE, PEAK_SIDE), dtype=torch.int8)
@@ -268,6 +273,10 @@ def peak_kernels() -> dict[str, dict[str, tuple[Callable[[], object], float]]]:
             ops = 2 * rows * inner * outer
             product = functools.partial(cpu.int8_products, levels, scale, weight)
             int8[f"int8_linear.c, {rows} rows"] = (product, ops)
+    if cpu.name() and cpu.load()[0].int4_vnni:  # AVX2's int16 sums outrun int8_linear.c's
+        weight4, x = random_int4(PEAK_SIDE, PEAK_SIDE), a[: cpu.AMX_ROWS].contiguous()
+        ops = 2 * cpu.AMX_ROWS * PEAK_SIDE**2
+        int8[f"int4_vnni.c, {cpu.AMX_ROWS} rows"] = (lambda: cpu.int4_vnni_linear(x, weight4), ops)
     return {
         "float32": {"float32 GEMM": (lambda: F.linear(a, a), cube)},
         "bfloat16": {"oneDNN bfloat16": (lambda: F.linear(b16, b16), cube)},
@@ -337,7 +346,6 @@ def code_digest() -> str:
         *cpu.SOURCES,
         *cpu.AMX_SOURCES,
         *cpu.BF16_SOURCES,
-        *cpu.VBMI_SOURCES,
         *cpu.HEADERS,
         here / "cpu_ops.py",
         here / "matrix.py",

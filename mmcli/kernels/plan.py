@@ -327,7 +327,7 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
         return Choice("torch_int4", "torch int4", "torch's int4 kernel")
     measured = machine.crossover("int4_tiles")
     if machine.int4_vnni:
-        return _int4_vnni(measured, machine.crossover("int4_fewest_rows"))
+        return _int4_vnni(measured, machine.crossover("int4_fewest_rows"), machine.int4_widened)
     if measured.above is None:
         return Choice("torch_int4", "torch int4", measured.why)
     above = measured.above
@@ -367,7 +367,7 @@ def _int4_vnni_rows(machine: Machine) -> int:
     return cpu.AMX_ROWS if above is None else min(above, cpu.AMX_ROWS)
 
 
-def _int4_vnni(tiles: Crossover, fewest: Crossover) -> Choice:
+def _int4_vnni(tiles: Crossover, fewest: Crossover, widened: bool = True) -> Choice:
     """int4 on the int8 dot products: a decode step's rows (to cpu.AMX_ROWS) on int4_vnni.c, each
     row quantized to int8 per group; a prompt's more rows widened to int8 for int8_linear.c's
     tiles (at the int8 rate, each row in 8 bits with a scale of its own); oneDNN's bfloat16 GEMM on
@@ -378,9 +378,10 @@ def _int4_vnni(tiles: Crossover, fewest: Crossover) -> Choice:
     vnni = cpu.AMX_ROWS if tiles.above is None else min(tiles.above, cpu.AMX_ROWS)
     kernel += f"int4_vnni.c (int8 dot products) to {vnni}"
     kernels = ["int4_vnni.c"]
-    if tiles.above is None or tiles.above > vnni:
-        kernel += ", widened to int8 above" + (f" to {tiles.above}" if tiles.above else "")
-        kernels.append("int4_widened")
+    if tiles.above is None or tiles.above > vnni:  # AVX2's build: torch's int4 kernel there
+        kernel += ", widened to int8 above" if widened else ", torch int4 above"
+        kernel += f" to {tiles.above}" if tiles.above else ""
+        kernels += ["int4_widened"] if widened else []
     if tiles.above is not None:
         kernel += ", int4 tiles + oneDNN bfloat16 above"
         kernels.append("int4_tiles")

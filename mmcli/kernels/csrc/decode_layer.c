@@ -72,12 +72,9 @@ static void take_rows(const struct decode_layer *l, struct rows_in *in, const fl
                       int64_t K) {
     in->x = x;
     if (l->int8) quantize_rows(x, M, K, in->levels, K, in->scale, 1);
-#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
     if (l->int4) int4_quantize_rows(x, M, K, (int8_t *)in->levels, in->scale, in->group_sums);
-#endif
 }
 
-#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 /* int4's products on the vector units' int8 dot products, or above int4_vnni_rows rows the AMX
    build's tiles (the same floats; where the tiles are not granted, the vector units) */
 static int int4_products(const struct decode_layer *l, const struct rows_in *in,
@@ -92,7 +89,6 @@ static int int4_products(const struct decode_layer *l, const struct rows_in *in,
     return int4_vnni_products(levels, in->scale, in->group_sums, w->values, w->scales_zeros, y, M,
                               N, K, threads);
 }
-#endif
 
 /* The step's products: int8 on int8_linear; int4 on int4_products; bfloat16 where the
    layer asks for them, on the AMX tiles where this build has them, else on AVX-512 BF16's dot
@@ -106,9 +102,7 @@ static void linear(const struct decode_layer *l, const struct rows_in *in,
                     l->vnni_rows, NONE, threads);
         return;
     }
-#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
     if (l->int4 && !int4_products(l, in, w, y, M, N, K, threads)) return;
-#endif
 #ifdef __AMX_BF16__
     if (l->bf16_products && !amx_bf16_linear(in->x, w->values, y, M, N, K, 0, threads)) return;
 #endif

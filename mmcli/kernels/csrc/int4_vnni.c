@@ -1,13 +1,50 @@
 /* int4 weights in torch's CPU layout (blocks of 64 output channels, each input's 64 values in 32
    bytes, the low nibbles the block's first 32; scales and zeros [K / 32][N][2] bfloat16) times a
    decode step's few rows on the vector units' int8 dot products (AVX-512 VNNI, with VBMI's byte
-   permutes to spread the nibbles): built where the CPU has both (kernels/cpu.py). For a decode
+   permutes to spread the nibbles), where the CPU has both; else (AVX2) blocks of 32 channels, the
+   layout torch packs there, on vpmaddubsw (kernels/cpu.py decides which reads here). For a decode
    step's few rows the weights' integers are multiplied as they are, where torch's int4 kernel and
    the tiles' panels dequantize every weight first. */
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "float_tiles.h"
+
+/* Each build's (below): x's rows quantized to int8 per group of 32 inputs, and their products */
+void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
+                        int32_t *sums);
+int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
+                       const uint8_t *packed, const uint16_t *scales_zeros, float *y, int64_t M,
+                       int64_t N, int64_t K, int threads);
+
+typedef int (*int4_products)(const int8_t *, const float *, const int32_t *, const uint8_t *,
+                             const uint16_t *, float *, int64_t, int64_t, int64_t, int);
+
+/* y = x @ W.T by `products` for x (M x K, float32), its rows quantized on the way; nonzero where
+   the shapes are not the kernel's or its rows' buffers could not be allocated. */
+static int int4_quantized_rows(int4_products products, const float *x, const uint8_t *packed,
+                               const uint16_t *scales_zeros, float *y, int64_t M, int64_t N,
+                               int64_t K, int threads) {
+    if (M < 1 || N % 64 || K % 32) return 1;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *scales = malloc((size_t)(M * (K / 32)) * sizeof(float));
+    int32_t *sums = malloc((size_t)(M * (K / 32)) * sizeof(int32_t));
+    int failed = !xq || !scales || !sums;
+    if (!failed) {
+        int4_quantize_rows(x, M, K, xq, scales, sums);
+        failed = products(xq, scales, sums, packed, scales_zeros, y, M, N, K, threads);
+    }
+    free(xq);
+    free(scales);
+    free(sums);
+    return failed;
+}
+
+/* int4_vnni_products for x (M x K, float32), its rows quantized on the way. */
+int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
+                   int64_t M, int64_t N, int64_t K, int threads) {
+    return int4_quantized_rows(int4_vnni_products, x, packed, scales_zeros, y, M, N, K, threads);
+}
 
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 
@@ -157,35 +194,6 @@ int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x
             rows_of_block(xq, x_scales, x_sums, packed, pairs, K, N, block, m, M, y);
     }
     return 0;
-}
-
-typedef int (*int4_products)(const int8_t *, const float *, const int32_t *, const uint8_t *,
-                             const uint16_t *, float *, int64_t, int64_t, int64_t, int);
-
-/* y = x @ W.T by `products` for x (M x K, float32), its rows quantized on the way; nonzero where
-   the shapes are not the kernel's or its rows' buffers could not be allocated. */
-static int int4_quantized_rows(int4_products products, const float *x, const uint8_t *packed,
-                               const uint16_t *scales_zeros, float *y, int64_t M, int64_t N,
-                               int64_t K, int threads) {
-    if (M < 1 || N % 64 || K % 32) return 1;
-    int8_t *xq = malloc((size_t)(M * K));
-    float *scales = malloc((size_t)(M * (K / 32)) * sizeof(float));
-    int32_t *sums = malloc((size_t)(M * (K / 32)) * sizeof(int32_t));
-    int failed = !xq || !scales || !sums;
-    if (!failed) {
-        int4_quantize_rows(x, M, K, xq, scales, sums);
-        failed = products(xq, scales, sums, packed, scales_zeros, y, M, N, K, threads);
-    }
-    free(xq);
-    free(scales);
-    free(sums);
-    return failed;
-}
-
-/* int4_vnni_products for x (M x K, float32), its rows quantized on the way. */
-int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
-                   int64_t M, int64_t N, int64_t K, int threads) {
-    return int4_quantized_rows(int4_vnni_products, x, packed, scales_zeros, y, M, N, K, threads);
 }
 
 #ifdef __AMX_INT8__
@@ -509,6 +517,133 @@ int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *sca
     free(levels);
     free(x_scale);
     return failed;
+}
+
+#else /* AVX2: torch packs blocks of 32 channels there */
+
+/* The same products on AVX2's byte multiplies, for torch's AVX2 layout (blocks of 32 channels:
+   kernels/cpu.py uses them where torch packs so): vpmaddubsw's pairs (q at most 15, |xq| at most
+   127: 3,810) added in int16 over a group (16 inputs a lane, at most 30,480: none saturates),
+   then to int32 by vpmaddwd, the exact sums vpdpbusd makes, scaled in the same order: the same
+   floats as the AVX-512 build's. A block's sums for two rows fill AVX2's 16 registers. */
+
+#define AVX2_ROWS 2 /* rows a half block's sums hold in registers; more rows pass again */
+
+/* x's rows as int4_quantize_rows above makes them: the same integers, scales and sums */
+void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
+                        int32_t *sums) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = 0; i < rows * (K / 32); i++) {
+        __m256 v[4], top = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(x + i * 32 + 8 * j);
+            top = _mm256_max_ps(top, _mm256_and_ps(v[j], magnitude));
+        }
+        __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        const float largest = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+        const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+        __m256i q[4], total = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
+            total = _mm256_add_epi32(total, q[j]);
+        }
+        /* packs interleave the 128-bit lanes: 32-bit groups 0, 2, 4, 6 then 1, 3, 5, 7 */
+        const __m256i bytes =
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + i * 32), _mm256_permutevar8x32_epi32(bytes, order));
+        __m128i sum =
+            _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1));
+        scales[i] = largest / 127.0f;
+        sums[i] = _mm_cvtsi128_si32(sum);
+    }
+}
+
+/* Inputs k .. k + 3 of a block of 32 channels (torch's AVX2 layout: 4 x 16 bytes, byte c
+   holding channel c's q in its low nibble and c + 16's in its high) as vpmaddubsw's
+   quadruples: q[0] channels 0 .. 7's 4 inputs, q[1] 8 .. 15's (each byte both nibbles) */
+static inline void avx2_quads(const uint8_t *first, __m256i q[2]) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)first);
+    const __m128i b = _mm_loadu_si128((const __m128i *)(first + 16));
+    const __m128i c = _mm_loadu_si128((const __m128i *)(first + 32));
+    const __m128i d = _mm_loadu_si128((const __m128i *)(first + 48));
+    const __m128i ab0 = _mm_unpacklo_epi8(a, b), ab1 = _mm_unpackhi_epi8(a, b);
+    const __m128i cd0 = _mm_unpacklo_epi8(c, d), cd1 = _mm_unpackhi_epi8(c, d);
+    q[0] = _mm256_set_m128i(_mm_unpackhi_epi16(ab0, cd0), _mm_unpacklo_epi16(ab0, cd0));
+    q[1] = _mm256_set_m128i(_mm_unpackhi_epi16(ab1, cd1), _mm_unpacklo_epi16(ab1, cd1));
+}
+
+/* y's `rows` (a constant once inlined) x the 32 channels of `block`, each channel's float sum
+   as int4_vnni_block's */
+static inline __attribute__((always_inline)) void
+int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
+                const uint8_t *packed, const uint32_t *pairs_of, int64_t K, int64_t N,
+                int64_t block, const int rows, float *y) {
+    const int64_t groups = K / 32;
+    const uint8_t *bytes = packed + block * K * 16;
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[AVX2_ROWS][4];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i sums[AVX2_ROWS][4];
+        for (int m = 0; m < rows; m++)
+            for (int j = 0; j < 4; j++) sums[m][j] = _mm256_setzero_si256();
+        for (int r = 0; r < 8; r++) {
+            __m256i q[2], w[4];
+            avx2_quads(bytes + (g * 32 + 4 * r) * 16, q);
+            w[0] = _mm256_and_si256(q[0], nibble), w[1] = _mm256_and_si256(q[1], nibble);
+            w[2] = _mm256_and_si256(_mm256_srli_epi16(q[0], 4), nibble);
+            w[3] = _mm256_and_si256(_mm256_srli_epi16(q[1], 4), nibble);
+            for (int m = 0; m < rows; m++) {
+                const int32_t four = ((const int32_t *)xq)[m * (K / 4) + g * 8 + r];
+                const __m256i x4 = _mm256_set1_epi32(four);
+                for (int j = 0; j < 4; j++)
+                    sums[m][j] = _mm256_add_epi16(sums[m][j], _mm256_maddubs_epi16(w[j], x4));
+            }
+        }
+        const uint32_t *pairs = pairs_of + g * N + block * 32;
+        for (int j = 0; j < 4; j++) {
+            const __m256i sz = _mm256_loadu_si256((const __m256i *)(pairs + 8 * j));
+            const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(sz, 16));
+            const __m256 zero =
+                _mm256_castsi256_ps(_mm256_and_si256(sz, _mm256_set1_epi32(~0xFFFF)));
+            const __m256 shift = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
+            for (int m = 0; m < rows; m++) {
+                const int64_t at = m * groups + g;
+                __m256 v = _mm256_mul_ps(shift, _mm256_set1_ps((float)x_sums[at]));
+                const __m256i exact = _mm256_madd_epi16(sums[m][j], ones);
+                v = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(exact), v);
+                acc[m][j] = _mm256_fmadd_ps(_mm256_set1_ps(x_scales[at]), v, acc[m][j]);
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + m * N + block * 32 + 8 * j, acc[m][j]);
+}
+
+/* int4_vnni_products (above) on AVX2: AVX2_ROWS rows at a time over each block */
+int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
+                       const uint8_t *packed, const uint16_t *scales_zeros, float *y, int64_t M,
+                       int64_t N, int64_t K, int threads) {
+    if (M < 1 || N % 32 || K % 32) return 1;
+    const uint32_t *pairs = (const uint32_t *)scales_zeros;
+    const int64_t groups = K / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t block = 0; block < N / 32; block++)
+        for (int64_t m = 0; m < M; m += AVX2_ROWS) {
+            const int8_t *rows_xq = xq + m * K;
+            const float *scales = x_scales + m * groups;
+            const int32_t *sums = x_sums + m * groups;
+            if (M - m == 1)
+                int4_avx2_block(rows_xq, scales, sums, packed, pairs, K, N, block, 1, y + m * N);
+            else
+                int4_avx2_block(rows_xq, scales, sums, packed, pairs, K, N, block, 2, y + m * N);
+        }
+    return 0;
 }
 
 #endif
