@@ -58,6 +58,7 @@ def commit_library(commit: str, into: Path) -> ctypes.CDLL:
     path = cpu._build(compiler, torch_lib, library.flags, sources, headers)
     theirs_library = ctypes.CDLL(str(path))
     theirs_library.build, theirs_library.int4_vnni = library.build, library.int4_vnni
+    theirs_library.int4_widened = library.int4_widened
     cpu._declare(theirs_library)
     return theirs_library
 
