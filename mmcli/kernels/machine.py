@@ -50,7 +50,7 @@ class Machine:
     # and widens a prompt's rows to int8 (VBMI's build; AVX2's leaves them to torch's int4)
     int4_widened: bool = False
     # torch's int4 CPU layout in this process: output channels a block (weight_forms.int4_block;
-    # our int4 kernels read 64), None for one the tiles' dequantizer cannot read
+    # the tiles' dequantizer and amx.c read 64), None for one the dequantizer cannot read
     int4_block: int | None = 64
     exact_int8: bool = True  # oneDNN's int8 GEMM is exact here (cpu_features.exact_int8)
 
