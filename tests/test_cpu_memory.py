@@ -99,6 +99,22 @@ def test_the_few_rows_kernel_computes_bfloat16_weights_in_float32(rows):
     )
 
 
+@pytest.mark.skipif(cpu.why_unavailable() is not None, reason="no AVX2 or no C compiler here")
+def test_the_few_rows_kernel_sums_each_row_alone_whatever_its_tile():
+    """Inputs in pairs' order over whole vectors and a tail (300 = 9 x 32 + 12), 1 to 9 rows
+    (tiles of 3 weight rows under 4 rows, of 2 from 4 on, 11 channels off both): against float64,
+    and each row's outputs the bits it has computed alone, so that a sequence's logits do not
+    depend on how many share its step."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(11, 300, generator=generator).bfloat16()
+    x = torch.randn(9, 300, generator=generator)
+    alone = torch.cat([cpu.bf16_linear(row[None], weight) for row in x])
+    expected = x.double() @ weight.double().t()
+    torch.testing.assert_close(alone.double(), expected, atol=1e-4, rtol=1e-5)
+    for rows in range(1, 10):
+        assert torch.equal(cpu.bf16_linear(x[:rows].contiguous(), weight), alone[:rows])
+
+
 def _relative_error(logits, reference) -> float:
     return float((logits - reference).norm() / reference.norm())
 

@@ -233,6 +233,8 @@ def _declare(library: ctypes.CDLL) -> None:
     """The C functions' argument and result types."""
     library.bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     library.bf16_linear.restype = None
+    library.bf16_pairs.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    library.bf16_pairs.restype = None
     library.bf16_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     library.bf16_gemm.restype = None
     library.attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 3
@@ -316,7 +318,9 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
-    return _products(library.bf16_linear, x, weight)[0]
+    pairs = torch.empty_like(x)
+    library.bf16_pairs(x.data_ptr(), pairs.data_ptr(), *x.shape)
+    return _products(library.bf16_linear, pairs, weight)[0]
 
 
 # the rows amx_bf16_linear takes (64 columns of B: 32 rows split in two)
@@ -647,11 +651,12 @@ def int4_dequantize(weight, group: int, start: int, stop: int) -> torch.Tensor:
 def decode_scratch(layer: DecodeLayer, rows: int, context: int) -> torch.Tensor:
     """The floats decode_layer.c works in for `rows` rows reaching `context` columns (one buffer
     for every layer of a step): its float32 rows, then quantized rows' scales, int4's group
-    sums and the levels, then each row's attention scores."""
+    sums and the levels (or the rows in pairs' order), then each row's attention scores."""
     per_row = 2 * layer.hidden + 2 * (layer.heads + layer.kv_heads) * layer.d
     widest = max(layer.hidden, layer.heads * layer.d, layer.intermediate)
-    # a scale a row (int8) or a group of 32 (int4), int4's sums alike, then a byte a value
-    levels = 2 * rows * (widest // 32 + 1) + (rows * widest + 3) // 4
+    # a scale a row (int8) or a group of 32 (int4), int4's sums alike, then a float a value (a
+    # byte for levels; bfloat16 weights' rows in pairs' order)
+    levels = 2 * rows * (widest // 32 + 1) + rows * widest
     return torch.empty(
         rows * (per_row + 2 * layer.intermediate) + levels + rows * layer.heads * context
     )

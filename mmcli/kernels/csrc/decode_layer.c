@@ -10,7 +10,8 @@
 
 #include "float_tiles.h"
 
-void bf16_linear(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
+void bf16_pairs(const float *x, float *pairs, int64_t M, int64_t K);
+void bf16_linear(const float *pairs, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K,
                  int threads);
 void rms_norm(const float *x, int64_t ld, const float *w, float *out, int64_t rows, int64_t width,
               float eps, int threads);
@@ -58,9 +59,10 @@ struct decode_layer {
     int64_t int4_vnni_rows; /* int4's: the AMX build's tiles above this many rows */
 };
 
-/* A product's input rows: float32, and their levels made once for the products that share them
+/* A product's input rows: float32, and their form made once for the products that share them
    (q, k and v; gate and up): for int8 weights a row's levels and scale (quantize_rows), for int4
-   each group's levels, scale and sum (int4_quantize_rows). */
+   each group's levels, scale and sum (int4_quantize_rows), for bfloat16 ones the rows in pairs'
+   order (bf16_pairs, in the levels' room). */
 struct rows_in {
     const float *x;
     uint8_t *levels;
@@ -73,6 +75,7 @@ static void take_rows(const struct decode_layer *l, struct rows_in *in, const fl
     in->x = x;
     if (l->int8) quantize_rows(x, M, K, in->levels, K, in->scale, 1);
     if (l->int4) int4_quantize_rows(x, M, K, (int8_t *)in->levels, in->scale, in->group_sums);
+    if (!l->int8 && !l->int4) bf16_pairs(x, (float *)in->levels, M, K);
 }
 
 /* int4's products on the vector units' int8 dot products, or above int4_vnni_rows rows the AMX
@@ -109,7 +112,7 @@ static void linear(const struct decode_layer *l, const struct rows_in *in,
 #ifdef __AVX512BF16__
     if (l->bf16_products && !bf16_dot_linear(in->x, w->values, y, M, N, K, 0, threads)) return;
 #endif
-    bf16_linear(in->x, w->values, y, M, N, K, threads);
+    bf16_linear((const float *)in->levels, w->values, y, M, N, K, threads);
 }
 
 /* The KV cache holds float32, or bfloat16 where the run's products are bfloat16 (half the bytes
@@ -355,8 +358,8 @@ static void attend_rows(const struct decode_layer *l, const float *q, void *k_ca
    columns. cos/sin: d values a row.
    scratch: rows * (hidden * 2 + heads * d * 2 + kv_heads * d * 2 + intermediate * 2) floats, then
    twice rows * (widest / 32 + 1) floats (widest: the widest of hidden, heads * d and
-   intermediate), then rows * widest bytes rounded up to floats, then rows * heads * (the largest
-   position + 1) floats (cpu.decode_scratch). */
+   intermediate), then rows * widest floats (levels, or rows in pairs' order), then rows * heads *
+   (the largest position + 1) floats (cpu.decode_scratch). */
 void decode_layer(const struct decode_layer *l, float *x, int64_t rows, void *k_cache,
                   void *v_cache, int64_t columns, int kv_bf16, const int64_t *slots,
                   const int64_t *positions, const float *cos, const float *sin, float *scratch,
@@ -371,7 +374,7 @@ void decode_layer(const struct decode_layer *l, float *x, int64_t rows, void *k_
     float *up = gate + rows * I, *level_scale = up + rows * I;
     int32_t *group_sums = (int32_t *)(level_scale + scales);
     uint8_t *levels = (uint8_t *)(group_sums + scales);
-    float *scores = (float *)levels + (rows * widest + 3) / 4;
+    float *scores = (float *)levels + rows * widest;
     struct rows_in in = {normed, levels, level_scale, group_sums};
     rms_norm(x, H, l->input_norm, normed, rows, H, l->eps, 1);
     take_rows(l, &in, normed, rows, H);
