@@ -277,6 +277,83 @@ attend_heads(const float *q, const void *k, const void *v, int64_t n, float *sco
     for (int h = 0; h < G; h++)
         from_kv_order(acc + h * NV, NV, vset(inverse[h]), out + h * d, bf16);
 }
+#else
+/* The lane sums of 8 vectors as one vector, each by vsum's tree (kv_dot's bits) */
+static inline vec sum8(const vec a[8]) {
+    vec b[4];
+    for (int t = 0; t < 4; t++)
+        b[t] = vadd(_mm256_permute2f128_ps(a[t], a[t + 4], 0x20),
+                    _mm256_permute2f128_ps(a[t], a[t + 4], 0x31));
+    const vec z1 = vadd(_mm256_unpacklo_ps(b[0], b[1]), _mm256_unpackhi_ps(b[0], b[1]));
+    const vec z2 = vadd(_mm256_unpacklo_ps(b[2], b[3]), _mm256_unpackhi_ps(b[2], b[3]));
+    return vadd(_mm256_shuffle_ps(z1, z2, 0x44), _mm256_shuffle_ps(z1, z2, 0xEE));
+}
+
+/* out[j:j+NV GL] of a head += its probabilities times `count` value rows' vectors from `c`,
+   the outputs held in registers over those rows */
+static inline __attribute__((always_inline)) void add_values(const float *p, const void *v,
+                                                             int64_t count, int64_t d, int64_t c,
+                                                             float *out, const int NV,
+                                                             const int bf16) {
+    vec acc[8];
+    for (int i = 0; i < NV; i++) acc[i] = vload(out + c + i * GL);
+    for (int64_t j = 0; j < count; j++) {
+        const vec pj = vset(p[j]);
+        for (int i = 0; i < NV; i++)
+            acc[i] = vfma(pj, kv_load(v, j * d + c + i * GL, bf16), acc[i]);
+    }
+    for (int i = 0; i < NV; i++) vstore(out + c + i * GL, acc[i]);
+}
+
+/* value rows a block (16 KiB of float32 at d = 128, read from memory once for every head), and
+   query heads a call at most */
+#define VALUE_ROWS 32
+#define GROUP 8
+
+/* attend_head for the G <= GROUP query heads (d apart in q and out, n apart in scores) that share
+   one key and value head, d a multiple of GL: the same sums in the same order (the same bits), but
+   8 keys' dot products at a time (8 chains of FMAs, where one key's chain waits on each FMA's
+   latency) and each block of values read once for every head, the outputs in registers across
+   it (where each value's products read and wrote their outputs). */
+static inline __attribute__((always_inline)) void attend_heads(const float *q, int64_t G,
+                                                               const void *k, const void *v,
+                                                               int64_t n, int64_t d, float *scores,
+                                                               float *out, const int bf16) {
+    const float scale = 1.0f / __builtin_sqrtf((float)d);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int64_t h = 0; h < G; h++) {
+            vec a[8];
+            for (int t = 0; t < 8; t++) a[t] = vzero();
+            for (int64_t c = 0; c < d; c += GL) {
+                const vec qv = vload(q + h * d + c);
+                for (int t = 0; t < 8; t++)
+                    a[t] = vfma(qv, kv_load(k, (j + t) * d + c, bf16), a[t]);
+            }
+            vstore(scores + h * n + j, vmul(sum8(a), vset(scale)));
+        }
+    for (; j < n; j++)
+        for (int64_t h = 0; h < G; h++)
+            scores[h * n + j] = kv_dot(q + h * d, k, j * d, d, bf16) * scale;
+    float inverse[GROUP];
+    for (int64_t h = 0; h < G; h++) {
+        inverse[h] = 1.0f / exp_scores(scores + h * n, n);
+        for (int64_t i = 0; i < d; i++) out[h * d + i] = 0.0f;
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += VALUE_ROWS) {
+        const int64_t count = n - j0 < VALUE_ROWS ? n - j0 : VALUE_ROWS;
+        const void *rows = kv_element((void *)v, j0 * d, bf16);
+        for (int64_t h = 0; h < G; h++) {
+            const float *p = scores + h * n + j0;
+            int64_t c = 0;
+            for (; c + 8 * GL <= d; c += 8 * GL)
+                add_values(p, rows, count, d, c, out + h * d, 8, bf16);
+            for (; c < d; c += GL) add_values(p, rows, count, d, c, out + h * d, 1, bf16);
+        }
+    }
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t i = 0; i < d; i++) out[h * d + i] *= inverse[h];
+}
 #endif
 
 /* the `group` query heads of one key/value head: two at a time where their sizes allow */
@@ -306,6 +383,14 @@ static void attend_kv_head(const float *q, int64_t group, const void *k, const v
 #undef SIZES
 #undef PAIRED
 #undef HEADS
+#else
+    for (; d % GL == 0 && h < group; h += GROUP) {
+        const int64_t G = group - h < GROUP ? group - h : GROUP;
+        if (bf16)
+            attend_heads(q + h * d, G, k, v, n, d, scores + h * n, out + h * d, 1);
+        else
+            attend_heads(q + h * d, G, k, v, n, d, scores + h * n, out + h * d, 0);
+    }
 #endif
     for (; h < group; h++) {
         if (bf16)
