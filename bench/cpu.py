@@ -619,6 +619,9 @@ def main() -> None:
     parser.add_argument(
         "--decode-only", action="store_true", help="only (e): decode steps against their floors"
     )
+    parser.add_argument(
+        "--batched-only", action="store_true", help="only (a): the batched runs, sides alternating"
+    )
     parser.add_argument("--against", metavar="COMMIT", help="that tree as a third side, beside")
     parser.add_argument("--agreement-only", action="store_true", help="only (d)")
     parser.add_argument("--worker", choices=["ask", "forced", "step"], help=argparse.SUPPRESS)
@@ -694,10 +697,13 @@ def main() -> None:
         if not (n == "lm_head.weight" and cfg.tie_word_embeddings)
     )
     print_units(ckpt)
-    decode_floors(args, ckpt)
+    if not args.batched_only:
+        decode_floors(args, ckpt)
     if args.decode_only:
         return
     rates = batched(args, rate_args, parameters)
+    if args.batched_only:
+        return
     if not args.matrix_only:
         hf_part(args, rate_args, rates)
         print("\nstart-up, no model:")
