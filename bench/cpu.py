@@ -622,6 +622,9 @@ def main() -> None:
     parser.add_argument(
         "--batched-only", action="store_true", help="only (a): the batched runs, sides alternating"
     )
+    parser.add_argument(
+        "--paths", help=f"only these paths, comma-separated (of {', '.join(PATHS)})"
+    )
     parser.add_argument("--against", metavar="COMMIT", help="that tree as a third side, beside")
     parser.add_argument("--agreement-only", action="store_true", help="only (d)")
     parser.add_argument("--worker", choices=["ask", "forced", "step"], help=argparse.SUPPRESS)
@@ -652,6 +655,8 @@ def main() -> None:
         return
     if args.repeats is None:
         args.repeats = 1 if args.smoke else 3
+    for name in set(PATHS) - set(args.paths.split(",") if args.paths else PATHS):
+        del PATHS[name]
     if args.cache_dir is None:
         args.cache_dir = compare_hf.ROOT / (".bench_cache/smoke" if args.smoke else ".bench_cache")
     args.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -846,7 +851,7 @@ def batched(args, rate_args, parameters: int) -> dict:
         f"\n(a) images/s, median of {args.rounds} | before | after | after / before | "
         "vs float32 before | vision, text prefill, decode after / before"
     )
-    base = rates["float32", before()]["images_per_s"]
+    base = rates.get(("float32", before()), {}).get("images_per_s")  # --paths may leave it
     for name in PATHS:
         print_ratios(name, rates[name, before()], rates[name, "after"], base)
         tree = third_side()
@@ -864,14 +869,15 @@ def phase_ratios(rates: dict, name: str, side: str) -> str:
     return ", ".join(f"{p} {after[p] / other[p]:.2f}x" for p in phases)
 
 
-def print_ratios(name: str, before: dict, after: dict, base: float) -> None:
+def print_ratios(name: str, before: dict, after: dict, base: float | None) -> None:
     phases = ", ".join(
         f"{after['spent'][p] / before['spent'][p]:.2f}x" for p in ("vision", "text", "decode")
     )
     ratio = after["images_per_s"] / before["images_per_s"]
+    of_base = f"{after['images_per_s'] / base:.2f}x" if base else "-"
     print(
         f"{name} | {before['images_per_s']:.4f} | {after['images_per_s']:.4f} | "
-        f"{ratio:.2f}x | {after['images_per_s'] / base:.2f}x | {phases}"
+        f"{ratio:.2f}x | {of_base} | {phases}"
     )
 
 
@@ -904,11 +910,12 @@ def hf_part(args, rate_args, rates: dict) -> None:
 def units_of(cap) -> dict[str, str]:
     """The unit each phase's linears ran on: int8 where the kernel plan puts them on int8 (int8's
     two towers, int4's vision tower, int4's prompt widened to int8), else the run's products'
-    (int4's prompt on tiles dequantized for the bfloat16 GEMM)."""
+    (int4's prompt on dequantized tiles, or torch's int4 kernel: bfloat16's activations where
+    the run's products are bfloat16, else float32 FMAs)."""
     precision = compare_hf.precision_record(cap)  # --against's tree may hold a dict
     products = "bfloat16" if precision.get("products") == "bfloat16" else "float32"
     plan = cap.kernel_plan  # --against's tree may name its choices in words only
-    int4 = "int8" if "int4_widened" in getattr(plan.int4, "id", plan.int4.kernel) else "bfloat16"
+    int4 = "int8" if "int4_widened" in getattr(plan.int4, "id", plan.int4.kernel) else products
     text = {"int8": "int8", "int4": int4}.get(precision.get("quantize"), products)
     vision = "int8" if plan.vision_int8.install is not None else text
     return {"vision": vision, "text prefill": text}

@@ -329,17 +329,22 @@ def test_the_plan_is_a_function_of_the_shape_and_the_machine(monkeypatch):
 
 
 @needs_kernels
-def test_int4_on_avx2_takes_int4_vnni_at_a_steps_rows_and_torch_int4_for_a_prompt():
+@pytest.mark.parametrize("above", [None, 64])
+def test_int4_on_avx2_takes_int4_vnni_at_a_steps_rows_and_float32_tiles_for_a_prompt(above):
     """AVX2's build reads torch's blocks of 32 channels on vpmaddubsw: a decode step's rows (to
-    32) on int4_vnni.c, in the fused step too; a prompt's more rows stay on torch's int4 kernel
-    (AVX2's pairs would saturate on the widened rows' 8-bit levels)."""
+    32) on int4_vnni.c, in the fused step too; a prompt's more rows on torch's int4 kernel (AVX2's
+    pairs would saturate on the widened rows' 8-bit levels), above the measured crossover on
+    dequantized tiles in float32 products, the run's (no bfloat16 unit)."""
     consulted = comparisons(AVX2, "AVX2", int4_vnni=True)
-    assert "int4_fewest_rows" in consulted
+    assert "int4_fewest_rows" in consulted and "int4_tiles" in consulted
     ours = {name: Crossover(None, "measured (by hand)") for name in consulted}
+    ours["int4_tiles"] = Crossover(above, "measured (by hand)")
     avx2 = Machine(AVX2, "AVX2", crossovers=ours, int4_vnni=True)
     plan = choose(shape_on(AVX2, quantize="int4"), avx2)
-    assert plan.int4.id == "int4_vnni.c"
-    assert plan.int4.kernel == "int4_vnni.c (int8 dot products) to 32, torch int4 above"
+    kernel = "int4_vnni.c (int8 dot products) to 32, torch int4 above"
+    tiles = " to 64, int4 tiles + oneDNN float32 above" if above else ""
+    assert plan.int4.kernel == kernel + tiles
+    assert plan.int4.id == "int4_vnni.c" + ("+int4_tiles" if above else "")
     assert plan.decode_step.id == "decode_layer.c+int4_vnni.c"
 
 
@@ -455,6 +460,10 @@ def test_int4_tiles_dequantize_torchs_layout_and_match_its_kernel():
     x = torch.randn(300, 128)
     y, reference = matrix.int4_tiles_linear(x, packed, None), int4_linear(x, packed, None)
     assert (y - reference).abs().max() <= 2e-2 * reference.abs().max()
+    # float32 products (a CPU without bfloat16's): the dequantized values' products, unrounded
+    exact = x.double() @ matrix.int4_dequantized(packed, 0, 320).double()
+    float32 = matrix.int4_tiles_linear(x, packed, None, "float32").double()
+    torch.testing.assert_close(float32, exact, atol=1e-4, rtol=1e-5)
     assert matrix.int4_matmul(above=512)(x, packed, None) is None  # few rows: torch's kernel
 
 

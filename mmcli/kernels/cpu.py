@@ -270,7 +270,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.quantize_weights.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
     library.quantize_weights.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_int]
     library.quantize_weights.restype = None
-    library.int4_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5
+    library.int4_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6
     library.int4_dequantize.argtypes += [ctypes.c_void_p, ctypes.c_int]
     library.int4_dequantize.restype = None
     if library.build in BF16_DOT_BUILDS:
@@ -626,9 +626,9 @@ def widen_outputs(
     return y
 
 
-def int4_dequantize(weight, group: int, start: int, stop: int) -> torch.Tensor:
-    """Output channels [start, stop) (multiples of 64) of an Int4Weight as bfloat16 [in, stop -
-    start] (int4_tiles.c)."""
+def int4_dequantize(weight, group: int, start: int, stop: int, block: int) -> torch.Tensor:
+    """Output channels [start, stop) (multiples of `block`, the channels a block of the packing
+    holds: 64 or 32) of an Int4Weight as bfloat16 [in, stop - start] (int4_tiles.c)."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
@@ -640,8 +640,9 @@ def int4_dequantize(weight, group: int, start: int, stop: int) -> torch.Tensor:
         inner,
         out_features,
         group,
-        start // 64,
-        (stop - start) // 64,
+        block,
+        start // block,
+        (stop - start) // block,
         dest.data_ptr(),
         torch.get_num_threads(),
     )

@@ -135,10 +135,10 @@ def int4_dequantized(
     """Output channels [start, stop) (multiples of 64) of an Int4Weight as bfloat16 [in, stop -
     start] (torch's CPU int4 layout of `block` channels a block, this process's by default:
     each input's values of a block in block / 2 bytes, the low nibbles its first half), value =
-    (q - 8) * scale + zero per GROUP inputs; int4_tiles.c's where it reads the layout (64)."""
+    (q - 8) * scale + zero per GROUP inputs; int4_tiles.c's where our kernels run."""
     block = block or int4_block()
-    if block == 64 and cpu.eager() and weight.scales_zeros.is_contiguous():
-        return cpu.int4_dequantize(weight, GROUP, start, stop)
+    if cpu.eager() and weight.scales_zeros.is_contiguous():
+        return cpu.int4_dequantize(weight, GROUP, start, stop, block)
     inner = weight.shape[1]
     packed = weight.packed.view(-1, inner, block // 2)[start // block : stop // block]
     q = torch.cat([packed & 0xF, packed >> 4], -1)  # [blocks, in, block]
@@ -149,30 +149,33 @@ def int4_dequantized(
 
 
 def int4_tiles_linear(
-    x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None
+    x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None, products: str = "bfloat16"
 ) -> torch.Tensor:
     """x @ W.T for an Int4Weight at many rows: INT4_TILE output channels at a time dequantized
-    to bfloat16 and multiplied by oneDNN's bfloat16 GEMM (torch's int4 kernel dequantizes every
-    weight for every few rows)."""
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    to bfloat16 and multiplied by oneDNN's GEMM in the run's `products` (torch's int4 kernel
+    dequantizes every weight for every few rows): bfloat16 where the CPU multiplies it, else
+    float32, x unrounded and the tile widened (exactly)."""
+    dtype = torch.bfloat16 if products == "bfloat16" else torch.float32
+    x2 = x.reshape(-1, x.shape[-1]).to(dtype)
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
     for start in range(0, weight.shape[0], INT4_TILE):
         stop = min(start + INT4_TILE, weight.shape[0])
-        out[:, start:stop] = torch.mm(x2, int4_dequantized(weight, start, stop))
+        out[:, start:stop] = torch.mm(x2, int4_dequantized(weight, start, stop).to(dtype))
     if bias is not None:
         out += bias
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def int4_matmul(above: int | None, vnni_above: int | None = None):
+def int4_matmul(above: int | None, vnni_above: int | None = None, products: str = "bfloat16"):
     """The `int4` kernel: more than `above` rows (None: none) dequantized in tiles for oneDNN's
-    bfloat16 GEMM, fewer on torch's int4 kernel (None: the layer's own), or on the int8 dot
-    products (cpu_ops.int4_vnni_matmul) above `vnni_above` rows where that is given."""
+    GEMM in `products` (int4_tiles_linear), fewer on torch's int4 kernel (None: the layer's
+    own), or on the int8 dot products (cpu_ops.int4_vnni_matmul) above `vnni_above` rows where
+    that is given."""
 
     def matmul(x, weight, bias):
         tiles = above is not None and _library_rows(x, above)
         if weight.shape[0] % 64 == 0 and tiles:
-            return int4_tiles_linear(x, weight, bias)
+            return int4_tiles_linear(x, weight, bias, products)
         if vnni_above is None:
             return None
         return cpu_ops.int4_vnni_matmul(x, weight, bias, vnni_above)

@@ -147,14 +147,15 @@ def _int8_prefill() -> dict:
 
 
 def _int4_tiles() -> dict:
-    """Ours against the dequantized tiles on oneDNN's bfloat16 GEMM: the int8 dot products where
-    this build has int4_vnni.c (a step's rows on it, more widened to int8), else torch's int4
-    kernel."""
+    """Ours against the dequantized tiles on oneDNN's GEMM in the products an int4 run has here
+    (bfloat16 where the CPU multiplies it, else float32): the int8 dot products where this build
+    has int4_vnni.c (a step's rows on it, more widened to int8), else torch's int4 kernel."""
     inner = outer = 2048
     weight = random_int4(outer, inner)
     library = cpu.load()[0]
     vnni = library is not None and library.int4_vnni
     label = INT4_INT8 if vnni and library.int4_widened else f"int4_vnni.c to {cpu.AMX_ROWS} rows"
+    products = "bfloat16" if cpu_features.detect().bf16_matrix() else "float32"
 
     def ours(x):  # torch's int4 kernel where int4_vnni.c does not take the rows
         y = cpu.int4_int8_linear(x, weight) if vnni else None
@@ -166,11 +167,11 @@ def _int4_tiles() -> dict:
         ops = 2 * rows * inner * outer
         rates[rows] = (
             _rate(lambda x=x: ours(x), ops),
-            _rate(lambda x=x: matrix.int4_tiles_linear(x, weight, None), ops),
+            _rate(lambda x=x: matrix.int4_tiles_linear(x, weight, None, products), ops),
         )
     return {
-        "kernels": [label if vnni else "torch int4", "int4 tiles + oneDNN bfloat16"],
-        "units": ["int8" if vnni else "float32", "bfloat16"],
+        "kernels": [label if vnni else "torch int4", f"int4 tiles + oneDNN {products}"],
+        "units": ["int8" if vnni else "float32", products],
         "rates": rates,
     }
 

@@ -326,15 +326,16 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
     if not shape.eager_cpu():
         return Choice("torch_int4", "torch int4", "torch's int4 kernel")
     measured = machine.crossover("int4_tiles")
+    products = "bfloat16" if shape.bf16_products() else "float32"
     if machine.int4_vnni:
-        return _int4_vnni(measured, machine.crossover("int4_fewest_rows"), machine.int4_widened)
+        fewest = machine.crossover("int4_fewest_rows")
+        return _int4_vnni(measured, fewest, products, machine.int4_widened)
     if measured.above is None:
         return Choice("torch_int4", "torch int4", measured.why)
     above = measured.above
-    kernel = f"int4 tiles + oneDNN bfloat16 above {above} rows, torch int4 to {above}"
-    return Choice(
-        "int4_tiles+torch_int4", kernel, measured.why, _function(matrix.int4_matmul(above))
-    )
+    kernel = f"int4 tiles + oneDNN {products} above {above} rows, torch int4 to {above}"
+    install = _function(matrix.int4_matmul(above, products=products))
+    return Choice("int4_tiles+torch_int4", kernel, measured.why, install)
 
 
 def _amx_int4(machine: Machine) -> Choice:
@@ -367,12 +368,13 @@ def _int4_vnni_rows(machine: Machine) -> int:
     return cpu.AMX_ROWS if above is None else min(above, cpu.AMX_ROWS)
 
 
-def _int4_vnni(tiles: Crossover, fewest: Crossover, widened: bool = True) -> Choice:
+def _int4_vnni(tiles: Crossover, fewest: Crossover, products: str, widened: bool = True) -> Choice:
     """int4 on the int8 dot products: a decode step's rows (to cpu.AMX_ROWS) on int4_vnni.c, each
     row quantized to int8 per group; a prompt's more rows widened to int8 for int8_linear.c's
-    tiles (at the int8 rate, each row in 8 bits with a scale of its own); oneDNN's bfloat16 GEMM on
-    dequantized tiles above the measured crossover, where there is one; torch's int4 kernel at a
-    step's fewest rows where it measures faster there."""
+    tiles (at the int8 rate, each row in 8 bits with a scale of its own; AVX2: torch's int4
+    kernel); oneDNN's GEMM in the run's `products` on dequantized tiles above the measured
+    crossover, where there is one; torch's int4 kernel at a step's fewest rows where it measures
+    faster there."""
     torch_rows = int4_torch_rows(fewest)
     kernel = f"torch int4 to {torch_rows} rows, " if torch_rows else ""
     vnni = cpu.AMX_ROWS if tiles.above is None else min(tiles.above, cpu.AMX_ROWS)
@@ -383,9 +385,9 @@ def _int4_vnni(tiles: Crossover, fewest: Crossover, widened: bool = True) -> Cho
         kernel += f" to {tiles.above}" if tiles.above else ""
         kernels += ["int4_widened"] if widened else []
     if tiles.above is not None:
-        kernel += ", int4 tiles + oneDNN bfloat16 above"
+        kernel += f", int4 tiles + oneDNN {products} above"
         kernels.append("int4_tiles")
-    install = _function(matrix.int4_matmul(tiles.above, vnni_above=torch_rows))
+    install = _function(matrix.int4_matmul(tiles.above, torch_rows, products))
     return Choice("+".join(kernels), kernel, f"{tiles.why}; {fewest.why}", install)
 
 
