@@ -61,8 +61,8 @@ struct decode_layer {
 
 /* A product's input rows: float32, and their form made once for the products that share them
    (q, k and v; gate and up): for int8 weights a row's levels and scale (quantize_rows), for int4
-   each group's levels, scale and sum (int4_quantize_rows), for bfloat16 ones the rows in pairs'
-   order (bf16_pairs, in the levels' room). */
+   each group's levels, scale and sum (int4_quantize_rows), for bfloat16 ones on bf16_linear the
+   rows in pairs' order (bf16_pairs, in the levels' room). */
 struct rows_in {
     const float *x;
     uint8_t *levels;
@@ -75,7 +75,8 @@ static void take_rows(const struct decode_layer *l, struct rows_in *in, const fl
     in->x = x;
     if (l->int8) quantize_rows(x, M, K, in->levels, K, in->scale, 1);
     if (l->int4) int4_quantize_rows(x, M, K, (int8_t *)in->levels, in->scale, in->group_sums);
-    if (!l->int8 && !l->int4) bf16_pairs(x, (float *)in->levels, M, K);
+    /* bfloat16 products take x as it is; their tiles' rare refusals make pairs (linear) */
+    if (!l->int8 && !l->int4 && !l->bf16_products) bf16_pairs(x, (float *)in->levels, M, K);
 }
 
 /* int4's products on the vector units' int8 dot products, or above int4_vnni_rows rows the AMX
@@ -112,6 +113,7 @@ static void linear(const struct decode_layer *l, const struct rows_in *in,
 #ifdef __AVX512BF16__
     if (l->bf16_products && !bf16_dot_linear(in->x, w->values, y, M, N, K, 0, threads)) return;
 #endif
+    if (l->bf16_products) bf16_pairs(in->x, (float *)in->levels, M, K);
     bf16_linear((const float *)in->levels, w->values, y, M, N, K, threads);
 }
 
