@@ -2,9 +2,9 @@
 torch's int4 layout (AVX-512 VNNI and VBMI's 64 channels a block, AVX2's 32). A decode step's few
 rows: against float64 with each row quantized to int8 per group of 32 inputs as the kernel
 quantizes it, within 1% of the unquantized rows, the same values on the AMX build's tiles; torch's
-int4 kernel keeps a single sequence's rows. A prompt's many rows (VBMI's build), widened to int8
-for int8_linear.c's tiles: each weight within half a level of its int4 value, against float64
-with each row quantized to 8 bits as the kernel quantizes it."""
+int4 kernel keeps a single sequence's rows. A prompt's many rows, widened to int8 for
+int8_linear.c's tiles (127 levels with VBMI, 63 on AVX2): each weight within half a level of its
+int4 value, against float64 with each row quantized to 8 bits as the kernel quantizes it."""
 
 import dataclasses
 
@@ -19,7 +19,7 @@ LIBRARY = cpu.load()[0]
 VNNI_HERE = LIBRARY is not None and LIBRARY.int4_vnni
 pytestmark = pytest.mark.skipif(not VNNI_HERE, reason="no int4_vnni.c for torch's layout here")
 WIDENED = pytest.mark.skipif(
-    not (VNNI_HERE and LIBRARY.int4_widened), reason="AVX2's build leaves a prompt to torch's int4"
+    not (VNNI_HERE and LIBRARY.int4_widened), reason="tiles wider than torch's blocks here"
 )
 
 
@@ -119,11 +119,12 @@ def _8bit_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _widened_level(weight) -> torch.Tensor:
-    """Each channel's int8 level: the largest magnitude its groups' values can reach / 127."""
+    """Each channel's int8 level: the largest magnitude its groups' values can reach over the
+    build's largest level (127, or 63 on AVX2)."""
     sz = weight.scales_zeros.double()  # [in / 32, out, 2]
     scale, zero = sz[..., 0], sz[..., 1]
     reach = torch.maximum((zero - 8 * scale).abs(), (zero + 7 * scale).abs())
-    return reach.amax(0).clamp_min(1e-12) / 127
+    return reach.amax(0).clamp_min(1e-12) / LIBRARY.int4_widened_top
 
 
 # more rows than a decode step's: the tiles' 6-row passes and a short last one; one group, many,
@@ -145,9 +146,11 @@ def test_int4_at_a_prompts_rows_is_widened_to_int8(rows, channels, inputs):
     # every widened weight within half a level (and float32's rounding of its level) of its value
     exact = xq @ values
     assert ((got - exact).abs() <= xq.abs().sum(-1, keepdim=True) * 0.5001 * level + 1e-4).all()
-    # against the unquantized rows and weights: about 1% of the products here
+    # against the unquantized rows and weights: 1-2% of the products here at 127 levels, 1.2-2.1%
+    # at AVX2's 63 (a channel's level set by its largest group's reach, 257 groups at most here)
     unquantized = x.double() @ values
-    assert (got - unquantized).norm() < 0.02 * unquantized.norm()
+    margin = 0.02 if LIBRARY.int4_widened_top == 127 else 0.03
+    assert (got - unquantized).norm() < margin * unquantized.norm()
 
 
 def test_a_decode_steps_rows_stay_quantized_per_group():

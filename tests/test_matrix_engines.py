@@ -329,22 +329,22 @@ def test_the_plan_is_a_function_of_the_shape_and_the_machine(monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("above", [None, 64])
-def test_int4_on_avx2_takes_int4_vnni_at_a_steps_rows_and_float32_tiles_for_a_prompt(above):
+@pytest.mark.parametrize("above", [None, 256])
+def test_int4_on_avx2_takes_int4_vnni_at_a_steps_rows_and_widens_a_prompts(above):
     """AVX2's build reads torch's blocks of 32 channels on vpmaddubsw: a decode step's rows (to
-    32) on int4_vnni.c, in the fused step too; a prompt's more rows on torch's int4 kernel (AVX2's
-    pairs would saturate on the widened rows' 8-bit levels), above the measured crossover on
-    dequantized tiles in float32 products, the run's (no bfloat16 unit)."""
+    32) on int4_vnni.c, in the fused step too; a prompt's more rows widened to int8 for
+    int8_linear.c's tiles (7-bit rows), above the measured crossover on dequantized tiles in
+    float32 products, the run's (no bfloat16 unit)."""
     consulted = comparisons(AVX2, "AVX2", int4_vnni=True)
     assert "int4_fewest_rows" in consulted and "int4_tiles" in consulted
     ours = {name: Crossover(None, "measured (by hand)") for name in consulted}
     ours["int4_tiles"] = Crossover(above, "measured (by hand)")
-    avx2 = Machine(AVX2, "AVX2", crossovers=ours, int4_vnni=True)
+    avx2 = Machine(AVX2, "AVX2", crossovers=ours, int4_vnni=True, int4_widened=True)
     plan = choose(shape_on(AVX2, quantize="int4"), avx2)
-    kernel = "int4_vnni.c (int8 dot products) to 32, torch int4 above"
-    tiles = " to 64, int4 tiles + oneDNN float32 above" if above else ""
+    kernel = "int4_vnni.c (int8 dot products) to 32, widened to int8 above"
+    tiles = " to 256, int4 tiles + oneDNN float32 above" if above else ""
     assert plan.int4.kernel == kernel + tiles
-    assert plan.int4.id == "int4_vnni.c" + ("+int4_tiles" if above else "")
+    assert plan.int4.id == "int4_vnni.c+int4_widened" + ("+int4_tiles" if above else "")
     assert plan.decode_step.id == "decode_layer.c+int4_vnni.c"
 
 

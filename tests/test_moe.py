@@ -29,6 +29,7 @@ from mmcli.cli.app import app
 from mmcli.config import load_config
 from mmcli.engine.batch import DecodeItem
 from mmcli.errors import ConfigError
+from mmcli.kernels import cpu
 from mmcli.kernels import experts as experts_kernels
 from mmcli.models.layers import moe
 from mmcli.models.layers.linear import Linear
@@ -274,10 +275,14 @@ def test_int4_computes_what_its_4bit_weights_say(moe_dirs, tiny_dir, which):
         int4, int4.request("k", [photo("chelsea.jpg")], QUESTION, int4.sampling())[0]
     )
     # bfloat16 activations: 1.6% measured on the dense model; a prompt's rows in 8 bits (widened
-    # to int8, on VNNI with VBMI): 3.4%. Qwen3.5's random hybrid magnifies either rounding
-    # (tests/test_qwen3_5.py's parity notes): 3.6-9% and 13.6% measured (int8's run: 30%)
-    widened = "int4_widened" in int4.kernel_plan.int4.id
-    bound = 0.15 if which == "qwen3_5_moe" else 0.05 if widened else 0.02
+    # to int8): 3.4% with VBMI, 5.2% on AVX2 (its weights' 63 levels). Qwen3.5's random hybrid
+    # magnifies either rounding (tests/test_qwen3_5.py's parity notes): 3.6-9% and 13.6%
+    # measured, 20.6% on AVX2 (int8's run: 30%)
+    levels = 0
+    if "int4_widened" in int4.kernel_plan.int4.id:
+        levels = cpu.load()[0].int4_widened_top
+    hybrid = which == "qwen3_5_moe"
+    bound = {0: 0.02, 127: 0.05, 63: 0.07}[levels] if not hybrid else {63: 0.25}.get(levels, 0.15)
     assert ((ours - reference).norm() / reference.norm()).item() < bound
 
 

@@ -208,9 +208,13 @@ def load() -> tuple[ctypes.CDLL | None, str]:
             library.build, library.sources, library.flags = build, sources, extra
             # int4_vnni.c reads blocks of 64 output channels with VBMI (torch's AVX-512 layout),
             # else 32 (its AVX2 one): its kernels run where torch packs int4 so here; a prompt's
-            # rows are widened to int8 with VBMI only (8-bit levels, which AVX2's pairs saturate)
-            library.int4_widened = VBMI_FLAGS[0] in extra
-            block = 64 if library.int4_widened else 32
+            # rows are widened to int8 with VBMI and in the AVX2 build (to 7-bit levels there,
+            # which keep vpmaddubsw's pairs from saturating); an AVX-512 build without VBMI has
+            # tiles wider than its blocks
+            vbmi = VBMI_FLAGS[0] in extra
+            library.int4_widened = vbmi or build == "AVX2"
+            library.int4_widened_top = 127 if vbmi else 63  # a widened weight's largest level
+            block = 64 if vbmi else 32
             library.int4_vnni = weight_forms.int4_block() == block
             break
         except (OSError, subprocess.SubprocessError) as error:
@@ -418,9 +422,10 @@ def int4_int8_linear(x: torch.Tensor, weight) -> torch.Tensor | None:
 
 
 def int4_widened_linear(x: torch.Tensor, weight) -> torch.Tensor | None:
-    """x (rows, K) float32 @ W.T for an Int4Weight W on int8_linear.c's tiles, each block of 64
-    channels widened to int8 (a scale a channel) and each row to 8 bits (a scale a row), float32
-    out; None where this build does not widen (AVX2's: no VBMI) or the shapes do not fit."""
+    """x (rows, K) float32 @ W.T for an Int4Weight W on int8_linear.c's tiles, each block of
+    channels widened to int8 levels (a scale a channel; at most library.int4_widened_top: 127
+    with VBMI, 63 on AVX2) and each row to 8 bits (a scale a row), float32 out; None where this
+    build does not widen (AVX-512 without VBMI) or the shapes do not fit."""
     library = load()[0]
     if library is None or not library.int4_widened:
         return None

@@ -371,10 +371,10 @@ def _int4_vnni_rows(machine: Machine) -> int:
 def _int4_vnni(tiles: Crossover, fewest: Crossover, products: str, widened: bool = True) -> Choice:
     """int4 on the int8 dot products: a decode step's rows (to cpu.AMX_ROWS) on int4_vnni.c, each
     row quantized to int8 per group; a prompt's more rows widened to int8 for int8_linear.c's
-    tiles (at the int8 rate, each row in 8 bits with a scale of its own; AVX2: torch's int4
-    kernel); oneDNN's GEMM in the run's `products` on dequantized tiles above the measured
-    crossover, where there is one; torch's int4 kernel at a step's fewest rows where it measures
-    faster there."""
+    tiles (at the int8 rate, each row with a scale of its own: 8 bits with VBMI, 7 on AVX2;
+    torch's int4 kernel where the build's tiles are wider than torch's blocks); oneDNN's GEMM in
+    the run's `products` on dequantized tiles above the measured crossover, where there is one;
+    torch's int4 kernel at a step's fewest rows where it measures faster there."""
     torch_rows = int4_torch_rows(fewest)
     kernel = f"torch int4 to {torch_rows} rows, " if torch_rows else ""
     vnni = cpu.AMX_ROWS if tiles.above is None else min(tiles.above, cpu.AMX_ROWS)

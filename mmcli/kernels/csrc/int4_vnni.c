@@ -40,6 +40,17 @@ static int int4_quantized_rows(int4_products products, const float *x, const uin
     return failed;
 }
 
+/* int8_linear.c's: its tiles of int8 weights (a block of channels widened to int8 here), and x's
+   rows quantized for them, 8 bits offset by 128 */
+void int8_linear_tile(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
+                      const float *w_scale, const float *bias, float *y, int64_t M, int64_t ldy,
+                      int64_t Kp);
+int amx_int8_block(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
+                   const float *w_scale, const float *bias, float *y, int64_t M, int64_t ldy,
+                   int64_t Kp);
+void quantize_rows_8bit(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
+                        float *x_scale, int threads);
+
 /* int4_vnni_products for x (M x K, float32), its rows quantized on the way. */
 int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
                    int64_t M, int64_t N, int64_t K, int threads) {
@@ -398,30 +409,34 @@ int int4_tile_rows(const float *x, const uint8_t *packed, const uint16_t *scales
 #endif
 
 /* A prompt's many rows (more than a decode step's) on int8_linear.c's tiles (the AMX build: the
-   tiles' tdpbusd), at the int8 rate: each block of 64 channels widened to int8 once, in a buffer
-   every row reads, and the rows quantized to 8 bits with a scale a row (int8_linear.c's own 7
-   bits keep AVX2's pairs from saturating; vpdpbusd does not). The per-group scaling above costs
-   as much as the products at any row count; a block widened once costs a few rows' products. */
+   tiles' tdpbusd), at the int8 rate (int4_widened_rows, below both builds): each block of 64
+   channels widened to int8 once, in a buffer every row reads, and the rows quantized to 8 bits
+   with a scale a row (vpdpbusd does not saturate where AVX2's pairs would). The per-group scaling
+   above costs as much as the products at any row count; a block widened once costs a few rows'
+   products. */
 
-void int8_linear_tile(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
-                      const float *w_scale, const float *bias, float *y, int64_t M, int64_t ldy,
-                      int64_t Kp);
-int amx_int8_block(const uint8_t *x, const float *x_scale, const int8_t *w, const int32_t *w_sum,
-                   const float *w_scale, const float *bias, float *y, int64_t M, int64_t ldy,
-                   int64_t Kp);
+#define WIDE_BLOCK 64     /* channels a widened block holds: torch's block here */
+#define WEIGHT_TOP 127.0f /* a widened weight's largest level */
 
 /* A widened block's products: on the AMX tiles where the build has them and the shapes fit
    (amx.c: the same integers), else the vector units' dot products */
-static void widened_products(const uint8_t *x, const float *x_scale, const int8_t *w,
-                             const int32_t *w_sum, const float *w_scale, const float *bias,
-                             float *y, int64_t M, int64_t ldy, int64_t Kp) {
+static int widened_products(const uint8_t *x, const float *x_scale, const int8_t *w,
+                            const int32_t *w_sum, const float *w_scale, const float *bias, float *y,
+                            int64_t M, int64_t ldy, int64_t Kp) {
 #ifdef __AMX_INT8__
-    if (!amx_int8_block(x, x_scale, w, w_sum, w_scale, bias, y, M, ldy, Kp)) return;
+    if (!amx_int8_block(x, x_scale, w, w_sum, w_scale, bias, y, M, ldy, Kp)) return 0;
 #endif
     int8_linear_tile(x, x_scale, w, w_sum, w_scale, bias, y, M, ldy, Kp);
+    return 0;
 }
-void quantize_rows_8bit(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
-                        float *x_scale, int threads);
+
+/* Each row of x to 8 bits, offset by 128: twice the 64 int8_linear.c's tiles take off, so they
+   are handed twice the weights' sums */
+static void widened_rows_levels(const float *x, int64_t M, int64_t K, uint8_t *levels,
+                                float *x_scale, int threads) {
+    quantize_rows_8bit(x, M, K, levels, K, x_scale, threads);
+}
+#define SUMS_TIMES 2
 
 /* Byte `j` of each lane (lane c: channel c's q for 4 inputs) as its int8 level, q * a + b
    rounded (ties to even), in byte `j` of the result; the levels added to *sum */
@@ -434,7 +449,7 @@ static inline __m512i widen_byte(__m512i q4, int j, __m512 a, __m512 b, __m512i 
 
 /* Block `block`'s 64 channels in int8_linear.c's layout (w: 4 groups of 16 channels, K * 16
    bytes each): each channel's values (q - 8) * scale + zero over its scale, the largest
-   magnitude its groups' values reach (q at 0 or 15) / 127, rounded; w_sum, w_scale its sums and
+   magnitude its groups' values reach (q at 0 or 15) / WEIGHT_TOP, rounded; w_sum, w_scale its sums and
    scales. */
 static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K, int64_t N,
                         int64_t block, int8_t *w, int32_t *w_sum, float *w_scale) {
@@ -442,7 +457,7 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K,
     __m512 top[4], inverse[4];
     __m512i sum[4];
     for (int t = 0; t < 4; t++) {
-        top[t] = _mm512_set1_ps(1e-12f * 127.0f); /* a channel of zeros: level 1e-12 */
+        top[t] = _mm512_set1_ps(1e-12f * WEIGHT_TOP); /* a channel of zeros: level 1e-12 */
         sum[t] = _mm512_setzero_si512();
     }
     for (int64_t g = 0; g < groups; g++)
@@ -455,8 +470,8 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K,
             top[t] = _mm512_max_ps(top[t], reach);
         }
     for (int t = 0; t < 4; t++) {
-        _mm512_storeu_ps(w_scale + t * 16, _mm512_div_ps(top[t], _mm512_set1_ps(127.0f)));
-        inverse[t] = _mm512_div_ps(_mm512_set1_ps(127.0f), top[t]);
+        _mm512_storeu_ps(w_scale + t * 16, _mm512_div_ps(top[t], _mm512_set1_ps(WEIGHT_TOP)));
+        inverse[t] = _mm512_div_ps(_mm512_set1_ps(WEIGHT_TOP), top[t]);
     }
     const uint8_t *bytes = packed + block * K * 32;
     for (int64_t g = 0; g < groups; g++) {
@@ -480,43 +495,6 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K,
         }
     }
     for (int t = 0; t < 4; t++) _mm512_storeu_si512(w_sum + t * 16, sum[t]);
-}
-
-/* y (M x N, float32) = x @ W.T for int4 W in torch's CPU layout, each block of 64 channels
-   widened to int8 (widen_block) and x's rows to 8 bits (quantize_rows_8bit): the levels
-   offset by 128, twice the 64 int8_linear.c's tiles take off, so they are handed twice the
-   sums; nonzero where the shapes are not the kernel's or a buffer could not be allocated. */
-int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
-                      int64_t M, int64_t N, int64_t K, int threads) {
-    if (M < 1 || N % 64 || K % 32) return 1;
-    const uint32_t *pairs = (const uint32_t *)scales_zeros;
-    uint8_t *levels = malloc((size_t)(M * K));
-    float *x_scale = malloc((size_t)M * sizeof(float));
-    int failed = !levels || !x_scale;
-    if (failed) {
-        free(levels);
-        free(x_scale);
-        return 1;
-    }
-    quantize_rows_8bit(x, M, K, levels, K, x_scale, threads);
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        int8_t *w = aligned_alloc(64, (size_t)K * 64);
-        int32_t w_sum[64];
-        float w_scale[64], bias[64] = {0};
-        failed |= !w;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t block = 0; block < N / 64; block++) {
-            if (!w || failed) continue;
-            widen_block(packed, pairs, K, N, block, w, w_sum, w_scale);
-            for (int c = 0; c < 64; c++) w_sum[c] *= 2;
-            widened_products(levels, x_scale, w, w_sum, w_scale, bias, y + block * 64, M, N, K);
-        }
-        free(w);
-    }
-    free(levels);
-    free(x_scale);
-    return failed;
 }
 
 #else /* AVX2: torch packs blocks of 32 channels there */
@@ -564,16 +542,28 @@ void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, flo
 
 /* Inputs k .. k + 3 of a block of 32 channels (torch's AVX2 layout: 4 x 16 bytes, byte c
    holding channel c's q in its low nibble and c + 16's in its high) as vpmaddubsw's
-   quadruples: q[0] channels 0 .. 7's 4 inputs, q[1] 8 .. 15's (each byte both nibbles) */
-static inline void avx2_quads(const uint8_t *first, __m256i q[2]) {
+   quadruples: w[t] channels 8 t .. 8 t + 7's 4 inputs, a byte each (0 .. 15) */
+static inline void avx2_nibbles(const uint8_t *first, __m256i w[4]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
     const __m128i a = _mm_loadu_si128((const __m128i *)first);
     const __m128i b = _mm_loadu_si128((const __m128i *)(first + 16));
     const __m128i c = _mm_loadu_si128((const __m128i *)(first + 32));
     const __m128i d = _mm_loadu_si128((const __m128i *)(first + 48));
     const __m128i ab0 = _mm_unpacklo_epi8(a, b), ab1 = _mm_unpackhi_epi8(a, b);
     const __m128i cd0 = _mm_unpacklo_epi8(c, d), cd1 = _mm_unpackhi_epi8(c, d);
-    q[0] = _mm256_set_m128i(_mm_unpackhi_epi16(ab0, cd0), _mm_unpacklo_epi16(ab0, cd0));
-    q[1] = _mm256_set_m128i(_mm_unpackhi_epi16(ab1, cd1), _mm_unpacklo_epi16(ab1, cd1));
+    /* channels 0 .. 7 and 8 .. 15 in the low nibbles, 16 .. 31 in the high */
+    const __m256i q0 = _mm256_set_m128i(_mm_unpackhi_epi16(ab0, cd0), _mm_unpacklo_epi16(ab0, cd0));
+    const __m256i q1 = _mm256_set_m128i(_mm_unpackhi_epi16(ab1, cd1), _mm_unpacklo_epi16(ab1, cd1));
+    w[0] = _mm256_and_si256(q0, nibble), w[1] = _mm256_and_si256(q1, nibble);
+    w[2] = _mm256_and_si256(_mm256_srli_epi16(q0, 4), nibble);
+    w[3] = _mm256_and_si256(_mm256_srli_epi16(q1, 4), nibble);
+}
+
+/* int4's scale and zero of 8 channels from their bfloat16 pairs (scale the lower half) */
+static inline void avx2_scale_zero(const uint32_t *pairs, __m256 *scale, __m256 *zero) {
+    const __m256i sz = _mm256_loadu_si256((const __m256i *)pairs);
+    *scale = _mm256_castsi256_ps(_mm256_slli_epi32(sz, 16));
+    *zero = _mm256_castsi256_ps(_mm256_and_si256(sz, _mm256_set1_epi32(~0xFFFF)));
 }
 
 /* y's `rows` (a constant once inlined) x the 32 channels of `block`, each channel's float sum
@@ -584,7 +574,7 @@ int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
                 int64_t block, const int rows, float *y) {
     const int64_t groups = K / 32;
     const uint8_t *bytes = packed + block * K * 16;
-    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[AVX2_ROWS][4];
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();
@@ -593,11 +583,8 @@ int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
         for (int m = 0; m < rows; m++)
             for (int j = 0; j < 4; j++) sums[m][j] = _mm256_setzero_si256();
         for (int r = 0; r < 8; r++) {
-            __m256i q[2], w[4];
-            avx2_quads(bytes + (g * 32 + 4 * r) * 16, q);
-            w[0] = _mm256_and_si256(q[0], nibble), w[1] = _mm256_and_si256(q[1], nibble);
-            w[2] = _mm256_and_si256(_mm256_srli_epi16(q[0], 4), nibble);
-            w[3] = _mm256_and_si256(_mm256_srli_epi16(q[1], 4), nibble);
+            __m256i w[4];
+            avx2_nibbles(bytes + (g * 32 + 4 * r) * 16, w);
             for (int m = 0; m < rows; m++) {
                 const int32_t four = ((const int32_t *)xq)[m * (K / 4) + g * 8 + r];
                 const __m256i x4 = _mm256_set1_epi32(four);
@@ -607,10 +594,8 @@ int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
         }
         const uint32_t *pairs = pairs_of + g * N + block * 32;
         for (int j = 0; j < 4; j++) {
-            const __m256i sz = _mm256_loadu_si256((const __m256i *)(pairs + 8 * j));
-            const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(sz, 16));
-            const __m256 zero =
-                _mm256_castsi256_ps(_mm256_and_si256(sz, _mm256_set1_epi32(~0xFFFF)));
+            __m256 scale, zero;
+            avx2_scale_zero(pairs + 8 * j, &scale, &zero);
             const __m256 shift = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
             for (int m = 0; m < rows; m++) {
                 const int64_t at = m * groups + g;
@@ -646,4 +631,142 @@ int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x
     return 0;
 }
 
+/* ---- A prompt's many rows, widened to int8 for int8_linear.c's tiles (AVX2) ----
+
+   As the AVX-512 build widens its blocks (above), for torch's AVX2 blocks of 32 channels: each
+   widened once into int8_linear.c's layout, to 7-bit levels (at most 63), and x's rows to 8 bits
+   (offset by 128): a pair of vpmaddubsw's products is then at most 2 * 255 * 63, within int16.
+   (int8_linear.c's own 7-bit rows against 8-bit weights keep that bound too, but the rows'
+   rounding is the larger error: 6.0% against 3.4% of a tiny model's prompt logits; a weight's
+   int4 value moves by less than a sixth of its own step at 63 levels.) int4's prompt on AVX2
+   then runs at the int8 rate where its dequantized tiles ran at float32's. */
+
+#define WIDE_BLOCK 32    /* channels a widened block holds: torch's block here */
+#define WEIGHT_TOP 63.0f /* a widened weight's largest level */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define INT8_TILE 64 /* int8_linear.c's tiles in this build: wider than a block (refused) */
+#else
+#define INT8_TILE 16
 #endif
+
+/* Byte `j` of each lane (lane c: channel c's q for 4 inputs) as its int8 level, q * a + b
+   rounded (ties to even), in byte `j` of the result; the levels added to *sum */
+static inline __m256i widen_byte(__m256i q4, int j, __m256 a, __m256 b, __m256i *sum) {
+    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(q4, 8 * j), _mm256_set1_epi32(0xFF));
+    const __m256i level = _mm256_cvtps_epi32(_mm256_fmadd_ps(_mm256_cvtepi32_ps(q), a, b));
+    *sum = _mm256_add_epi32(*sum, level);
+    return _mm256_slli_epi32(_mm256_and_si256(level, _mm256_set1_epi32(0xFF)), 8 * j);
+}
+
+/* Block `block`'s 32 channels in int8_linear.c's layout (w: 2 groups of 16 channels, K * 16
+   bytes each), as the AVX-512 build's widen_block makes its 64, to WEIGHT_TOP's levels. Vector t
+   of avx2_nibbles holds channels 8 t .. 8 t + 7. */
+static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K, int64_t N,
+                        int64_t block, int8_t *w, int32_t *w_sum, float *w_scale) {
+    const int64_t groups = K / 32;
+    __m256 top[4], inverse[4];
+    __m256i sum[4];
+    pairs += block * 32;
+    for (int t = 0; t < 4; t++) {
+        top[t] = _mm256_set1_ps(1e-12f * WEIGHT_TOP); /* a channel of zeros: level 1e-12 */
+        sum[t] = _mm256_setzero_si256();
+    }
+    for (int64_t g = 0; g < groups; g++)
+        for (int t = 0; t < 4; t++) {
+            __m256 scale, zero;
+            avx2_scale_zero(pairs + g * N + 8 * t, &scale, &zero);
+            const __m256 lowest = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
+            const __m256 highest = _mm256_fmadd_ps(_mm256_set1_ps(7.0f), scale, zero);
+            const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+            const __m256 reach =
+                _mm256_max_ps(_mm256_and_ps(lowest, magnitude), _mm256_and_ps(highest, magnitude));
+            top[t] = _mm256_max_ps(top[t], reach);
+        }
+    for (int t = 0; t < 4; t++) {
+        _mm256_storeu_ps(w_scale + t * 8, _mm256_div_ps(top[t], _mm256_set1_ps(WEIGHT_TOP)));
+        inverse[t] = _mm256_div_ps(_mm256_set1_ps(WEIGHT_TOP), top[t]);
+    }
+    const uint8_t *bytes = packed + block * K * 16;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 a[4], b[4];
+        for (int t = 0; t < 4; t++) {
+            __m256 scale, zero;
+            avx2_scale_zero(pairs + g * N + 8 * t, &scale, &zero);
+            a[t] = _mm256_mul_ps(scale, inverse[t]);
+            b[t] = _mm256_mul_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero), inverse[t]);
+        }
+        for (int r = 0; r < 8; r++) {
+            const int64_t k = g * 32 + 4 * r;
+            __m256i q[4];
+            avx2_nibbles(bytes + k * 16, q);
+            for (int t = 0; t < 4; t++) {
+                __m256i levels = widen_byte(q[t], 0, a[t], b[t], &sum[t]);
+                for (int j = 1; j < 4; j++)
+                    levels = _mm256_or_si256(levels, widen_byte(q[t], j, a[t], b[t], &sum[t]));
+                /* channels 8 t ..: group t / 2, the second half of its 16 for odd t */
+                _mm256_storeu_si256((__m256i *)(w + (t / 2) * K * 16 + k * 16 + (t % 2) * 32),
+                                    levels);
+            }
+        }
+    }
+    for (int t = 0; t < 4; t++) _mm256_storeu_si256((__m256i *)(w_sum + t * 8), sum[t]);
+}
+
+/* A widened block's products, a tile of int8_linear.c's 16 channels at a time; nonzero (nothing
+   computed) where its tiles are wider than a block (an AVX-512 build without VBMI) */
+static int widened_products(const uint8_t *x, const float *x_scale, const int8_t *w,
+                            const int32_t *w_sum, const float *w_scale, const float *bias, float *y,
+                            int64_t M, int64_t ldy, int64_t Kp) {
+    if (WIDE_BLOCK % INT8_TILE) return 1;
+    for (int c = 0; c < WIDE_BLOCK; c += INT8_TILE)
+        int8_linear_tile(x, x_scale, w + c * Kp, w_sum + c, w_scale + c, bias + c, y + c, M, ldy,
+                         Kp);
+    return 0;
+}
+
+/* Each row of x to 8 bits, offset by 128: twice the 64 int8_linear.c's tiles take off */
+static void widened_rows_levels(const float *x, int64_t M, int64_t K, uint8_t *levels,
+                                float *x_scale, int threads) {
+    quantize_rows_8bit(x, M, K, levels, K, x_scale, threads);
+}
+#define SUMS_TIMES 2
+
+#endif
+
+/* y (M x N, float32) = x @ W.T for int4 W in torch's CPU layout, each block of WIDE_BLOCK
+   channels widened to int8 (widen_block) and x's rows to levels of a scale a row
+   (widened_rows_levels); nonzero where the shapes are not the kernel's or a buffer could not be
+   allocated. */
+int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
+                      int64_t M, int64_t N, int64_t K, int threads) {
+    if (M < 1 || N % WIDE_BLOCK || K % 32) return 1;
+    const uint32_t *pairs = (const uint32_t *)scales_zeros;
+    uint8_t *levels = malloc((size_t)(M * K));
+    float *x_scale = malloc((size_t)M * sizeof(float));
+    int failed = !levels || !x_scale;
+    if (failed) {
+        free(levels);
+        free(x_scale);
+        return 1;
+    }
+    widened_rows_levels(x, M, K, levels, x_scale, threads);
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        int8_t *w = aligned_alloc(64, (size_t)K * WIDE_BLOCK);
+        int32_t w_sum[WIDE_BLOCK];
+        float w_scale[WIDE_BLOCK], bias[WIDE_BLOCK] = {0};
+        failed |= !w;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t block = 0; block < N / WIDE_BLOCK; block++) {
+            if (!w || failed) continue;
+            widen_block(packed, pairs, K, N, block, w, w_sum, w_scale);
+            for (int c = 0; c < WIDE_BLOCK; c++) w_sum[c] *= SUMS_TIMES;
+            failed |= widened_products(levels, x_scale, w, w_sum, w_scale, bias,
+                                       y + block * WIDE_BLOCK, M, N, K);
+        }
+        free(w);
+    }
+    free(levels);
+    free(x_scale);
+    return failed;
+}
