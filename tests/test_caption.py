@@ -194,7 +194,11 @@ def test_killed_run_then_rerun_records_every_key_once(tiny_dir, tmp_path, sig):
             root / f"{i:02d}.png"
         )
     out = tmp_path / "out.jsonl"
-    config = SAMPLES.parent / "configs" / "default.yaml"
+    # two sequences in flight: their records come in 20 waves, so the signal after the fifth
+    # record lands with most of the run still to do (with 8 in flight, 5 waves, a loaded machine
+    # once let the run finish before the signal came)
+    config = tmp_path / "two_at_a_time.yaml"
+    config.write_text("engine:\n  max_seqs: 2\n")
     cmd = caption_process(root, "-o", out, "-c", config, model=tiny_dir, max_new_tokens=24)
     proc = subprocess.Popen(cmd)
     deadline = time.time() + 120
