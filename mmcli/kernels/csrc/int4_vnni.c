@@ -411,9 +411,8 @@ int int4_tile_rows(const float *x, const uint8_t *packed, const uint16_t *scales
 /* A prompt's many rows (more than a decode step's) on int8_linear.c's tiles (the AMX build: the
    tiles' tdpbusd), at the int8 rate (int4_widened_rows, below both builds): each block of 64
    channels widened to int8 once, in a buffer every row reads, and the rows quantized to 8 bits
-   with a scale a row (vpdpbusd does not saturate where AVX2's pairs would). The per-group scaling
-   above costs as much as the products at any row count; a block widened once costs a few rows'
-   products. */
+   with a scale a row. The per-group scaling above costs as much as the products at any row
+   count; a block widened once costs a few rows' products. */
 
 #define WIDE_BLOCK 64     /* channels a widened block holds: torch's block here */
 #define WEIGHT_TOP 127.0f /* a widened weight's largest level */
@@ -429,14 +428,6 @@ static int widened_products(const uint8_t *x, const float *x_scale, const int8_t
     int8_linear_tile(x, x_scale, w, w_sum, w_scale, bias, y, M, ldy, Kp);
     return 0;
 }
-
-/* Each row of x to 8 bits, offset by 128: twice the 64 int8_linear.c's tiles take off, so they
-   are handed twice the weights' sums */
-static void widened_rows_levels(const float *x, int64_t M, int64_t K, uint8_t *levels,
-                                float *x_scale, int threads) {
-    quantize_rows_8bit(x, M, K, levels, K, x_scale, threads);
-}
-#define SUMS_TIMES 2
 
 /* Byte `j` of each lane (lane c: channel c's q for 4 inputs) as its int8 level, q * a + b
    rounded (ties to even), in byte `j` of the result; the levels added to *sum */
@@ -724,19 +715,12 @@ static int widened_products(const uint8_t *x, const float *x_scale, const int8_t
     return 0;
 }
 
-/* Each row of x to 8 bits, offset by 128: twice the 64 int8_linear.c's tiles take off */
-static void widened_rows_levels(const float *x, int64_t M, int64_t K, uint8_t *levels,
-                                float *x_scale, int threads) {
-    quantize_rows_8bit(x, M, K, levels, K, x_scale, threads);
-}
-#define SUMS_TIMES 2
-
 #endif
 
 /* y (M x N, float32) = x @ W.T for int4 W in torch's CPU layout, each block of WIDE_BLOCK
-   channels widened to int8 (widen_block) and x's rows to levels of a scale a row
-   (widened_rows_levels); nonzero where the shapes are not the kernel's or a buffer could not be
-   allocated. */
+   channels widened to int8 (widen_block) and x's rows to 8 bits (quantize_rows_8bit): the levels
+   offset by 128, twice the 64 int8_linear.c's tiles take off, so they are handed twice the sums;
+   nonzero where the shapes are not the kernel's or a buffer could not be allocated. */
 int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
                       int64_t M, int64_t N, int64_t K, int threads) {
     if (M < 1 || N % WIDE_BLOCK || K % 32) return 1;
@@ -749,7 +733,7 @@ int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *sca
         free(x_scale);
         return 1;
     }
-    widened_rows_levels(x, M, K, levels, x_scale, threads);
+    quantize_rows_8bit(x, M, K, levels, K, x_scale, threads);
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         int8_t *w = aligned_alloc(64, (size_t)K * WIDE_BLOCK);
@@ -760,7 +744,7 @@ int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *sca
         for (int64_t block = 0; block < N / WIDE_BLOCK; block++) {
             if (!w || failed) continue;
             widen_block(packed, pairs, K, N, block, w, w_sum, w_scale);
-            for (int c = 0; c < WIDE_BLOCK; c++) w_sum[c] *= SUMS_TIMES;
+            for (int c = 0; c < WIDE_BLOCK; c++) w_sum[c] *= 2;
             failed |= widened_products(levels, x_scale, w, w_sum, w_scale, bias,
                                        y + block * WIDE_BLOCK, M, N, K);
         }
