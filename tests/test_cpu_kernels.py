@@ -290,6 +290,23 @@ def test_a_gemms_outputs_are_handed_on_as_the_next_product_rounds_them(build):
         )
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 9])
+def test_the_logits_int8_kernel_sums_its_14_bit_rows_exactly(build, rows):
+    """int8_linear.c's wide rows (the int8 logits'): each row's int16 levels (its largest
+    magnitude at 8191) times the int8 weights, summed in int32 a block of 4096 inputs at a time
+    (two blocks here), are float64's sums of the same integers, scaled, to float32's rounding."""
+    generator = torch.Generator().manual_seed(5)
+    w, bias = torch.randn(48, 4100, generator=generator), torch.randn(48, generator=generator)
+    weight = quantize_int8(w, bias)
+    x = torch.randn(rows, 4100, generator=generator) * torch.linspace(0.1, 3, 4100)
+    scale = x.abs().amax(1, keepdim=True) / 8191  # as the kernel divides, in float32
+    levels = torch.round(x / scale).double()
+    exact = levels @ weight.rows()[:48, :4100].double().T
+    exact = exact * scale.double() * weight.scale[:48].double() + bias.double()
+    ours = cpu.int8_wide_linear(x, weight)[:, :48].double()
+    assert (ours - exact).abs().max() <= 1e-6 * exact.abs().max()
+
+
 def test_the_kernels_give_the_same_bits_on_any_number_of_threads(build):
     """The threads take panels, tiles and heads as they come free, so who computes what changes
     from call to call; every sum is still made in one order: one thread and three (more than
@@ -307,6 +324,7 @@ def test_the_kernels_give_the_same_bits_on_any_number_of_threads(build):
             cpu.attention(q, k, v, causal=True),
             cpu.int8_linear(x, int8),
             cpu.int8_linear(x, int8, activation="gelu_tanh"),
+            cpu.int8_wide_linear(x, int8),
         ]
 
     threads = torch.get_num_threads()

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from mmcli.cli.app import app
 from mmcli.config import load_config
 from mmcli.kernels import cpu, cpu_ops
 from mmcli.models.layers.linear import Linear
-from mmcli.models.layers.quantized import X_MAX, Int8Linear
+from mmcli.models.layers.quantized import X_MAX, Int8Head, Int8Linear
 from mmcli.testing import make_outlier_checkpoint
 from mmcli.weights.checkpoint import expected_shapes
 from mmcli.weights.int8 import int8_linear, quantize_int8, quantize_linears
@@ -130,7 +131,7 @@ def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
         and ours.weight_bytes < 0.8 * _labeler(outlier_dir).weight_bytes
     )
     # tied: the head an int8 copy (its activations split), the embedding its bfloat16 table
-    assert isinstance(ours.model.lm_head, Int8Linear) and ours.model.lm_head.split
+    assert isinstance(ours.model.lm_head, Int8Head)
     assert ours.model.language_model.embed_tokens.weight.dtype == torch.bfloat16
     assert _relative_error(_logits(ours), reference) < 0.12
     # the same int8 weights, no folding, one scale a call
@@ -142,11 +143,11 @@ def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
     assert _relative_error(_logits(naive), reference) > 0.12
 
 
-@pytest.mark.parametrize("kernel", [None, "int8_linear.c"])
-def test_the_int8_logits_take_each_activation_split(kernel):
-    """An int8 head takes each activation as two rows of 7-bit levels (about 14 bits): within
-    2^-12 of the largest output of the products of its int8 weights in float64, where one row of
-    levels is off by over 2%."""
+@pytest.mark.parametrize("kernel", [None, "int8_split", "int8_wide"])
+def test_the_int8_logits_take_14_bits_of_each_activation(kernel):
+    """An int8 head takes about 14 bits of each activation (two rows of 7-bit levels, or int16
+    levels on int8_linear.c's wide rows): within 2^-12 of the largest output of the products of
+    its int8 weights in float64, where 7-bit rows are off by over 2%."""
     if kernel and cpu.load()[0] is None:
         pytest.skip(cpu.why_unavailable())
     generator = torch.Generator().manual_seed(0)
@@ -154,12 +155,14 @@ def test_the_int8_logits_take_each_activation_split(kernel):
     dequantized = weight.rows()[:300, :256].double() * weight.scale[:300, None].double()
     x = torch.randn(5, 256, generator=generator) * torch.linspace(0.1, 3, 256)  # uneven columns
     exact = x.double() @ dequantized.t()
+    rows, head = Int8Linear(256, 300, weight), Int8Head(256, 300, weight)
+    rows.kernel = cpu_ops.int8_matmul if kernel else None
+    heads = {"int8_split": partial(cpu_ops.int8_split_matmul, rows=cpu_ops.int8_matmul)}
+    head.kernel = heads.get(kernel, cpu_ops.int8_wide_matmul if kernel else None)
     error = {}
-    for split in (False, True):
-        layer = Int8Linear(256, 300, weight, split=split)
-        layer.kernel = cpu_ops.int8_matmul if kernel else None
-        error[split] = float((layer(x).double() - exact).abs().max() / exact.abs().max())
-    assert error[True] < 2**-12 and error[False] > 0.02
+    for name, layer in (("rows", rows), ("head", head)):
+        error[name] = float((layer(x).double() - exact).abs().max() / exact.abs().max())
+    assert error["head"] < 2**-12 and error["rows"] > 0.02
 
 
 def test_quantization_is_in_the_record_and_the_resume_key(tiny_dir, tmp_path):

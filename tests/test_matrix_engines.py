@@ -160,7 +160,7 @@ def test_our_amx_build_puts_the_few_rows_the_logits_and_int8_on_the_tiles():
     assert plan.upcast.kernel == "oneDNN bfloat16 (AMX) above 16 rows, AMX tiles to 16"
     # the logits in int8 on int8's kernel, each activation split
     assert plan.head.id == "int8_split+int8_linear.c+amx_tiles"
-    assert plan.head.kernel.startswith("int8 split: ") and plan.head.install is None
+    assert plan.head.kernel.startswith("int8 split: ") and plan.head.install is not None
     assert choose(shape_on(AMX), amx).head.id == "amx_split"
     assert plan.int8.id == plan.vision_int8.id == "int8_linear.c+amx_tiles"
     int4 = choose(shape_on(AMX, quantize="int4"), amx).int4
@@ -222,15 +222,19 @@ def test_int4_runs_the_vision_tower_on_int8s_kernel(units, above):
 
 @pytest.mark.parametrize("units", [AVX2, AMX])
 def test_a_quantized_runs_logits_are_int8_but_an_untied_int4_head(units):
-    """int8's head, and int4's tied one (a copy beside the embedding's table), in int8 on the
-    decoder's int8 kernel, each activation split; an untied int4 head is int4 as read; without
-    our build an int4 run's tied head stays as loaded."""
+    """int8's head, and int4's tied one (a copy beside the embedding's table), in int8: on AVX2's
+    build on 14-bit rows, elsewhere on the decoder's int8 kernel, each activation split; an
+    untied int4 head is int4 as read; without our build an int4 run's tied head stays as
+    loaded."""
     build = "AMX" if units is AMX else "AVX2"
     for quantize, tied in [("int8", False), ("int8", True), ("int4", True), ("int4", False)]:
         shape = dataclasses.replace(shape_on(units, quantize=quantize), tied_head=tied)
         plan = choose(shape, machine(units, build))
-        expected = "int4" if (quantize, tied) == ("int4", False) else f"int8_split+{plan.int8.id}"
-        assert plan.head.id == expected and plan.head.install is None
+        int8 = "int8_wide" if build == "AVX2" else f"int8_split+{plan.int8.id}"
+        if (quantize, tied) == ("int4", False):
+            assert plan.head.id == "int4" and plan.head.install is None
+        else:
+            assert plan.head.id == int8 and plan.head.install is not None
     ours = {name: Crossover(None, "ours") for name in ("int8_prefill", "int8_vision", "int4_tiles")}
     unbuilt = Machine(AVX2, "", "no compiler", ours)
     tied_int4 = dataclasses.replace(shape_on(AVX2, quantize="int4"), tied_head=True)

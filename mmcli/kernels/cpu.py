@@ -270,6 +270,11 @@ def _declare(library: ctypes.CDLL) -> None:
     library.quantize_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
     library.quantize_rows.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     library.quantize_rows.restype = None
+    library.int8_linear_wide.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3
+    library.int8_linear_wide.argtypes += [ctypes.c_int]
+    library.int8_linear_wide.restype = None
+    library.quantize_rows_wide.argtypes = library.quantize_rows.argtypes
+    library.quantize_rows_wide.restype = None
     library.quantize_weights.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     library.quantize_weights.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
     library.quantize_weights.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_int]
@@ -768,6 +773,29 @@ def int8_products(
         ACTIVATIONS[activation],
         threads,
     )
+    return out
+
+
+def int8_wide_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """x (rows, in) float32, contiguous, @ an Int8Weight + its bias, each row quantized to 14 bits
+    (int16 levels) with its own scale: int8_linear.c's logits' products; float32 (rows, padded
+    out) out."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    rows, width = x.shape
+    padded_out, padded_in = weight.values.shape
+    levels = torch.empty(rows, padded_in, dtype=torch.int16)
+    scale = torch.empty(rows)
+    threads = torch.get_num_threads()
+    library.quantize_rows_wide(
+        x.data_ptr(), rows, width, levels.data_ptr(), padded_in, scale.data_ptr(), threads
+    )
+    out = torch.empty(rows, padded_out)
+    library.int8_linear_wide(
+        levels.data_ptr(), scale.data_ptr(), weight.values.data_ptr(), weight.scale.data_ptr(),
+        weight.bias.data_ptr(), out.data_ptr(), rows, padded_out, padded_in, threads,
+    )  # fmt: skip
     return out
 
 

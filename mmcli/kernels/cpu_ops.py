@@ -10,6 +10,7 @@ import functools
 import torch
 
 from mmcli.kernels import cpu
+from mmcli.kernels.weight_forms import split_rows
 
 # the few-rows kernel up to here, the GEMM above: their crossover (bench/float_kernels.py)
 KERNEL_ROWS = 16
@@ -220,3 +221,21 @@ def int8_matmul(
     if not (x2.device.type == "cpu" and cpu.eager()):
         return None
     return cpu.int8_linear(x2, weight, vnni_rows, activation=activation)
+
+
+def int8_wide_matmul(x2: torch.Tensor, weight) -> torch.Tensor | None:
+    """The logits on int8_linear.c's 14-bit rows: x2 (rows, in) float32 @ an Int8Weight, each
+    activation on int16 levels (a scale a row); (rows, padded out)."""
+    if not (x2.device.type == "cpu" and cpu.eager()):
+        return None
+    return cpu.int8_wide_linear(x2, weight)
+
+
+def int8_split_matmul(x2: torch.Tensor, weight, *, rows) -> torch.Tensor | None:
+    """The logits on an int8 kernel of 7-bit rows (`rows`: int8's installed kernel): each
+    activation as two rows of levels (split_rows), the products summed; (rows, padded out)."""
+    y = rows(split_rows(x2), weight, None)
+    if y is None:
+        return None
+    count = x2.shape[0]
+    return y[:count] + y[count:]

@@ -6,10 +6,11 @@ model's layers: each layer names its kind of work (`work`) and calls what is ins
 
 Kinds of work: `linears` (the form the weights take: as loaded, oneDNN's packed float32, int8,
 int4), `upcast` (bfloat16 weights with float32 activations), `head` (the lm_head: as `upcast`,
-but in float32 products always), `int8`, `vision_int8` (the vision tower's int8), `int4`,
-`attention` (the decoder's prefill and attention within one image), `vision_blocks` (the packed
-vision blocks' bounded attention), `norm`, `rotary`, `swiglu`, `decode_step` (a decode step
-through every layer in one call), `experts` (MoE) and `delta_rule` (Gated DeltaNet).
+but in float32 products always; a quantized run's in int8, on 14 bits of each activation),
+`int8`, `vision_int8` (the vision tower's int8), `int4`, `attention` (the decoder's prefill and
+attention within one image), `vision_blocks` (the packed vision blocks' bounded attention),
+`norm`, `rotary`, `swiglu`, `decode_step` (a decode step through every layer in one call),
+`experts` (MoE) and `delta_rule` (Gated DeltaNet).
 
 On the CPU the choice among ours and the library's (oneDNN through torch) follows the machine
 (kernels/machine.py): its units where they decide it (AMX against our vector kernels), its
@@ -43,7 +44,8 @@ NONE = Choice("none", "-", "no such work in this model")
 # the forms of `linears` that mmcli/weights puts the weights into at load
 PACKED, INT8, INT4, AS_LOADED = "packed", "int8", "int4", "as_loaded"
 BY_RANGE = "by_range"  # the vision blocks' attention range by range, each image's own
-INT8_HEAD = "int8_split"  # the head's choice where it is int8, its activations split
+# the head's choices where it is int8: its activations on 14 bits, or split in two rows of 7
+INT8_HEADS = ("int8_wide", "int8_split")
 # the vision tower's int8 on oneDNN: its weights are put in rows layout at load
 ONEDNN_INT8 = "onednn_int8"
 INT8_OURS = "int8_linear.c"  # in words
@@ -173,7 +175,7 @@ def _head(shape: RunShape, machine: Machine, upcast: Choice, int8: Choice) -> Ch
     if shape.quantize == "int4" and not shape.tied_head:
         return Choice("int4", "int4: int4's kernel", "an untied head, quantized with the layers")
     if shape.quantize == "int8" or shape.quantize == "int4" and int8.install is not None:
-        return _int8_head(int8)
+        return _int8_head(machine, int8)
     if not shape.bf16_products() or upcast is NONE:
         return upcast
     ours = _c_kernel("bf16_linear.c", shape, machine, _function(cpu_ops.bf16_matmul))
@@ -189,18 +191,31 @@ def _head(shape: RunShape, machine: Machine, upcast: Choice, int8: Choice) -> Ch
     return Choice(ours.id, ours.kernel, "float32 products for the logits", ours.install)
 
 
-def _int8_head(int8: Choice) -> Choice:
+def _int8_head(machine: Machine, int8: Choice) -> Choice:
     """A quantized run's head in int8 (a tied head: a copy beside the embedding's table, where
-    an int4 run has the decoder's int8 kernel), each activation split (Int8Linear.split); the
-    head is an Int8Linear by the install, which takes int8's kernel."""
+    an int4 run has the decoder's int8 kernel), an Int8Head: about 14 bits of each activation.
+    AVX2's build multiplies int16 levels (int8_linear.c's wide rows: vpmaddwd makes as many
+    products as its 7-bit pairs), twice the rate of each activation split in two rows of 7-bit
+    levels on int8's kernel, which the VNNI and AMX builds keep (their int8 dot products make
+    twice vpmaddwd's products)."""
+    if machine.build == "AVX2" and int8.install is not None:
+        why = "int8 weights, each activation on 14 bits: vpmaddwd at the rate of 7-bit pairs"
+        install = _function(cpu_ops.int8_wide_matmul)
+        return Choice(INT8_HEADS[0], f"{INT8_OURS}, 14-bit rows", why, install)
     why = "int8 weights, each activation as two rows of 7-bit levels (about 14 bits)"
-    return Choice(f"{INT8_HEAD}+{int8.id}", f"int8 split: {int8.kernel}", why)
+    install = None if int8.install is None else _split_rows(int8.install)
+    return Choice(f"{INT8_HEADS[1]}+{int8.id}", f"int8 split: {int8.kernel}", why, install)
+
+
+def _split_rows(rows: Install) -> Install:
+    """The head's install on the kernel `rows` installs for 7-bit rows."""
+    return lambda layer: functools.partial(cpu_ops.int8_split_matmul, rows=rows(layer))
 
 
 def int8_head(plan: KernelPlan) -> bool:
     """Whether the plan holds the lm_head in int8 (weights/loader.py quantizes an int4 run's tied
     head by it)."""
-    return plan.head.id.startswith(INT8_HEAD)
+    return plan.head.id.startswith(INT8_HEADS)
 
 
 def _bf16_crossover(machine: Machine) -> tuple[int | None, str]:

@@ -17,7 +17,7 @@ from torch import nn
 from mmcli.kernels import cpu
 from mmcli.kernels.host_memory import release_freed_memory
 from mmcli.models.layers.linear import Linear
-from mmcli.models.layers.quantized import Int8Linear, Int8Weight
+from mmcli.models.layers.quantized import Int8Head, Int8Linear, Int8Weight
 from mmcli.models.registry import family_of
 
 
@@ -81,14 +81,14 @@ def int8_linear(
 ) -> Int8Linear:
     """The int8 form of `linear` (and the bias beside it), quantized from its weight alone (times
     `column_scale`, a folded norm's, where given; no float32 copy of the model is made), or as
-    `prepared` holds it from an earlier run. The logits' linear (its work "head") takes its
-    activations split (Int8Linear.split)."""
+    `prepared` holds it from an earlier run. The logits' linear (its work "head") becomes an
+    Int8Head."""
     if prepared is None:
         weight = quantize_int8(linear.weight, linear.bias, column_scale)
     else:
         weight = Int8Weight(**prepared)
-    split = getattr(linear, "work", None) == "head"
-    return Int8Linear(linear.in_features, linear.out_features, weight, split)
+    head = getattr(linear, "work", None) == "head"
+    return (Int8Head if head else Int8Linear)(linear.in_features, linear.out_features, weight)
 
 
 def replace(model: nn.Module, name: str, module: nn.Module) -> None:

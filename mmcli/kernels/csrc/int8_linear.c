@@ -228,6 +228,121 @@ void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const 
     }
 }
 
+/* The logits' products (the lm_head): each activation on 14 bits (int16 levels in [-8191, 8191]),
+   where int8_linear's 7 bits would move every log-prob by twice what the int8 weights do. On
+   AVX2 one vpmaddwd makes 16 products, as many as its vpmaddubsw and vpmaddwd make 32: the rate
+   of 7-bit rows, twice that of two rows of 7-bit levels a token. The weights are int8_linear's
+   layout, widened to int16 in registers (vpmovsxbw): 16 bytes are 4 channels' 4 inputs, each
+   lane of 32 bits the sum of one channel's two products. A lane sums at most WIDE_KC / 2 products
+   of 8191 x 127 within int32; each block's sums go out to y as float32. */
+#define WIDE_TOP 8191
+#define WIDE_KC 4096
+#define WIDE_MR 4 /* rows per tile at most: 8 accumulators */
+#define EACH_ACCUMULATOR(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+
+/* 8 channels' float32 sums from two vectors of their halves (channels 0-3, 4-7) */
+static inline __m256 wide_sums(__m256i lo, __m256i hi) {
+    __m256i pairs = _mm256_hadd_epi32(lo, hi); /* 0 1 4 5 | 2 3 6 7 */
+    return _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(pairs, 0xd8));
+}
+
+/* 8 channels' sums of a row after a block: scaled and biased at the last (k1 == Kp), else (as
+   float32 sums) added to the earlier blocks' in y */
+static inline void wide_store(__m256i lo, __m256i hi, int64_t k0, int64_t k1, int64_t Kp, float xs,
+                              const float *w_scale, const float *bias, float *out) {
+    __m256 v = wide_sums(lo, hi);
+    if (k0) v = _mm256_add_ps(v, _mm256_loadu_ps(out));
+    if (k1 == Kp) {
+        v = _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(xs)), _mm256_loadu_ps(w_scale));
+        v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+    }
+    _mm256_storeu_ps(out, v);
+}
+
+/* Rows x[0 .. mr) times output channels n0 .. n0 + 4 * nv (nv vectors of 4 channels' 16 weights
+   widened), inputs k0 .. k1, with mr * nv <= 8 accumulators a0 .. a7 (row m's vector j in
+   a[m * nv + j]), each a variable of its own (as tile_full's). */
+static inline __attribute__((always_inline)) void
+wide_tile(const int16_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int64_t n0, int mr,
+          int nv, const float *x_scale, const float *w_scale, const float *bias, float *y,
+          int64_t ldy) {
+    const int8_t *column = column_of(w, Kp, n0);
+    __m256i a0, a1, a2, a3, a4, a5, a6, a7;
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k1; k += 4) {
+        const __m128i *p = (const __m128i *)(column + k * 16);
+        __m256i wv[4], xb[WIDE_MR];
+        for (int j = 0; j < nv; j++) wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(p + j));
+        for (int m = 0; m < mr; m++)
+            xb[m] = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(x + m * Kp + k)));
+#define WIDE_PRODUCT(i)                                                                            \
+    if (i < mr * nv) a##i = _mm256_add_epi32(a##i, _mm256_madd_epi16(wv[i % nv], xb[i / nv]));
+        EACH_ACCUMULATOR(WIDE_PRODUCT)
+#undef WIDE_PRODUCT
+        /* keeps GCC from moving the accumulators through the stack at every step */
+        __asm__(""
+                : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7));
+    }
+    __m256i a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < nv; j += 2)
+            wide_store(a[m * nv + j], a[m * nv + j + 1], k0, k1, Kp, x_scale[m],
+                       w_scale + n0 + j * 4, bias + n0 + j * 4, y + m * ldy + n0 + j * 4);
+}
+
+/* Every row times a group's channels n0 .. n0 + 16, inputs k0 .. k1: up to 2 rows in one pass over
+   all 16 (a step's few rows, bound by reading the weights: one pass keeps the reads going),
+   more 4 rows at a time over each half (fewer widenings a product: many rows are bound by the
+   arithmetic). */
+static void wide_rows(const int16_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1,
+                      int64_t n0, int64_t M, const float *x_scale, const float *w_scale,
+                      const float *bias, float *y, int64_t Np) {
+#define WIDE(R, V, m, n)                                                                           \
+    wide_tile(x + (m) * Kp, w, Kp, k0, k1, n, R, V, x_scale + (m), w_scale, bias, y + (m) * Np, Np)
+    if (M <= 2) {
+        if (M == 2)
+            WIDE(2, 4, 0, n0);
+        else
+            WIDE(1, 4, 0, n0);
+        return;
+    }
+    for (int64_t n = n0; n < n0 + 16; n += 8)
+        for (int64_t m = 0; m < M; m += WIDE_MR) switch (M - m >= WIDE_MR ? WIDE_MR : M - m) {
+            case 1: WIDE(1, 2, m, n); break;
+            case 2: WIDE(2, 2, m, n); break;
+            case 3: WIDE(3, 2, m, n); break;
+            default: WIDE(WIDE_MR, 2, m, n);
+            }
+#undef WIDE
+}
+
+/* y (M x Np float32) = x (M x Kp int16 levels) @ w.T, scaled and biased as int8_linear's; w in
+   int8_linear's layout (its w_sum is not needed: the levels are signed). */
+void int8_linear_wide(const int16_t *x, const float *x_scale, const int8_t *w, const float *w_scale,
+                      const float *bias, float *y, int64_t M, int64_t Np, int64_t Kp, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t g = 0; g < Np / 16; g++)
+        for (int64_t k0 = 0; k0 < Kp; k0 += WIDE_KC) {
+            int64_t k1 = k0 + WIDE_KC < Kp ? k0 + WIDE_KC : Kp;
+            wide_rows(x, w, Kp, k0, k1, g * 16, M, x_scale, w_scale, bias, y, Np);
+        }
+}
+
+/* A row's scale: its largest magnitude / top, at least 1e-12 */
+static float row_scale(const float *row, int64_t K, int top) {
+    __m256 most = _mm256_setzero_ps();
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8)
+        most = _mm256_max_ps(most, _mm256_and_ps(_mm256_loadu_ps(row + k), magnitude));
+    float lanes[8], largest = 0.0f;
+    _mm256_storeu_ps(lanes, most);
+    for (int i = 0; i < 8; i++) largest = lanes[i] > largest ? lanes[i] : largest;
+    for (; k < K; k++) largest = fabsf(row[k]) > largest ? fabsf(row[k]) : largest;
+    float s = largest / (float)top;
+    return s < 1e-12f ? 1e-12f : s;
+}
+
 /* Each row of x (M x K float32) as levels of `top` (63 for int8_linear's 7 bits, 127 for 8): its
    scale (largest magnitude / top, at least 1e-12) in x_scale[m], and its values divided by it,
    rounded to the nearest (ties to even) and offset by top + 1, into q (M x Kp, the padding: the
@@ -239,20 +354,11 @@ static void quantize_rows_to(const float *x, int64_t M, int64_t K, uint8_t *q, i
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * K;
         uint8_t *out = q + m * Kp;
-        __m256 most = _mm256_setzero_ps();
-        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8)
-            most = _mm256_max_ps(most, _mm256_and_ps(_mm256_loadu_ps(row + k), magnitude));
-        float lanes[8], largest = 0.0f;
-        _mm256_storeu_ps(lanes, most);
-        for (int i = 0; i < 8; i++) largest = lanes[i] > largest ? lanes[i] : largest;
-        for (; k < K; k++) largest = fabsf(row[k]) > largest ? fabsf(row[k]) : largest;
-        float s = largest / (float)top;
-        s = s < 1e-12f ? 1e-12f : s;
+        float s = row_scale(row, K, top);
         x_scale[m] = s;
         const __m256 vs = _mm256_set1_ps(s);
-        for (k = 0; k + 8 <= K; k += 8) {
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
             __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + k), vs),
                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             __m256i i = _mm256_add_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(offset));
@@ -276,4 +382,29 @@ void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
 void quantize_rows_8bit(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
                         float *x_scale, int threads) {
     quantize_rows_to(x, M, K, q, Kp, x_scale, 127, threads);
+}
+
+/* int8_linear_wide's activations: each row's levels in [-WIDE_TOP, WIDE_TOP], signed (vpmaddwd
+   multiplies signed words), its scale in x_scale[m], zero past K */
+void quantize_rows_wide(const float *x, int64_t M, int64_t K, int16_t *q, int64_t Kp,
+                        float *x_scale, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        int16_t *out = q + m * Kp;
+        float s = row_scale(row, K, WIDE_TOP);
+        x_scale[m] = s;
+        const __m256 vs = _mm256_set1_ps(s);
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + k), vs),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m256i i = _mm256_cvtps_epi32(v);
+            __m128i words =
+                _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+            _mm_storeu_si128((__m128i *)(out + k), words);
+        }
+        for (; k < K; k++) out[k] = (int16_t)__builtin_roundevenf(row[k] / s);
+        for (; k < Kp; k++) out[k] = 0;
+    }
 }

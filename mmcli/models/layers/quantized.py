@@ -4,9 +4,9 @@
 - Int8Linear: 8-bit weights with a scale per output channel, in the layout int8_linear.c reads
   (so that they load as stored: fbgemm's packed weights cannot be stored, and packing them took
   longer than the rest of a one-image ask); activations quantized on the fly to 7 bits with a
-  scale per token, so a token with large values never coarsens the others. The logits take each
-  activation split into two rows of levels (split_rows: about 14 bits), as the bfloat16 head
-  takes its activations as two bfloat16.
+  scale per token, so a token with large values never coarsens the others. The logits'
+  (Int8Head) take about 14 bits of each activation, as the bfloat16 head takes its activations
+  as two bfloat16.
 - Int4Linear: 4-bit weights with a scale and a zero point per group of GROUP input channels
   (asymmetric), in the layout torch's int4 CPU kernel takes and computed by it
   (`torch.ops.aten._weight_int4pack_mm_for_cpu`, bfloat16 activations, float32 accumulation).
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmcli.kernels.weight_forms import GROUP, X_MAX, Int4Weight, Int8Weight, int8_levels
+from mmcli.kernels.weight_forms import GROUP, X_MAX, Int4Weight, Int8Weight, split_rows
 from mmcli.models.layers.linear import activate, check_activation, upcast_linear
 
 _rows: dict[int, torch.Tensor] = {}
@@ -49,20 +49,9 @@ def int8_reference(x2: torch.Tensor, weight: Int8Weight, per_token: bool) -> tor
     return y.add_(weight.bias)
 
 
-def split_rows(x2: torch.Tensor) -> torch.Tensor:
-    """x2 (rows, in) as twice the rows: each row on X_MAX levels of its own scale, then below them
-    its rounding rest. They sum to x2; per-token levels take the first rows exactly and the rests
-    to X_MAX levels of theirs (under half a level each), about 14 bits of each activation."""
-    values, scale = int8_levels(x2, X_MAX)
-    high = values.float().mul_(scale)
-    return torch.cat([high, x2 - high])
-
-
 class Int8Linear(nn.Module):
     """x @ W.T + b with int8 weights, the activations quantized on the fly: by the installed
-    kernel (int8_linear.c, summing exactly in int32), else int8_reference. `split`: each
-    activation as two rows of levels (split_rows), the products summed: the logits' (a 7-bit
-    activation moves them by twice what the int8 weights do)."""
+    kernel (int8_linear.c, summing exactly in int32), else int8_reference."""
 
     work = "int8"  # the kind of work the kernel plan installs a kernel for
     # (x2, Int8Weight, activation) -> activation((rows, padded out)), or None where x2 is not
@@ -70,12 +59,9 @@ class Int8Linear(nn.Module):
     kernel = None
     per_token = True  # one activation scale a row; False: one a call (what the tests compare)
 
-    def __init__(
-        self, in_features: int, out_features: int, weight: Int8Weight, split: bool = False
-    ):
+    def __init__(self, in_features: int, out_features: int, weight: Int8Weight):
         super().__init__()
         self.in_features, self.out_features, self.weight = in_features, out_features, weight
-        self.split = split
 
     def held(self) -> list[torch.Tensor]:
         """The tensors this layer computes with (no parameters: the Int8Weight's)."""
@@ -87,18 +73,36 @@ class Int8Linear(nn.Module):
         """As Linear's, in float32 (`rounded` or not)."""
         check_activation(activation)
         x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
-        rows, y = x2.shape[0], None
-        if self.split:
-            x2, applied, activation = split_rows(x2), activation, None  # applied to the sums
+        y = self.products(x2, activation)
+        if y.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def products(self, x2: torch.Tensor, activation: str | None) -> torch.Tensor:
+        """activation(x2 @ W.T + b) as (rows, padded out)."""
+        y = None
         if self.per_token and self.kernel is not None:
             y = self.kernel(x2, self.weight, activation)
         if y is None:
             y = activate(int8_reference(x2, self.weight, self.per_token), activation)
-        if self.split:
-            y = activate(y[:rows] + y[rows:], applied)
-        if y.shape[1] != self.out_features:
-            y = y[:, : self.out_features]
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y
+
+
+class Int8Head(Int8Linear):
+    """The logits' Int8Linear: about 14 bits of each activation, where 7 bits would move every
+    log-prob by twice what the int8 weights do. Its kernel (the plan's `head`) takes the float32
+    rows, (x2, Int8Weight) -> (rows, padded out), or None; else each activation as two rows of
+    7-bit levels (split_rows) in int8_reference, the products summed."""
+
+    work = "head"
+    kernel = None  # (x2, Int8Weight) -> (rows, padded out), or None where x2 is not its
+
+    def products(self, x2: torch.Tensor, activation: str | None) -> torch.Tensor:
+        y = self.kernel(x2, self.weight) if self.per_token and self.kernel is not None else None
+        if y is None:
+            y = int8_reference(split_rows(x2), self.weight, self.per_token)
+            y = y[: x2.shape[0]] + y[x2.shape[0] :]
+        return activate(y, activation)
 
 
 def can_int4() -> bool:
