@@ -343,17 +343,19 @@ static float row_scale(const float *row, int64_t K, int top) {
     return s < 1e-12f ? 1e-12f : s;
 }
 
-/* Each row of x (M x K float32) as levels of `top` (63 for int8_linear's 7 bits, 127 for 8): its
-   scale (largest magnitude / top, at least 1e-12) in x_scale[m], and its values divided by it,
-   rounded to the nearest (ties to even) and offset by top + 1, into q (M x Kp, the padding: the
-   offset). The same arithmetic as quantized.py's float32 path, in one pass over x. */
-static void quantize_rows_to(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
-                             float *x_scale, int top, int threads) {
-    const int offset = top + 1;
+/* Each row of x (M x K float32) as levels of `top`: its scale (largest magnitude / top, at least
+   1e-12) in x_scale[m], and its values divided by it, rounded to the nearest (ties to even), into
+   q (M x Kp, the padding zero levels): bytes offset by top + 1 (int8_linear's unsigned operand)
+   or, with `words`, int16 as they are (vpmaddwd's signed words). The same arithmetic as
+   quantized.py's float32 path, in one pass over x. */
+static void quantize_rows_to(const float *x, int64_t M, int64_t K, void *q, int64_t Kp,
+                             float *x_scale, int top, int words, int threads) {
+    const int offset = words ? 0 : top + 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * K;
-        uint8_t *out = q + m * Kp;
+        uint8_t *bytes = (uint8_t *)q + m * Kp;
+        int16_t *halves = (int16_t *)q + m * Kp;
         float s = row_scale(row, K, top);
         x_scale[m] = s;
         const __m256 vs = _mm256_set1_ps(s);
@@ -362,49 +364,40 @@ static void quantize_rows_to(const float *x, int64_t M, int64_t K, uint8_t *q, i
             __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + k), vs),
                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             __m256i i = _mm256_add_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(offset));
-            __m128i words =
-                _mm_packus_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
-            _mm_storel_epi64((__m128i *)(out + k), _mm_packus_epi16(words, words));
+            __m128i w16 =
+                _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+            if (words)
+                _mm_storeu_si128((__m128i *)(halves + k), w16);
+            else
+                _mm_storel_epi64((__m128i *)(bytes + k), _mm_packus_epi16(w16, w16));
         }
-        for (; k < K; k++) out[k] = (uint8_t)((int32_t)__builtin_roundevenf(row[k] / s) + offset);
-        for (; k < Kp; k++) out[k] = (uint8_t)offset;
+        for (; k < Kp; k++) {
+            const int32_t level =
+                k < K ? (int32_t)__builtin_roundevenf(row[k] / s) + offset : offset;
+            if (words)
+                halves[k] = (int16_t)level;
+            else
+                bytes[k] = (uint8_t)level;
+        }
     }
 }
 
 /* int8_linear's activations: 7 bits, offset by 64 */
 void quantize_rows(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp, float *x_scale,
                    int threads) {
-    quantize_rows_to(x, M, K, q, Kp, x_scale, 63, threads);
+    quantize_rows_to(x, M, K, q, Kp, x_scale, 63, 0, threads);
 }
 
 /* 8 bits, offset by 128, for the vector units' int8 dot products alone (vpdpbusd does not
    saturate, AVX2's pairs would): int4_vnni.c's widened products */
 void quantize_rows_8bit(const float *x, int64_t M, int64_t K, uint8_t *q, int64_t Kp,
                         float *x_scale, int threads) {
-    quantize_rows_to(x, M, K, q, Kp, x_scale, 127, threads);
+    quantize_rows_to(x, M, K, q, Kp, x_scale, 127, 0, threads);
 }
 
 /* int8_linear_wide's activations: each row's levels in [-WIDE_TOP, WIDE_TOP], signed (vpmaddwd
-   multiplies signed words), its scale in x_scale[m], zero past K */
+   multiplies signed words), zero past K */
 void quantize_rows_wide(const float *x, int64_t M, int64_t K, int16_t *q, int64_t Kp,
                         float *x_scale, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const float *row = x + m * K;
-        int16_t *out = q + m * Kp;
-        float s = row_scale(row, K, WIDE_TOP);
-        x_scale[m] = s;
-        const __m256 vs = _mm256_set1_ps(s);
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-            __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + k), vs),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            __m256i i = _mm256_cvtps_epi32(v);
-            __m128i words =
-                _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
-            _mm_storeu_si128((__m128i *)(out + k), words);
-        }
-        for (; k < K; k++) out[k] = (int16_t)__builtin_roundevenf(row[k] / s);
-        for (; k < Kp; k++) out[k] = 0;
-    }
+    quantize_rows_to(x, M, K, q, Kp, x_scale, WIDE_TOP, 1, threads);
 }
