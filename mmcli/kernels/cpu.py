@@ -265,6 +265,17 @@ def _declare(library: ctypes.CDLL) -> None:
     library.decode_layer.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
     library.decode_layer.argtypes += [ctypes.c_void_p] * 5 + [ctypes.c_int]
     library.decode_layer.restype = None
+    if library.build in BF16_DOT_BUILDS:
+        library.bf16_dot_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        library.bf16_dot_linear.argtypes += [ctypes.c_int] * 2
+    if library.build == "AMX":
+        library.amx_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        library.amx_bf16_linear.argtypes += [ctypes.c_int] * 2
+    _declare_quantized(library)
+
+
+def _declare_quantized(library: ctypes.CDLL) -> None:
+    """The int8 and int4 kernels' argument and result types."""
     library.int8_linear.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
     library.int8_linear.restype = None
     library.quantize_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
@@ -282,12 +293,6 @@ def _declare(library: ctypes.CDLL) -> None:
     library.int4_dequantize.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6
     library.int4_dequantize.argtypes += [ctypes.c_void_p, ctypes.c_int]
     library.int4_dequantize.restype = None
-    if library.build in BF16_DOT_BUILDS:
-        library.bf16_dot_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-        library.bf16_dot_linear.argtypes += [ctypes.c_int] * 2
-    if library.build == "AMX":
-        library.amx_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-        library.amx_bf16_linear.argtypes += [ctypes.c_int] * 2
     int4 = ("amx_int4_gemm", "amx_int4_rows") if library.build == "AMX" else ()
     vnni = ("int4_vnni_rows", "int4_widened_rows") if library.int4_widened else ("int4_vnni_rows",)
     tiles = ("int4_tile_rows",) if library.int4_vnni and library.build == "AMX" else ()
