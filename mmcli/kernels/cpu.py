@@ -732,19 +732,20 @@ def int8_linear(
     return int8_products(levels, scale, weight, vnni_rows, activation)
 
 
-def int8_rows(x: torch.Tensor, padded_in: int) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_rows(
+    x: torch.Tensor, padded_in: int, wide: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (rows, in) float32, contiguous, as int8_linear.c takes it: each row's levels (7 bits,
-    offset by 64, `padded_in` wide) and its scale."""
+    offset by 64, or with `wide` int16 levels of 14 bits; `padded_in` wide) and its scale."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
     rows, width = x.shape
-    levels = torch.empty(rows, padded_in, dtype=torch.uint8)
+    levels = torch.empty(rows, padded_in, dtype=torch.int16 if wide else torch.uint8)
     scale = torch.empty(rows)
+    quantize = library.quantize_rows_wide if wide else library.quantize_rows
     threads = torch.get_num_threads()
-    library.quantize_rows(
-        x.data_ptr(), rows, width, levels.data_ptr(), padded_in, scale.data_ptr(), threads
-    )
+    quantize(x.data_ptr(), rows, width, levels.data_ptr(), padded_in, scale.data_ptr(), threads)
     return levels, scale
 
 
@@ -785,21 +786,13 @@ def int8_wide_linear(x: torch.Tensor, weight) -> torch.Tensor:
     """x (rows, in) float32, contiguous, @ an Int8Weight + its bias, each row quantized to 14 bits
     (int16 levels) with its own scale: int8_linear.c's logits' products; float32 (rows, padded
     out) out."""
-    library, reason = load()
-    if library is None:
-        raise RuntimeError(reason)
-    rows, width = x.shape
     padded_out, padded_in = weight.values.shape
-    levels = torch.empty(rows, padded_in, dtype=torch.int16)
-    scale = torch.empty(rows)
-    threads = torch.get_num_threads()
-    library.quantize_rows_wide(
-        x.data_ptr(), rows, width, levels.data_ptr(), padded_in, scale.data_ptr(), threads
-    )
-    out = torch.empty(rows, padded_out)
-    library.int8_linear_wide(
+    levels, scale = int8_rows(x, padded_in, wide=True)  # loads the library, or says why not
+    out = torch.empty(x.shape[0], padded_out)
+    load()[0].int8_linear_wide(
         levels.data_ptr(), scale.data_ptr(), weight.values.data_ptr(), weight.scale.data_ptr(),
-        weight.bias.data_ptr(), out.data_ptr(), rows, padded_out, padded_in, threads,
+        weight.bias.data_ptr(), out.data_ptr(), x.shape[0], padded_out, padded_in,
+        torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -10,7 +10,7 @@ import functools
 import torch
 
 from mmcli.kernels import cpu
-from mmcli.kernels.weight_forms import split_rows
+from mmcli.kernels.weight_forms import split_products
 
 # the few-rows kernel up to here, the GEMM above: their crossover (bench/float_kernels.py)
 KERNEL_ROWS = 16
@@ -234,8 +234,4 @@ def int8_wide_matmul(x2: torch.Tensor, weight) -> torch.Tensor | None:
 def int8_split_matmul(x2: torch.Tensor, weight, *, rows) -> torch.Tensor | None:
     """The logits on an int8 kernel of 7-bit rows (`rows`: int8's installed kernel): each
     activation as two rows of levels (split_rows), the products summed; (rows, padded out)."""
-    y = rows(split_rows(x2), weight, None)
-    if y is None:
-        return None
-    count = x2.shape[0]
-    return y[:count] + y[count:]
+    return split_products(x2, lambda split: rows(split, weight, None))

@@ -34,6 +34,13 @@ def split_rows(x2: torch.Tensor) -> torch.Tensor:
     return torch.cat([high, x2 - high])
 
 
+def split_products(x2: torch.Tensor, products) -> torch.Tensor | None:
+    """x2's products with each activation as two rows of 7-bit levels (split_rows), summed:
+    `products` takes the split rows to (2 * rows, out), or None (then None)."""
+    y = products(split_rows(x2))
+    return None if y is None else y[: x2.shape[0]] + y[x2.shape[0] :]
+
+
 @dataclass
 class Int8Weight:
     """A layer's int8 weights in the kernel's layout (int8_linear.c: groups of 16 output channels,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmcli.kernels.weight_forms import GROUP, X_MAX, Int4Weight, Int8Weight, split_rows
+from mmcli.kernels.weight_forms import GROUP, X_MAX, Int4Weight, Int8Weight, split_products
 from mmcli.models.layers.linear import activate, check_activation, upcast_linear
 
 _rows: dict[int, torch.Tensor] = {}
@@ -100,8 +100,7 @@ class Int8Head(Int8Linear):
     def products(self, x2: torch.Tensor, activation: str | None) -> torch.Tensor:
         y = self.kernel(x2, self.weight) if self.per_token and self.kernel is not None else None
         if y is None:
-            y = int8_reference(split_rows(x2), self.weight, self.per_token)
-            y = y[: x2.shape[0]] + y[x2.shape[0] :]
+            y = split_products(x2, lambda split: int8_reference(split, self.weight, self.per_token))
         return activate(y, activation)
 
 
