@@ -9,6 +9,7 @@ from conftest import assert_same_choices, forced_logits, greedy, photo, with_cpu
 
 from mmcli.api.labeler import Labeler
 from mmcli.kernels import cpu, matrix
+from mmcli.kernels.cpu_ops import KERNEL_ROWS
 from mmcli.kernels.fused_decode import FusedDecode
 from mmcli.models.cache import AttentionBatch, DecoderCache
 from mmcli.models.config import TextConfig
@@ -76,6 +77,25 @@ def _steps(decoder, cfg, steps: int, prompts: dict[int, int], seed: int, kv_dtyp
         at = (rows, positions)
         outs.append(decoder(hidden[at], cos[at], sin[at], batch, cache))
     return torch.stack(outs), cache
+
+
+def test_a_float32_step_of_more_rows_than_the_few_rows_kernels_matches_its_layers(
+    build, monkeypatch
+):
+    """20 sequences in flight, above KERNEL_ROWS (the AVX2 plan's float_rows: a decode step's
+    cpu.AMX_ROWS), one decode_layer.c call a layer: the layers' hidden states."""
+    shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    cfg = _config(shape, intermediate_size=72)
+    decoder = _decoder(cfg, seed=3)
+    prompts = {slot: 1 + slot % 7 for slot in range(20)}
+    reference, _ = _steps(decoder, cfg, steps=4, prompts=prompts, seed=1)
+    decoder.kernel = FusedDecode.for_decoder(decoder, cfg, float_rows=cpu.AMX_ROWS)
+    assert decoder.kernel.max_rows >= len(prompts) > KERNEL_ROWS
+    calls, layer_call = [], cpu.decode_layer
+    monkeypatch.setattr(cpu, "decode_layer", lambda *a: calls.append(1) or layer_call(*a))
+    fused, _ = _steps(decoder, cfg, steps=4, prompts=prompts, seed=1)
+    assert len(calls) == 4 * cfg.num_hidden_layers
+    torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

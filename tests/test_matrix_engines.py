@@ -108,7 +108,10 @@ def test_crossover_is_where_the_library_wins_by_the_margin_from_there_on():
 def test_an_avx2_cpu_keeps_todays_kernels_and_float32_products():
     plan = choose(shape_on(AVX2), machine(AVX2))
     assert plan == choose(SHAPE, machine(AVX2))
-    assert plan.upcast.install(None) is cpu_ops.bf16_matmul
+    upcast = plan.upcast.install(None)
+    # bf16_linear.c's float32 products to a decode step's rows (its GEMM above), fused or not
+    assert upcast.func is cpu_ops.bf16_matmul and upcast.keywords == {"few_rows": cpu.AMX_ROWS}
+    assert plan.decode_step.install.keywords == {"float_rows": cpu.AMX_ROWS}
     assert plan.attention.id == "attention.c" and plan.build == "AVX2"
 
 

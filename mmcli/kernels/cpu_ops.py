@@ -108,9 +108,10 @@ def bf16_matmul(
     bias: torch.Tensor | None,
     activation: str | None,
     rounded: bool = False,
+    few_rows: int = KERNEL_ROWS,
 ) -> torch.Tensor | None:
     """bf16_linear.c: x (float32) @ weight.T (bfloat16) + bias, then the activation; up to
-    KERNEL_ROWS rows the few-rows kernel, more rows the GEMM (which applies the bias and the
+    `few_rows` rows the few-rows kernel, more rows the GEMM (which applies the bias and the
     activation as it stores). Its products are float32, so are its outputs, `rounded` or not."""
     if not (
         weight.dtype == torch.bfloat16
@@ -121,7 +122,7 @@ def bf16_matmul(
     ):
         return None
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if x2.shape[0] > KERNEL_ROWS:
+    if x2.shape[0] > few_rows:
         y = cpu.bf16_gemm(x2, weight, bias, activation)
     else:
         y = cpu.bf16_linear(x2, weight)

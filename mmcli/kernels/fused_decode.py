@@ -119,11 +119,12 @@ def _norm(norm) -> bool:
 class FusedDecode:
     """The decoder's layers as decode_layer.c's structs; `bf16_products`: bfloat16 products up to
     cpu.AMX_ROWS rows (on the AMX tiles, else AVX-512 BF16's dot products: cpu.bf16_rows_linear),
-    else float32 FMAs (up to KERNEL_ROWS). int8 layers take up to cpu.AMX_ROWS rows on
-    int8_linear.c, as a layer-by-layer step does (its AMX build on the tiles above
-    `int8_vnni_rows` rows); int4 layers from `int4_torch_rows` + 1 rows (fewer are torch's int4
-    kernel's) to cpu.AMX_ROWS on int4_vnni.c (its AMX build's tiles above `int4_vnni_rows`);
-    each layer is of its own form (a decoder may keep some layers' linears unquantized)."""
+    else float32 FMAs (up to `float_rows`, the plan's: KERNEL_ROWS by default). int8 layers take
+    up to cpu.AMX_ROWS rows on int8_linear.c, as a layer-by-layer step does (its AMX build on the
+    tiles above `int8_vnni_rows` rows); int4 layers from `int4_torch_rows` + 1 rows (fewer are
+    torch's int4 kernel's) to cpu.AMX_ROWS on int4_vnni.c (its AMX build's tiles above
+    `int4_vnni_rows`); each layer is of its own form (a decoder may keep some layers' linears
+    unquantized)."""
 
     def __init__(
         self,
@@ -133,9 +134,10 @@ class FusedDecode:
         int4_torch_rows: int = cpu.INT4_TORCH_ROWS,
         int8_vnni_rows: int = cpu.INT8_VNNI_ROWS,
         int4_vnni_rows: int = cpu.INT4_VNNI_ROWS,
+        float_rows: int = KERNEL_ROWS,
     ):
         quantized = all(layer.int8() or layer.int4() for layer in layers)
-        self.max_rows = cpu.AMX_ROWS if bf16_products or quantized else KERNEL_ROWS
+        self.max_rows = cpu.AMX_ROWS if bf16_products or quantized else float_rows
         int4 = any(layer.int4() for layer in layers)
         self.min_rows = int4_torch_rows + 1 if int4 else 1
         self.structs, self._tensors = [], []  # the structs, and the tensors they point into
@@ -174,11 +176,12 @@ class FusedDecode:
         int4_torch_rows: int = cpu.INT4_TORCH_ROWS,
         int8_vnni_rows: int = cpu.INT8_VNNI_ROWS,
         int4_vnni_rows: int = cpu.INT4_VNNI_ROWS,
+        float_rows: int = KERNEL_ROWS,
     ) -> FusedDecode | None:
         """The fused step for `decoder` (a family's `language_model`, its weights in their form;
         `cfg` its TextConfig, the decoder's own by default), or None where a layer, its weights
         or this machine do not fit it. `bf16_products`, `int4_torch_rows`, `int8_vnni_rows`,
-        `int4_vnni_rows`: as the class's, where this build has a kernel for them."""
+        `int4_vnni_rows`, `float_rows`: as the class's, where this build has a kernel for them."""
         cfg = cfg or decoder.cfg
         layers = decoder.fusable_layers()
         if cpu.load()[0] is None or not layers:
@@ -196,6 +199,7 @@ class FusedDecode:
             int4_torch_rows=int4_torch_rows,
             int8_vnni_rows=int8_vnni_rows,
             int4_vnni_rows=int4_vnni_rows,
+            float_rows=float_rows,
         )
 
     def fits(self, hidden: torch.Tensor, batch, deepstack) -> bool:
