@@ -41,7 +41,7 @@ void bf16_pairs(const float *x, float *pairs, int64_t M, int64_t K) {
    a 6144x2048 weight: 49-55 to 62-68 G(FL)OP/s, 69 the float32 peak); at fewer rows, bound by
    memory, the AND was faster. The AVX-512 builds are unmeasured and keep both as they were. */
 #if defined(__AVX512F__)
-#define FMA_BOUND_ROWS 1000000 /* none */
+#define FMA_BOUND_ROWS 5 /* past a tile's 4 rows: none */
 #else
 #define FMA_BOUND_ROWS 4
 #endif

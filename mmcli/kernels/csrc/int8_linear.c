@@ -25,6 +25,12 @@
    unmeasured. */
 #define FETCH_ROWS 2
 
+/* The bytes from tile `t` to the tile `threads` on (FETCH_ROWS), 0 where that is not a whole tile
+   of the `tiles` (no pointer past the weights' end is formed) */
+static inline int64_t ahead_bytes(int64_t t, int64_t tiles, int64_t tile_bytes, int threads) {
+    return t + threads < tiles ? threads * tile_bytes : 0;
+}
+
 #ifndef KC
 /* inputs per block, a multiple of 4: a whole row of the layers here. Between blocks every row's
    int32 sums go out to y and back, which cost more than reading a block's weights from L2: at
@@ -235,7 +241,7 @@ void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const 
 /* a tile at a time to whichever thread is free, as bf16_linear.c shares out its rows */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t t = 0; t < tiles; t++) {
-        int64_t n0 = t * width, ahead = (n0 + (threads + 1) * width <= Np) * threads * width * Kp;
+        int64_t n0 = t * width, ahead = ahead_bytes(t, Np / width, width * Kp, threads);
         if (Np - n0 >= width)
             columns(x, w, Kp, n0, NV, M, x_scale, w_sum, w_scale, bias, y, Np, act, ahead);
         else /* a last, narrower tile: a vector at a time */
@@ -317,7 +323,7 @@ static void wide_rows(const int16_t *x, const int8_t *w, int64_t Kp, int64_t k0,
 #define WIDE(R, V, m, n, ahead)                                                                    \
     wide_tile(x + (m) * Kp, w, Kp, k0, k1, n, R, V, x_scale + (m), w_scale, bias, y + (m) * Np,    \
               Np, ahead)
-    if (M <= FETCH_ROWS) {
+    if (M <= 2) {
         if (M == 2)
             WIDE(2, 4, 0, n0, ahead);
         else
@@ -340,7 +346,7 @@ void int8_linear_wide(const int16_t *x, const float *x_scale, const int8_t *w, c
                       const float *bias, float *y, int64_t M, int64_t Np, int64_t Kp, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t g = 0; g < Np / 16; g++) {
-        const int64_t ahead = (g + threads < Np / 16) * threads * 16 * Kp; /* as int8_linear's */
+        const int64_t ahead = ahead_bytes(g, Np / 16, 16 * Kp, threads);
         for (int64_t k0 = 0; k0 < Kp; k0 += WIDE_KC) {
             int64_t k1 = k0 + WIDE_KC < Kp ? k0 + WIDE_KC : Kp;
             wide_rows(x, w, Kp, k0, k1, g * 16, M, x_scale, w_scale, bias, y, Np, ahead);
