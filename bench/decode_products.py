@@ -29,7 +29,7 @@ def weights(kind: str, outer: int, inner: int):
     if kind == "int8":
         return measure.random_int8(outer, inner)[0]
     if kind == "int4":
-        return measure.random_int4(outer, inner)
+        return cpu.int4_read_form(measure.random_int4(outer, inner))
     return torch.randn(outer, inner).bfloat16()
 
 

@@ -244,10 +244,10 @@ def test_sequences_decoded_together_get_the_modules_logits(bf16_dir, monkeypatch
 @pytest.mark.parametrize("prompts", [{2: 3, 0: 9, 1: 1, 3: 4}, {0: 5}])
 @pytest.mark.parametrize("vnni_rows", [cpu.AMX_ROWS, 0], ids=["vnni", "amx_tiles"])
 def test_an_int4_step_matches_the_int4_layers_it_replaces(monkeypatch, prompts, vnni_rows):
-    """int4 weights (torch's layout) on int4_vnni.c in the step as in each Int4Linear (given
-    int4_vnni.c from one row, whatever this CPU's plan takes), on the vector units or (the AMX
-    build) the tiles: the same products, one sequence or four; with torch's int4 kernel at 1 and
-    2 rows the step leaves those to the modules."""
+    """int4 weights (torch's layout, the scales as the build reads them) on int4_vnni.c in the
+    step as in each Int4Linear (given int4_vnni.c from one row, whatever this CPU's plan takes),
+    on the vector units or (the AMX build) the tiles: the same products, one sequence or four;
+    with torch's int4 kernel at 1 and 2 rows the step leaves those to the modules."""
     shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     cfg = _config(shape, intermediate_size=128)
     decoder = _decoder(cfg, seed=3)
@@ -257,7 +257,7 @@ def test_an_int4_step_matches_the_int4_layers_it_replaces(monkeypatch, prompts, 
     int4_vnni = matrix.int4_matmul(None, vnni_above=0)  # AMX's plan keeps torch's at 1-2 rows
     for layer in decoder.modules():
         if isinstance(layer, Int4Linear):
-            layer.kernel = int4_vnni
+            layer.kernel, layer.weight = int4_vnni, cpu.int4_read_form(layer.weight)  # the loader's
     reference, ref_cache = _steps(decoder, cfg, steps=8, prompts=prompts, seed=1)
     decoder.kernel = FusedDecode.for_decoder(
         decoder, cfg, int4_torch_rows=0, int4_vnni_rows=vnni_rows

@@ -13,6 +13,7 @@ import torch
 from conftest import int4_values_f64
 
 from mmcli.kernels import cpu, cpu_ops, weight_forms
+from mmcli.models.layers.quantized import int4_linear
 from mmcli.weights.int4 import quantize_int4
 
 LIBRARY = cpu.load()[0]
@@ -21,6 +22,11 @@ pytestmark = pytest.mark.skipif(not VNNI_HERE, reason="no int4_vnni.c for torch'
 WIDENED = pytest.mark.skipif(
     not (VNNI_HERE and LIBRARY.int4_widened), reason="tiles wider than torch's blocks here"
 )
+
+
+def _quantized(w: torch.Tensor) -> weight_forms.Int4Weight:
+    """w's 4 bits as the loader holds them for this build (the scales by block on AVX2)."""
+    return cpu.int4_read_form(quantize_int4(w))
 
 
 def _int8_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +64,7 @@ def test_rows_are_quantized_to_the_levels_of_float32_arithmetic_ties_to_even():
 @pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024), (128, 9 * 32)])
 def test_int4_at_a_few_rows_multiplies_its_weights_by_int8_rows(rows, channels, inputs):
     generator = torch.Generator().manual_seed(rows)
-    weight = quantize_int4(torch.randn(channels, inputs, generator=generator).bfloat16())
+    weight = _quantized(torch.randn(channels, inputs, generator=generator).bfloat16())
     x, bias = torch.randn(rows, inputs, generator=generator), torch.randn(channels)
     x[0, :32] = 0  # a group of zeros: scale 0, nothing divided by it
     values = int4_values_f64(weight).t()
@@ -89,10 +95,11 @@ def _q(weight) -> torch.Tensor:
 def test_avx2s_blocks_of_32_give_the_floats_of_this_builds_blocks(monkeypatch, rows):
     """AVX2's build reads torch's AVX2 layout (32 channels a block) on vpmaddubsw: on any CPU,
     the same integers and floats as int4_vnni.c on the layout torch packs here."""
-    weight = quantize_int4(torch.randn(192, 1024, generator=torch.Generator().manual_seed(2)))
+    weight = _quantized(torch.randn(192, 1024, generator=torch.Generator().manual_seed(2)))
     x = torch.randn(rows, 1024)
     here = cpu.int4_vnni_linear(x, weight)
     by_32 = dataclasses.replace(weight, packed=weight_forms.int4_blocks(_q(weight), 32))
+    by_32 = by_32.by_block(32)  # the scales as the AVX2 build reads them
     monkeypatch.setenv("MMCLI_CPU_KERNEL", "avx2")
     cpu.load.cache_clear()
     try:
@@ -104,10 +111,23 @@ def test_avx2s_blocks_of_32_give_the_floats_of_this_builds_blocks(monkeypatch, r
     assert torch.equal(got, here)
 
 
+def test_the_scales_are_read_in_the_layout_of_the_build_only():
+    """The loader puts the scales by block where the build reads them so (AVX2); a weight in the
+    other layout is refused (torch's int4 kernel, which reads them by group, then takes it), and
+    torch's kernel gives both layouts the same products."""
+    weight = quantize_int4(torch.randn(64, 256).bfloat16())
+    read = cpu.int4_read_form(weight)
+    assert read.pairs_layout == LIBRARY.int4_pairs
+    other = weight if read.pairs_layout == "blocks" else weight.by_block(weight_forms.int4_block())
+    x = torch.randn(4, 256)
+    assert cpu.int4_vnni_linear(x, read) is not None and cpu.int4_vnni_linear(x, other) is None
+    assert torch.equal(int4_linear(x, other, None), int4_linear(x, weight, None))
+
+
 def test_shapes_off_its_blocks_are_refused():
-    weight = quantize_int4(torch.randn(64, 64).bfloat16())
+    weight = _quantized(torch.randn(64, 64).bfloat16())
     assert cpu.int4_vnni_linear(torch.randn(4, 64), weight) is not None
-    odd = quantize_int4(torch.randn(48, 64).bfloat16())  # channels not a multiple of 64
+    odd = _quantized(torch.randn(48, 64).bfloat16())  # channels not a multiple of 64
     assert cpu.int4_vnni_linear(torch.randn(4, 64), odd) is None
 
 
@@ -121,7 +141,7 @@ def _8bit_rows(x: torch.Tensor) -> torch.Tensor:
 def _widened_level(weight) -> torch.Tensor:
     """Each channel's int8 level: the largest magnitude its groups' values can reach over the
     build's largest level (127, or 63 on AVX2)."""
-    sz = weight.scales_zeros.double()  # [in / 32, out, 2]
+    sz = weight.groups().double()  # [in / 32, out, 2]
     scale, zero = sz[..., 0], sz[..., 1]
     reach = torch.maximum((zero - 8 * scale).abs(), (zero + 7 * scale).abs())
     return reach.amax(0).clamp_min(1e-12) / LIBRARY.int4_widened_top
@@ -134,7 +154,7 @@ def _widened_level(weight) -> torch.Tensor:
 @pytest.mark.parametrize("channels,inputs", [(64, 32), (192, 1024), (64, 8192 + 32)])
 def test_int4_at_a_prompts_rows_is_widened_to_int8(rows, channels, inputs):
     generator = torch.Generator().manual_seed(rows)
-    weight = quantize_int4(torch.randn(channels, inputs, generator=generator).bfloat16())
+    weight = _quantized(torch.randn(channels, inputs, generator=generator).bfloat16())
     x = torch.randn(rows, inputs, generator=generator)
     x[1] = 0  # a row of zeros: nothing divided by its scale
     values, level = int4_values_f64(weight).t(), _widened_level(weight)
@@ -154,6 +174,6 @@ def test_int4_at_a_prompts_rows_is_widened_to_int8(rows, channels, inputs):
 
 
 def test_a_decode_steps_rows_stay_quantized_per_group():
-    weight = quantize_int4(torch.randn(64, 256).bfloat16())
+    weight = _quantized(torch.randn(64, 256).bfloat16())
     x = torch.randn(cpu.AMX_ROWS, 256)
     assert torch.equal(cpu.int4_int8_linear(x, weight), cpu.int4_vnni_linear(x, weight))

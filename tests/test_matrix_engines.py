@@ -17,7 +17,7 @@ from conftest import assert_same_choices, forced_logits, greedy, photo
 from mmcli.kernels import attention, cpu, cpu_features, cpu_ops, matrix, measure, weight_forms
 from mmcli.kernels import experts as experts_module
 from mmcli.kernels.machine import Crossover, Machine, comparisons
-from mmcli.kernels.plan import INT8_OURS, ONEDNN_INT8, RunShape, choose
+from mmcli.kernels.plan import INT4_BLOCKS, INT8_OURS, ONEDNN_INT8, RunShape, choose
 from mmcli.kernels.weight_forms import Int4Weight
 from mmcli.models.layers.quantized import int4_linear, int8_reference
 from mmcli.weights.int4 import int4_values, quantize_int4
@@ -341,18 +341,26 @@ def test_int4_on_avx2_takes_int4_vnni_at_a_steps_rows_and_widens_a_prompts(above
     """AVX2's build reads torch's blocks of 32 channels on vpmaddubsw: a decode step's rows (to
     32) on int4_vnni.c, in the fused step too; a prompt's more rows widened to int8 for
     int8_linear.c's tiles (7-bit rows), above the measured crossover on dequantized tiles in
-    float32 products, the run's (no bfloat16 unit)."""
+    float32 products, the run's (no bfloat16 unit). Where its kernels are the only ones to read
+    the weights, their scales and zeros are put by block (the layout the build reads); torch's
+    int4 kernel and the tiles' dequantizer read them by group."""
     consulted = comparisons(AVX2, "AVX2", int4_vnni=True)
     assert "int4_fewest_rows" in consulted and "int4_tiles" in consulted
     ours = {name: Crossover(None, "measured (by hand)") for name in consulted}
     ours["int4_tiles"] = Crossover(above, "measured (by hand)")
-    avx2 = Machine(AVX2, "AVX2", crossovers=ours, int4_vnni=True, int4_widened=True)
+    avx2 = Machine(
+        AVX2, "AVX2", crossovers=ours, int4_vnni=True, int4_widened=True, int4_pairs="blocks"
+    )
     plan = choose(shape_on(AVX2, quantize="int4"), avx2)
     kernel = "int4_vnni.c (int8 dot products) to 32, widened to int8 above"
-    tiles = " to 256, int4 tiles + oneDNN float32 above" if above else ""
+    tiles = " to 256, int4 tiles + oneDNN float32 above" if above else ", scales by block"
     assert plan.int4.kernel == kernel + tiles
     assert plan.int4.id == "int4_vnni.c+int4_widened" + ("+int4_tiles" if above else "")
+    assert plan.int4.form == ("" if above else INT4_BLOCKS)
     assert plan.decode_step.id == "decode_layer.c+int4_vnni.c"
+    torch_first = {**ours, "int4_fewest_rows": Crossover(2, "measured (by hand)")}
+    avx2 = dataclasses.replace(avx2, crossovers=torch_first)
+    assert choose(shape_on(AVX2, quantize="int4"), avx2).int4.form == ""
 
 
 @pytest.mark.parametrize("prefer", ["library", "ours"])
@@ -397,7 +405,7 @@ def test_the_int8_peak_is_timed_on_int8_linear_c_wherever_our_build_runs(monkeyp
     ours = {f"int8_linear.c, {rows} rows" for rows in (measure.PEAK_SIDE, measure.PEAK_PROMPT_ROWS)}
     int4 = {f"int4_vnni.c, {cpu.AMX_ROWS} rows"} if cpu.load()[0].int4_vnni else set()
     assert set(int8) == {"oneDNN int8", *ours, *int4}
-    for name in ours:
+    for name in ours | int4:  # each computes: a kernel that refused its weights would time nothing
         product, ops = int8[name]
         y = product()
         assert 2 * y.shape[0] * y.shape[1] * measure.PEAK_SIDE == ops and y.isfinite().all()
@@ -485,6 +493,10 @@ def test_the_int4_layout_is_torchs_here_and_both_its_x86_forms_dequantize():
     for block in (64, 32):
         weight = Int4Weight(weight_forms.int4_blocks(q, block), scales_zeros, (192, 96))
         assert torch.equal(matrix.int4_dequantized(weight, 64, 192, block), expected)
+        # the scales by block (the AVX2 build's layout): the same values
+        by_block = weight.by_block(block)
+        assert by_block.pairs_layout == "blocks" and torch.equal(by_block.groups(), scales_zeros)
+        assert torch.equal(matrix.int4_dequantized(by_block, 64, 192, block), expected)
 
 
 @needs_kernels

@@ -216,6 +216,8 @@ def load() -> tuple[ctypes.CDLL | None, str]:
             library.int4_widened_top = 127 if vbmi else 63  # a widened weight's largest level
             block = 64 if vbmi else 32
             library.int4_vnni = weight_forms.int4_block() == block
+            # the scales and zeros int4_vnni.c reads: by block in its AVX2 half (Int4Weight)
+            library.int4_pairs = "groups" if vbmi else "blocks"
             break
         except (OSError, subprocess.SubprocessError) as error:
             detail = getattr(error, "stderr", b"") or b""
@@ -411,6 +413,15 @@ def amx_int4_gemm(x: torch.Tensor, weight, vnni_rows: int = INT4_VNNI_ROWS) -> t
     return _int4_products(getattr(library, name), x_in.contiguous(), weight)
 
 
+def int4_read_form(weight):
+    """An Int4Weight with its scales and zeros in the layout this build's int4_vnni.c reads (a
+    copy where that is by block): the loader's, for weights made elsewhere (measurements)."""
+    library = load()[0]
+    if library is None or library.int4_pairs == "groups":
+        return weight
+    return weight.by_block(weight_forms.int4_block())
+
+
 def int4_vnni_linear(x: torch.Tensor, weight) -> torch.Tensor | None:
     """x (rows, K) float32 @ W.T for an Int4Weight W on the vector units' int8 dot products
     (int4_vnni.c), each row quantized to int8 per group of 32 inputs, float32 out; None where
@@ -462,8 +473,9 @@ def int4_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def _int4_products(kernel, x: torch.Tensor, weight) -> torch.Tensor | None:
     """An int4 kernel's (x, packed, scales_zeros, y, M, N, K, threads) float32 y, or None where
-    it refused the shapes (or the scales are not contiguous)."""
-    if not weight.scales_zeros.is_contiguous():
+    it refused the shapes (or the scales are not contiguous, or not in the layout this build
+    reads)."""
+    if not weight.scales_zeros.is_contiguous() or weight.pairs_layout != load()[0].int4_pairs:
         return None
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     status = kernel(
@@ -643,10 +655,13 @@ def widen_outputs(
 
 def int4_dequantize(weight, group: int, start: int, stop: int, block: int) -> torch.Tensor:
     """Output channels [start, stop) (multiples of `block`, the channels a block of the packing
-    holds: 64 or 32) of an Int4Weight as bfloat16 [in, stop - start] (int4_tiles.c)."""
+    holds: 64 or 32) of an Int4Weight, its scales and zeros by group, as bfloat16 [in, stop -
+    start] (int4_tiles.c)."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
+    if weight.pairs_layout != "groups":
+        raise ValueError(f"int4_dequantize reads the scales by group, not {weight.pairs_layout}")
     out_features, inner = weight.shape
     dest = torch.empty(inner, stop - start, dtype=torch.bfloat16)
     library.int4_dequantize(

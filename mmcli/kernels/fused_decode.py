@@ -88,7 +88,7 @@ def _int8(linear) -> bool:
 
 def _int4(linear) -> bool:
     """An Int4Linear without a bias in shapes int4_vnni.c takes (blocks of 64 channels, groups of
-    32 inputs), on a build that has it."""
+    32 inputs), on a build that has it, its scales and zeros in the layout the build reads."""
     weight = getattr(linear, "weight", None)
     library = cpu.load()[0]
     return (
@@ -101,6 +101,7 @@ def _int4(linear) -> bool:
         and weight.scales_zeros.is_contiguous()
         and library is not None
         and library.int4_vnni
+        and weight.pairs_layout == library.int4_pairs
     )
 
 

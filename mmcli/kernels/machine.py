@@ -52,6 +52,9 @@ class Machine:
     # torch's int4 CPU layout in this process: output channels a block (weight_forms.int4_block;
     # the tiles' dequantizer and amx.c read 64), None for one the dequantizer cannot read
     int4_block: int | None = 64
+    # the layout of int4's scales and zeros int4_vnni.c reads (weight_forms.Int4Weight): by
+    # group (torch's) or, in its AVX2 half, by block
+    int4_pairs: str = "groups"
     exact_int8: bool = True  # oneDNN's int8 GEMM is exact here (cpu_features.exact_int8)
 
     def key(self) -> str:
@@ -155,6 +158,7 @@ def _made(environment: tuple[str | None, ...], floors: bool) -> Machine:
         int4_vnni=int4_vnni,
         int4_widened=int4_widened,
         int4_block=int4_block,
+        int4_pairs=library.int4_pairs if int4_vnni else "groups",
         exact_int8=cpu_features.exact_int8(),
     )
     if not floors:

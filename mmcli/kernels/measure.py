@@ -104,7 +104,8 @@ def random_int8(outer: int, inner: int) -> tuple[Int8Weight, Int8Weight]:
 
 
 def random_int4(outer: int, inner: int) -> Int4Weight:
-    """Random 4-bit weights (for timing) in torch's int4 CPU layout."""
+    """Random 4-bit weights (for timing) in torch's int4 CPU layout, the scales by group (our
+    kernels take them as cpu.int4_read_form puts them)."""
     q = torch.randint(0, 16, (outer, inner), dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     scales_zeros = torch.rand(inner // GROUP, outer, 2).bfloat16()
@@ -113,7 +114,7 @@ def random_int4(outer: int, inner: int) -> Int4Weight:
 
 def torch_int4(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     x2 = x.to(torch.bfloat16)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, GROUP, weight.scales_zeros)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, GROUP, weight.groups())
 
 
 def _int8_vision() -> dict:
@@ -152,13 +153,14 @@ def _int4_tiles() -> dict:
     has int4_vnni.c (a step's rows on it, more widened to int8), else torch's int4 kernel."""
     inner = outer = 2048
     weight = random_int4(outer, inner)
+    read_form = cpu.int4_read_form(weight)
     library = cpu.load()[0]
     vnni = library is not None and library.int4_vnni
     label = INT4_INT8 if vnni and library.int4_widened else f"int4_vnni.c to {cpu.AMX_ROWS} rows"
     products = "bfloat16" if cpu_features.detect().bf16_matrix() else "float32"
 
     def ours(x):  # torch's int4 kernel where int4_vnni.c does not take the rows
-        y = cpu.int4_int8_linear(x, weight) if vnni else None
+        y = cpu.int4_int8_linear(x, read_form) if vnni else None
         return torch_int4(x, weight) if y is None else y
 
     rates = {}
@@ -195,7 +197,12 @@ def _int4_fewest_rows() -> dict:
     from memory as a step reads them (STREAMED_LAYERS of them, past the caches)."""
     inner, outer = SHAPE
     weights = [random_int4(outer, inner) for _ in range(STREAMED_LAYERS)]
-    rates = _step_rates(weights, INT4_FEWEST_ROWS, (cpu.int4_vnni_linear, torch_int4))
+    read_forms = {id(w): cpu.int4_read_form(w) for w in weights}  # as the loader puts them
+
+    def ours(x, weight):
+        return cpu.int4_vnni_linear(x, read_forms[id(weight)])
+
+    rates = _step_rates(weights, INT4_FEWEST_ROWS, (ours, torch_int4))
     return {"kernels": ["int4_vnni.c", "torch int4"], "units": ["int8", "float32"], "rates": rates}
 
 
@@ -216,7 +223,7 @@ def _int4_step_rows() -> dict:
     reads them (STREAMED_LAYERS of them): the vector units' int8 dot products against the
     tiles', the same integers and floats."""
     inner, outer = SHAPE
-    weights = [random_int4(outer, inner) for _ in range(STREAMED_LAYERS)]
+    weights = [cpu.int4_read_form(random_int4(outer, inner)) for _ in range(STREAMED_LAYERS)]
     sides = tuple(functools.partial(cpu.amx_int4_gemm, vnni_rows=v) for v in (cpu.AMX_ROWS, 0))
     rates = _step_rates(weights, INT4_STEP_ROWS, sides)
     kernels = ["int4_vnni.c on VNNI", "int4_vnni.c on AMX tiles"]
@@ -275,7 +282,8 @@ def peak_kernels() -> dict[str, dict[str, tuple[Callable[[], object], float]]]:
             product = functools.partial(cpu.int8_products, levels, scale, weight)
             int8[f"int8_linear.c, {rows} rows"] = (product, ops)
     if cpu.name() and cpu.load()[0].int4_vnni:  # AVX2's int16 sums outrun int8_linear.c's
-        weight4, x = random_int4(PEAK_SIDE, PEAK_SIDE), a[: cpu.AMX_ROWS].contiguous()
+        weight4 = cpu.int4_read_form(random_int4(PEAK_SIDE, PEAK_SIDE))
+        x = a[: cpu.AMX_ROWS].contiguous()
         ops = 2 * cpu.AMX_ROWS * PEAK_SIDE**2
         int8[f"int4_vnni.c, {cpu.AMX_ROWS} rows"] = (lambda: cpu.int4_vnni_linear(x, weight4), ops)
     return {

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from mmcli.kernels import attention, cpu, cpu_ops, delta_rule, experts, fused_decode, matrix
 from mmcli.kernels.machine import Crossover, Machine
@@ -38,11 +38,15 @@ class Choice:
     kernel: str  # what runs, in words
     why: str
     install: Install | None = field(default=None, compare=False, repr=False)
+    # where the kernels read the weights in a form of their own, the form mmcli/weights puts
+    # them in at load ("": as they are)
+    form: str = ""
 
 
 NONE = Choice("none", "-", "no such work in this model")
 # the forms of `linears` that mmcli/weights puts the weights into at load
 PACKED, INT8, INT4, AS_LOADED = "packed", "int8", "int4", "as_loaded"
+INT4_BLOCKS = "int4_blocks"  # int4's scales and zeros by block (weight_forms.Int4Weight)
 BY_RANGE = "by_range"  # the vision blocks' attention range by range, each image's own
 # the head's choices where it is int8: its activations on 14 bits, or split in two rows of 7
 INT8_HEADS = ("int8_wide", "int8_split")
@@ -353,7 +357,10 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
     products = "bfloat16" if shape.bf16_products() else "float32"
     if machine.int4_vnni:
         fewest = machine.crossover("int4_fewest_rows")
-        return _int4_vnni(measured, fewest, products, machine.int4_widened)
+        choice = _int4_vnni(measured, fewest, products, machine.int4_widened)
+        # torch's int4 kernel and the tiles' dequantizer read the scales by group
+        ours_only = machine.int4_widened and not int4_torch_rows(fewest) and measured.above is None
+        return _int4_pairs(choice, machine.int4_pairs) if ours_only else choice
     if measured.above is None:
         return Choice("torch_int4", "torch int4", measured.why)
     above = measured.above
@@ -413,6 +420,14 @@ def _int4_vnni(tiles: Crossover, fewest: Crossover, products: str, widened: bool
         kernels.append("int4_tiles")
     install = _function(matrix.int4_matmul(tiles.above, torch_rows, products))
     return Choice("+".join(kernels), kernel, f"{tiles.why}; {fewest.why}", install)
+
+
+def _int4_pairs(choice: Choice, pairs: str) -> Choice:
+    """int4_vnni.c's choice, its kernels the only ones to read the weights, with their scales and
+    zeros in the layout it reads (`pairs`, the machine's)."""
+    if pairs == "groups":
+        return choice
+    return replace(choice, kernel=f"{choice.kernel}, scales by block", form=INT4_BLOCKS)
 
 
 def int4_torch_rows(fewest: Crossover) -> int:

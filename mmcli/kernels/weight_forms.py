@@ -5,6 +5,7 @@ models/layers/quantized.py computes with them."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -68,12 +69,36 @@ class Int8Weight:
 
 @dataclass
 class Int4Weight:
+    """A layer's 4-bit weights: the values in torch's int4 CPU layout, and each group's scale and
+    zero in pairs, by group (torch's layout, as computed and stored) or by block (the layout the
+    AVX2 build's kernels read, put so at load: `by_block`)."""
+
     packed: torch.Tensor  # torch's int4 CPU layout of the [out, in] 4-bit values (int4_block)
-    scales_zeros: torch.Tensor  # [in / GROUP, out, 2] bfloat16
+    # "groups": [in / GROUP, out, 2] bfloat16, each group's pairs for every channel in a row;
+    # "blocks": [out / block, in / GROUP, block, 2], each block's groups one after another
+    scales_zeros: torch.Tensor
     shape: tuple[int, int]
+    pairs_layout: str = "groups"
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"packed": self.packed, "scales_zeros": self.scales_zeros}
+
+    def groups(self) -> torch.Tensor:
+        """The scales and zeros by group, [in / GROUP, out, 2] (a copy where they are by block):
+        torch's int4 kernel and the dequantizers read them so."""
+        if self.pairs_layout == "groups":
+            return self.scales_zeros
+        return self.scales_zeros.transpose(0, 1).reshape(self.shape[1] // GROUP, self.shape[0], 2)
+
+    def by_block(self, block: int) -> Int4Weight:
+        """The same weights with their scales and zeros by blocks of `block` output channels (a
+        copy at load); these where they are so, or their shape does not divide into blocks."""
+        out, inner = self.shape
+        if self.pairs_layout == "blocks" or out % block or inner % GROUP:
+            return self
+        pairs = self.scales_zeros.view(inner // GROUP, out // block, block, 2)
+        pairs = pairs.transpose(0, 1).contiguous()
+        return dataclasses.replace(self, scales_zeros=pairs, pairs_layout="blocks")
 
     @property
     def nbytes(self) -> int:

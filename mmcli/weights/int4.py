@@ -215,3 +215,15 @@ def adopt(model: torch.nn.Module, held: dict[str, Int4Weight], experts: dict[str
         model.get_submodule(parent).register_module(child, Int4Linear(weight, linear.bias))
     for prefix, weights in experts.items():
         model.get_submodule(prefix).adopt_int4(weights)
+
+
+def by_block(model: torch.nn.Module, block: int) -> int:
+    """Every Int4Linear's scales and zeros by blocks of `block` output channels (the plan's
+    INT4_BLOCKS: the kernels that read them so), where its shape divides so; returns how many
+    are."""
+    for layer in model.modules():
+        if isinstance(layer, Int4Linear):
+            layer.weight = layer.weight.by_block(block)
+    return sum(
+        isinstance(m, Int4Linear) and m.weight.pairs_layout == "blocks" for m in model.modules()
+    )

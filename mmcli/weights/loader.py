@@ -1,5 +1,6 @@
 """The model built from a checkpoint's weights, and its weights put into the form the kernel plan
-chose (oneDNN's packed float32, int8 through the prepared cache), the plan's kernels installed."""
+chose (oneDNN's packed float32, int8 through the prepared cache, int4's scales by block), the
+plan's kernels installed."""
 
 from __future__ import annotations
 
@@ -7,7 +8,17 @@ import torch
 from torch import nn
 
 from mmcli.kernels.host_memory import keep_freed_memory, populate
-from mmcli.kernels.plan import INT4, INT8, ONEDNN_INT8, PACKED, KernelPlan, install, int8_head
+from mmcli.kernels.plan import (
+    INT4,
+    INT4_BLOCKS,
+    INT8,
+    ONEDNN_INT8,
+    PACKED,
+    KernelPlan,
+    install,
+    int8_head,
+)
+from mmcli.kernels.weight_forms import int4_block
 from mmcli.models.config import ModelConfig
 from mmcli.models.layers.linear import Linear, PackedLinear, can_pack
 from mmcli.models.layers.quantized import Int8Linear
@@ -79,6 +90,8 @@ def prepare(
         pack_linears(model)
     if plan.vision_int8.install is not None:
         vision_int8(model.visual, rows=plan.vision_int8.id == ONEDNN_INT8)
+    if plan.int4.form == INT4_BLOCKS:
+        int4.by_block(model, int4_block())
     install(plan, model)
     if device.type == "cpu":
         keep_freed_memory()  # after the load: its temporaries are returned as before

@@ -2,7 +2,8 @@
    bytes, the low nibbles the block's first 32; scales and zeros [K / 32][N][2] bfloat16) times a
    decode step's few rows on the vector units' int8 dot products (AVX-512 VNNI, with VBMI's byte
    permutes to spread the nibbles), where the CPU has both; else (AVX2) blocks of 32 channels, the
-   layout torch packs there, on vpmaddubsw (kernels/cpu.py decides which reads here). For a decode
+   layout torch packs there, their scales and zeros by block (block_pairs), on vpmaddubsw
+   (kernels/cpu.py decides which reads here). For a decode
    step's few rows the weights' integers are multiplied as they are, where torch's int4 kernel and
    the tiles' panels dequantize every weight first. */
 #include <stdint.h>
@@ -53,8 +54,8 @@ void quantize_rows_8bit(const float *x, int64_t M, int64_t K, uint8_t *q, int64_
 
 /* The next block's bytes (blocks of `channels` channels, K * channels / 2 bytes), spread over
    the groups of this block's passes of `rows` rows (vectors.h). One pass of rows too: a decode
-   step of one row 3-14% faster with it on a 2-core Zen 4; on a 2-core Zen 1 (AVX2), with the
-   scales and zeros below, 1.3x for the kernel and 1.1x for the step. The last block has none
+   step of one row 3-14% faster with it on a 2-core Zen 4, 1.2x for the kernel on a 2-core Zen 1
+   (AVX2). The last block has none
    after it (no pointer past the weights' end is formed). */
 static struct ahead ahead_of(const uint8_t *packed, int64_t K, int64_t N, int64_t channels,
                              int64_t block, int64_t M, int rows, int64_t pass) {
@@ -66,16 +67,6 @@ static struct ahead ahead_of(const uint8_t *packed, int64_t K, int64_t N, int64_
     a.end = (const char *)(packed + (block + 1) * bytes) + bytes;
     a.next = a.end - bytes + (start < bytes ? start : bytes), a.lines = lines;
     return a;
-}
-
-/* In a block's first pass of rows, the next block's scales and zeros of group g (`next_pairs`:
-   NULL in the other passes and for the last block): each group's are N * 4 bytes apart, a new
-   page every group, where the hardware's prefetcher stops */
-static inline void fetch_pairs_ahead(const uint32_t *next_pairs, int64_t N, int64_t g,
-                                     int channels) {
-    if (next_pairs)
-        for (int i = 0; i < channels * 4; i += 64)
-            _mm_prefetch((const char *)(next_pairs + g * N) + i, _MM_HINT_T2);
 }
 
 /* int4_vnni_products for x (M x K, float32), its rows quantized on the way. */
@@ -94,6 +85,16 @@ int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales
    times the row's group scale. */
 
 #define VNNI_ROWS 4 /* rows a block's sums hold in registers; more rows pass again */
+
+/* In a block's first pass of rows, the next block's scales and zeros of group g (`next_pairs`:
+   NULL in the other passes and for the last block): each group's are N * 4 bytes apart, a new
+   page every group, where the hardware's prefetcher stops */
+static inline void fetch_pairs_ahead(const uint32_t *next_pairs, int64_t N, int64_t g,
+                                     int channels) {
+    if (next_pairs)
+        for (int i = 0; i < channels * 4; i += 64)
+            _mm_prefetch((const char *)(next_pairs + g * N) + i, _MM_HINT_T2);
+}
 
 /* inputs k .. k + 3 of a block (4 x 32 contiguous bytes) as vpdpbusd's quadruples: lane c of
    w[t] holds channel 16 t + c's q for the 4 inputs (w[0], w[1]: the low nibbles of bytes 0..15
@@ -507,6 +508,16 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K,
 
 #define AVX2_ROWS 2 /* rows a half block's sums hold in registers; more rows pass again */
 
+/* This build reads the scales and zeros by block (Int4Weight's "blocks" layout, put so at load:
+   [N / 32][K / 32][32][2] bfloat16, a block's groups one after another). In torch's layout each
+   group's are N * 4 bytes apart, a new page every group: a decode step's row then read its
+   weights at 1.4x a stream's time, however far ahead they were fetched, and at 1.15x by block
+   (a 2-core Zen 1). Group g's pairs of block `block`: */
+static inline const uint32_t *block_pairs(const uint32_t *pairs, int64_t groups, int64_t block,
+                                          int64_t g) {
+    return pairs + (block * groups + g) * 32;
+}
+
 /* x's rows as int4_quantize_rows above makes them: the same integers, scales and sums */
 void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
                         int32_t *sums) {
@@ -567,12 +578,12 @@ static inline void avx2_scale_zero(const uint32_t *pairs, __m256 *scale, __m256 
 }
 
 /* y's `rows` (a constant once inlined) x the 32 channels of `block`, each channel's float sum
-   as int4_vnni_block's; the next block fetched ahead as there */
+   as int4_vnni_block's; the next block's bytes fetched ahead as there (its scales and zeros
+   follow this block's: the hardware's prefetcher has them) */
 static inline __attribute__((always_inline)) void
 int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
                 const uint8_t *packed, const uint32_t *pairs_of, int64_t K, int64_t N,
-                int64_t block, const int rows, float *y, struct ahead *ahead,
-                const uint32_t *next_pairs) {
+                int64_t block, const int rows, float *y, struct ahead *ahead) {
     const int64_t groups = K / 32;
     const uint8_t *bytes = packed + block * K * 16;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -581,7 +592,6 @@ int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
         for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         fetch_ahead(ahead);
-        fetch_pairs_ahead(next_pairs, N, g, 32);
         __m256i sums[AVX2_ROWS][4];
         for (int m = 0; m < rows; m++)
             for (int j = 0; j < 4; j++) sums[m][j] = _mm256_setzero_si256();
@@ -599,7 +609,7 @@ int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
                         : "+x"(sums[m][0]), "+x"(sums[m][1]), "+x"(sums[m][2]), "+x"(sums[m][3]));
             }
         }
-        const uint32_t *pairs = pairs_of + g * N + block * 32;
+        const uint32_t *pairs = block_pairs(pairs_of, groups, block, g);
         for (int j = 0; j < 4; j++) {
             __m256 scale, zero;
             avx2_scale_zero(pairs + 8 * j, &scale, &zero);
@@ -631,9 +641,8 @@ int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x
             const float *scales = x_scales + m * groups;
             const int32_t *sums = x_sums + m * groups;
             struct ahead ahead = ahead_of(packed, K, N, 32, block, M, AVX2_ROWS, m / AVX2_ROWS);
-            const uint32_t *next = ahead.lines && m == 0 ? pairs + (block + 1) * 32 : NULL;
 #define ROWS(R)                                                                                    \
-    int4_avx2_block(rows_xq, scales, sums, packed, pairs, K, N, block, R, y + m * N, &ahead, next)
+    int4_avx2_block(rows_xq, scales, sums, packed, pairs, K, N, block, R, y + m * N, &ahead)
             if (M - m == 1)
                 ROWS(1);
             else
@@ -678,7 +687,7 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K,
     const int64_t groups = K / 32;
     __m256 top[4], inverse[4];
     __m256i sum[4];
-    pairs += block * 32;
+    pairs = block_pairs(pairs, groups, block, 0);
     for (int t = 0; t < 4; t++) {
         top[t] = _mm256_set1_ps(1e-12f * WEIGHT_TOP); /* a channel of zeros: level 1e-12 */
         sum[t] = _mm256_setzero_si256();
@@ -686,7 +695,7 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K,
     for (int64_t g = 0; g < groups; g++)
         for (int t = 0; t < 4; t++) {
             __m256 scale, zero;
-            avx2_scale_zero(pairs + g * N + 8 * t, &scale, &zero);
+            avx2_scale_zero(pairs + g * 32 + 8 * t, &scale, &zero);
             const __m256 lowest = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
             const __m256 highest = _mm256_fmadd_ps(_mm256_set1_ps(7.0f), scale, zero);
             const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -703,7 +712,7 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K,
         __m256 a[4], b[4];
         for (int t = 0; t < 4; t++) {
             __m256 scale, zero;
-            avx2_scale_zero(pairs + g * N + 8 * t, &scale, &zero);
+            avx2_scale_zero(pairs + g * 32 + 8 * t, &scale, &zero);
             a[t] = _mm256_mul_ps(scale, inverse[t]);
             b[t] = _mm256_mul_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero), inverse[t]);
         }
