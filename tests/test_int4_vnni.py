@@ -111,17 +111,22 @@ def test_avx2s_blocks_of_32_give_the_floats_of_this_builds_blocks(monkeypatch, r
     assert torch.equal(got, here)
 
 
-def test_the_scales_are_read_in_the_layout_of_the_build_only():
-    """The loader puts the scales by block where the build reads them so (AVX2); a weight in the
-    other layout is refused (torch's int4 kernel, which reads them by group, then takes it), and
-    torch's kernel gives both layouts the same products."""
+def test_the_scales_by_block_give_the_same_floats_where_the_build_reads_them():
+    """The AVX2 half reads the scales and zeros by group or by block (the loader's, where its
+    kernels are their only readers): the same floats at a step's rows and widened at a prompt's.
+    A build that reads them by group only refuses them by block; torch's int4 kernel, which reads
+    them by group, then takes the weight, with the same products from either layout."""
     weight = quantize_int4(torch.randn(64, 256).bfloat16())
-    read = cpu.int4_read_form(weight)
-    assert read.pairs_layout == LIBRARY.int4_pairs
-    other = weight if read.pairs_layout == "blocks" else weight.by_block(weight_forms.int4_block())
-    x = torch.randn(4, 256)
-    assert cpu.int4_vnni_linear(x, read) is not None and cpu.int4_vnni_linear(x, other) is None
-    assert torch.equal(int4_linear(x, other, None), int4_linear(x, weight, None))
+    by_block = weight.by_block(weight_forms.int4_block())
+    assert by_block.pairs_layout == "blocks" and torch.equal(by_block.groups(), weight.groups())
+    for rows in (1, 3, cpu.AMX_ROWS + 8):
+        x = torch.randn(rows, 256)
+        got = cpu.int4_int8_linear(x, by_block)
+        if LIBRARY.int4_by_block:
+            assert torch.equal(got, cpu.int4_int8_linear(x, weight))
+        else:
+            assert got is None
+        assert torch.equal(int4_linear(x, by_block, None), int4_linear(x, weight, None))
 
 
 def test_shapes_off_its_blocks_are_refused():

@@ -349,7 +349,7 @@ def test_int4_on_avx2_takes_int4_vnni_at_a_steps_rows_and_widens_a_prompts(above
     ours = {name: Crossover(None, "measured (by hand)") for name in consulted}
     ours["int4_tiles"] = Crossover(above, "measured (by hand)")
     avx2 = Machine(
-        AVX2, "AVX2", crossovers=ours, int4_vnni=True, int4_widened=True, int4_pairs="blocks"
+        AVX2, "AVX2", crossovers=ours, int4_vnni=True, int4_widened=True, int4_by_block=True
     )
     plan = choose(shape_on(AVX2, quantize="int4"), avx2)
     kernel = "int4_vnni.c (int8 dot products) to 32, widened to int8 above"

@@ -61,6 +61,11 @@ def _matrix(linear) -> dict[str, torch.Tensor]:
     return {"values": linear.weight}
 
 
+def _by_block(linear) -> int:
+    """decode_matrix's pairs_by_block: an Int4Weight's scales and zeros by block."""
+    return int(getattr(linear.weight, "pairs_layout", "") == "blocks")
+
+
 def _bf16(linear) -> bool:
     weight = getattr(linear, "weight", None)
     return (
@@ -88,7 +93,7 @@ def _int8(linear) -> bool:
 
 def _int4(linear) -> bool:
     """An Int4Linear without a bias in shapes int4_vnni.c takes (blocks of 64 channels, groups of
-    32 inputs), on a build that has it, its scales and zeros in the layout the build reads."""
+    32 inputs), on a build that has it and reads its scales and zeros as they are laid out."""
     weight = getattr(linear, "weight", None)
     library = cpu.load()[0]
     return (
@@ -101,7 +106,7 @@ def _int4(linear) -> bool:
         and weight.scales_zeros.is_contiguous()
         and library is not None
         and library.int4_vnni
-        and weight.pairs_layout == library.int4_pairs
+        and (weight.pairs_layout == "groups" or library.int4_by_block)
     )
 
 
@@ -147,8 +152,11 @@ class FusedDecode:
             self._tensors.append(tensors)
             norms = {name: tensors[name].data_ptr() for name in layer.norms}
             matrices = {
-                name: cpu.DecodeMatrix(**{k: t.data_ptr() for k, t in tensors[name].items()})
-                for name in layer.linears
+                name: cpu.DecodeMatrix(
+                    **{k: t.data_ptr() for k, t in tensors[name].items()},
+                    pairs_by_block=_by_block(linear),
+                )
+                for name, linear in layer.linears.items()
             }
             self.structs.append(
                 cpu.DecodeLayer(

@@ -52,9 +52,8 @@ class Machine:
     # torch's int4 CPU layout in this process: output channels a block (weight_forms.int4_block;
     # the tiles' dequantizer and amx.c read 64), None for one the dequantizer cannot read
     int4_block: int | None = 64
-    # the layout of int4's scales and zeros int4_vnni.c reads (weight_forms.Int4Weight): by
-    # group (torch's) or, in its AVX2 half, by block
-    int4_pairs: str = "groups"
+    # and reads int4's scales and zeros by block too (its AVX2 half; weight_forms.Int4Weight)
+    int4_by_block: bool = False
     exact_int8: bool = True  # oneDNN's int8 GEMM is exact here (cpu_features.exact_int8)
 
     def key(self) -> str:
@@ -158,7 +157,7 @@ def _made(environment: tuple[str | None, ...], floors: bool) -> Machine:
         int4_vnni=int4_vnni,
         int4_widened=int4_widened,
         int4_block=int4_block,
-        int4_pairs=library.int4_pairs if int4_vnni else "groups",
+        int4_by_block=bool(int4_vnni and library.int4_by_block),
         exact_int8=cpu_features.exact_int8(),
     )
     if not floors:

@@ -360,7 +360,7 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
         choice = _int4_vnni(measured, fewest, products, machine.int4_widened)
         # torch's int4 kernel and the tiles' dequantizer read the scales by group
         ours_only = machine.int4_widened and not int4_torch_rows(fewest) and measured.above is None
-        return _int4_pairs(choice, machine.int4_pairs) if ours_only else choice
+        return _by_block(choice) if ours_only and machine.int4_by_block else choice
     if measured.above is None:
         return Choice("torch_int4", "torch int4", measured.why)
     above = measured.above
@@ -422,11 +422,9 @@ def _int4_vnni(tiles: Crossover, fewest: Crossover, products: str, widened: bool
     return Choice("+".join(kernels), kernel, f"{tiles.why}; {fewest.why}", install)
 
 
-def _int4_pairs(choice: Choice, pairs: str) -> Choice:
-    """int4_vnni.c's choice, its kernels the only ones to read the weights, with their scales and
-    zeros in the layout it reads (`pairs`, the machine's)."""
-    if pairs == "groups":
-        return choice
+def _by_block(choice: Choice) -> Choice:
+    """int4_vnni.c's choice where its kernels are the only ones to read the weights and read
+    their scales and zeros fastest by block (its AVX2 half): put so at load."""
     return replace(choice, kernel=f"{choice.kernel}, scales by block", form=INT4_BLOCKS)
 
 

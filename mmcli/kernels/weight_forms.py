@@ -70,8 +70,8 @@ class Int8Weight:
 @dataclass
 class Int4Weight:
     """A layer's 4-bit weights: the values in torch's int4 CPU layout, and each group's scale and
-    zero in pairs, by group (torch's layout, as computed and stored) or by block (the layout the
-    AVX2 build's kernels read, put so at load: `by_block`)."""
+    zero in pairs, by group (torch's layout, as computed and stored) or by block (which the AVX2
+    build's kernels read fastest, put so at load: `by_block`)."""
 
     packed: torch.Tensor  # torch's int4 CPU layout of the [out, in] 4-bit values (int4_block)
     # "groups": [in / GROUP, out, 2] bfloat16, each group's pairs for every channel in a row;

@@ -238,11 +238,12 @@ static void panel_tiles(const uint16_t *x, const uint16_t *panel, int64_t K, int
 #define PANEL_ROWS 512 /* rows of x (512 x K bfloat16) a block's panel serves while in L2 */
 
 /* y (M x N, float32) = x (M x K, bfloat16) @ W.T for int4 W (torch's CPU layout of N x K,
-   group 32); N a multiple of 64, K of 32. Nonzero (nothing computed) where the tiles are not
-   granted or the panel buffer cannot be had. */
-int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
-                  int64_t M, int64_t N, int64_t K, int threads) {
-    if (M < 1 || N % PANEL_CHANNELS || K % 32 || amx_request()) return 1;
+   group 32, its scales and zeros by group: not `by_block`); N a multiple of 64, K of 32. Nonzero
+   (nothing computed) otherwise, or where the tiles are not granted or the panel buffer cannot
+   be had. */
+int amx_int4_gemm(const uint16_t *x, const uint8_t *packed, const uint16_t *scales_zeros,
+                  int by_block, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+    if (M < 1 || N % PANEL_CHANNELS || K % 32 || by_block || amx_request()) return 1;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -354,11 +355,12 @@ static void int4_block_rows(const uint16_t *x, const float *x_sums, const uint8_
         for (int t = 0; t < 4; t++) _mm512_storeu_ps(y + m * N + block * 64 + t * 16, acc[m][t]);
 }
 
-/* y (M x N, float32) = x (M x K, bfloat16) @ W.T for int4 W in torch's CPU layout (group 32),
-   M <= 16; nonzero (nothing computed) otherwise or where the tiles are not granted. */
-int amx_int4_rows(const uint16_t *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
-                  int64_t M, int64_t N, int64_t K, int threads) {
-    if (M < 1 || M > 16 || N % 64 || K % 32 || amx_request()) return 1;
+/* y (M x N, float32) = x (M x K, bfloat16) @ W.T for int4 W in torch's CPU layout (group 32,
+   the scales by group: not `by_block`), M <= 16; nonzero (nothing computed) otherwise or where
+   the tiles are not granted. */
+int amx_int4_rows(const uint16_t *x, const uint8_t *packed, const uint16_t *scales_zeros,
+                  int by_block, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+    if (M < 1 || M > 16 || N % 64 || K % 32 || by_block || amx_request()) return 1;
     float *x_sums = malloc((size_t)(M * (K / 32)) * sizeof(float)); /* each row's group sums */
     if (!x_sums) return 1;
     for (int64_t m = 0; m < M; m++)

@@ -2,30 +2,40 @@
    bytes, the low nibbles the block's first 32; scales and zeros [K / 32][N][2] bfloat16) times a
    decode step's few rows on the vector units' int8 dot products (AVX-512 VNNI, with VBMI's byte
    permutes to spread the nibbles), where the CPU has both; else (AVX2) blocks of 32 channels, the
-   layout torch packs there, their scales and zeros by block (block_pairs), on vpmaddubsw
-   (kernels/cpu.py decides which reads here). For a decode
-   step's few rows the weights' integers are multiplied as they are, where torch's int4 kernel and
-   the tiles' panels dequantize every weight first. */
+   layout torch packs there, on vpmaddubsw, their scales and zeros by group or by block
+   (kernels/cpu.py decides which reads here). For a decode step's few rows the weights' integers
+   are multiplied as they are, where torch's int4 kernel and the tiles' panels dequantize every
+   weight first. */
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "float_tiles.h"
 
-/* Each build's (below): x's rows quantized to int8 per group of 32 inputs, and their products */
+/* Each build's (below): x's rows quantized to int8 per group of 32 inputs, and their products.
+   `by_block`: the scales and zeros by block ([N / block][K / 32][block][2], a block's groups one
+   after another), else by group (torch's [K / 32][N][2]); a build that does not read them so
+   (READS_BY_BLOCK) refuses them. */
 void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
                         int32_t *sums);
 int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
-                       const uint8_t *packed, const uint16_t *scales_zeros, float *y, int64_t M,
-                       int64_t N, int64_t K, int threads);
+                       const uint8_t *packed, const uint16_t *scales_zeros, int by_block, float *y,
+                       int64_t M, int64_t N, int64_t K, int threads);
 
 typedef int (*int4_products)(const int8_t *, const float *, const int32_t *, const uint8_t *,
-                             const uint16_t *, float *, int64_t, int64_t, int64_t, int);
+                             const uint16_t *, int, float *, int64_t, int64_t, int64_t, int);
+
+/* Group g's scales and zeros of block `block` (of `channels` channels), by block or by group */
+static inline const uint32_t *group_pairs(const uint32_t *pairs, int64_t N, int64_t groups,
+                                          int64_t channels, int64_t block, int64_t g,
+                                          int by_block) {
+    return by_block ? pairs + (block * groups + g) * channels : pairs + g * N + block * channels;
+}
 
 /* y = x @ W.T by `products` for x (M x K, float32), its rows quantized on the way; nonzero where
    the shapes are not the kernel's or its rows' buffers could not be allocated. */
 static int int4_quantized_rows(int4_products products, const float *x, const uint8_t *packed,
-                               const uint16_t *scales_zeros, float *y, int64_t M, int64_t N,
-                               int64_t K, int threads) {
+                               const uint16_t *scales_zeros, int by_block, float *y, int64_t M,
+                               int64_t N, int64_t K, int threads) {
     if (M < 1 || N % 64 || K % 32) return 1;
     int8_t *xq = malloc((size_t)(M * K));
     float *scales = malloc((size_t)(M * (K / 32)) * sizeof(float));
@@ -33,7 +43,7 @@ static int int4_quantized_rows(int4_products products, const float *x, const uin
     int failed = !xq || !scales || !sums;
     if (!failed) {
         int4_quantize_rows(x, M, K, xq, scales, sums);
-        failed = products(xq, scales, sums, packed, scales_zeros, y, M, N, K, threads);
+        failed = products(xq, scales, sums, packed, scales_zeros, by_block, y, M, N, K, threads);
     }
     free(xq);
     free(scales);
@@ -55,8 +65,7 @@ void quantize_rows_8bit(const float *x, int64_t M, int64_t K, uint8_t *q, int64_
 /* The next block's bytes (blocks of `channels` channels, K * channels / 2 bytes), spread over
    the groups of this block's passes of `rows` rows (vectors.h). One pass of rows too: a decode
    step of one row 3-14% faster with it on a 2-core Zen 4, 1.2x for the kernel on a 2-core Zen 1
-   (AVX2). The last block has none
-   after it (no pointer past the weights' end is formed). */
+   (AVX2). The last block has none after it (no pointer past the weights' end is formed). */
 static struct ahead ahead_of(const uint8_t *packed, int64_t K, int64_t N, int64_t channels,
                              int64_t block, int64_t M, int rows, int64_t pass) {
     const int64_t groups = K / 32, passes = (M + rows - 1) / rows, bytes = K * channels / 2;
@@ -70,9 +79,21 @@ static struct ahead ahead_of(const uint8_t *packed, int64_t K, int64_t N, int64_
 }
 
 /* int4_vnni_products for x (M x K, float32), its rows quantized on the way. */
-int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
-                   int64_t M, int64_t N, int64_t K, int threads) {
-    return int4_quantized_rows(int4_vnni_products, x, packed, scales_zeros, y, M, N, K, threads);
+int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros,
+                   int by_block, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+    return int4_quantized_rows(int4_vnni_products, x, packed, scales_zeros, by_block, y, M, N, K,
+                               threads);
+}
+
+/* In a block's first pass of rows, the next block's scales and zeros of group g by group
+   (`next_pairs`: NULL in the other passes, for the last block and by block, where they follow
+   this block's and the hardware's prefetcher has them): each group's are N * 4 bytes apart, a
+   new page every group, where the hardware's prefetcher stops */
+static inline void fetch_pairs_ahead(const uint32_t *next_pairs, int64_t N, int64_t g,
+                                     int channels) {
+    if (next_pairs)
+        for (int i = 0; i < channels * 4; i += 64)
+            _mm_prefetch((const char *)(next_pairs + g * N) + i, _MM_HINT_T2);
 }
 
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
@@ -84,17 +105,8 @@ int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales
    (q - 8) * scale + zero summed over a group is scale * sum(xq * q) + (zero - 8 scale) * sum(xq),
    times the row's group scale. */
 
-#define VNNI_ROWS 4 /* rows a block's sums hold in registers; more rows pass again */
-
-/* In a block's first pass of rows, the next block's scales and zeros of group g (`next_pairs`:
-   NULL in the other passes and for the last block): each group's are N * 4 bytes apart, a new
-   page every group, where the hardware's prefetcher stops */
-static inline void fetch_pairs_ahead(const uint32_t *next_pairs, int64_t N, int64_t g,
-                                     int channels) {
-    if (next_pairs)
-        for (int i = 0; i < channels * 4; i += 64)
-            _mm_prefetch((const char *)(next_pairs + g * N) + i, _MM_HINT_T2);
-}
+#define VNNI_ROWS 4      /* rows a block's sums hold in registers; more rows pass again */
+#define READS_BY_BLOCK 0 /* torch's layout of the scales only */
 
 /* inputs k .. k + 3 of a block (4 x 32 contiguous bytes) as vpdpbusd's quadruples: lane c of
    w[t] holds channel 16 t + c's q for the 4 inputs (w[0], w[1]: the low nibbles of bytes 0..15
@@ -203,11 +215,11 @@ static void rows_of_block(const int8_t *xq, const float *scales, const int32_t *
 /* y (M x N, float32) = x @ W.T for int4 W in torch's CPU layout (group 32) and x's rows as
    int4_quantize_rows made them, VNNI_ROWS rows at a time over each block of 64 channels (its
    weights, 32 bytes an input, read again from the cache); nonzero (nothing computed) where N is
-   not a multiple of 64 or K of 32. */
+   not a multiple of 64 or K of 32, or the scales are by block. */
 int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
-                       const uint8_t *packed, const uint16_t *scales_zeros, float *y, int64_t M,
-                       int64_t N, int64_t K, int threads) {
-    if (M < 1 || N % 64 || K % 32) return 1;
+                       const uint8_t *packed, const uint16_t *scales_zeros, int by_block, float *y,
+                       int64_t M, int64_t N, int64_t K, int threads) {
+    if (M < 1 || N % 64 || K % 32 || by_block) return 1;
     const uint32_t *pairs = (const uint32_t *)scales_zeros;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t block = 0; block < N / 64; block++) {
@@ -373,11 +385,11 @@ static void fetch_pairs(const uint32_t *pairs, int64_t N, int64_t g0, int64_t gr
 
 /* int4_vnni_products' y on the tiles: each block's quadruples made TILE_GROUPS groups at a time
    and multiplied by every 16 rows of x; nonzero (nothing computed) where the shapes are not the
-   kernel's or the tiles are not granted. */
+   kernel's (the scales by block too) or the tiles are not granted. */
 int int4_tile_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
-                       const uint8_t *packed, const uint16_t *scales_zeros, float *y, int64_t M,
-                       int64_t N, int64_t K, int threads) {
-    if (M < 1 || N % 64 || K % 32 || amx_request()) return 1;
+                       const uint8_t *packed, const uint16_t *scales_zeros, int by_block, float *y,
+                       int64_t M, int64_t N, int64_t K, int threads) {
+    if (M < 1 || N % 64 || K % 32 || by_block || amx_request()) return 1;
     const uint32_t *pairs = (const uint32_t *)scales_zeros;
     const int64_t groups = K / 32;
     /* the sums as floats once (each is scaled for every channel tile) */
@@ -412,9 +424,10 @@ int int4_tile_products(const int8_t *xq, const float *x_scales, const int32_t *x
 }
 
 /* The same for x (M x K, float32), its rows quantized on the way (int4_quantize_rows). */
-int int4_tile_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
-                   int64_t M, int64_t N, int64_t K, int threads) {
-    return int4_quantized_rows(int4_tile_products, x, packed, scales_zeros, y, M, N, K, threads);
+int int4_tile_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros,
+                   int by_block, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+    return int4_quantized_rows(int4_tile_products, x, packed, scales_zeros, by_block, y, M, N, K,
+                               threads);
 }
 #endif
 
@@ -452,8 +465,8 @@ static inline __m512i widen_byte(__m512i q4, int j, __m512 a, __m512 b, __m512i 
    bytes each): each channel's values (q - 8) * scale + zero over its scale, the largest
    magnitude its groups' values reach (q at 0 or 15) / WEIGHT_TOP, rounded; w_sum, w_scale its
    sums and scales. */
-static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K, int64_t N,
-                        int64_t block, int8_t *w, int32_t *w_sum, float *w_scale) {
+static void widen_block(const uint8_t *packed, const uint32_t *pairs, int by_block, int64_t K,
+                        int64_t N, int64_t block, int8_t *w, int32_t *w_sum, float *w_scale) {
     const int64_t groups = K / 32;
     __m512 top[4], inverse[4];
     __m512i sum[4];
@@ -464,7 +477,8 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K,
     for (int64_t g = 0; g < groups; g++)
         for (int t = 0; t < 4; t++) {
             __m512 scale, zero;
-            scale_zero(pairs + g * N + block * 64 + t * 16, &scale, &zero);
+            scale_zero(group_pairs(pairs, N, groups, 64, block, g, by_block) + t * 16, &scale,
+                       &zero);
             const __m512 lowest = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
             const __m512 highest = _mm512_fmadd_ps(_mm512_set1_ps(7.0f), scale, zero);
             const __m512 reach = _mm512_max_ps(_mm512_abs_ps(lowest), _mm512_abs_ps(highest));
@@ -479,7 +493,8 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K,
         __m512 a[4], b[4];
         for (int t = 0; t < 4; t++) {
             __m512 scale, zero;
-            scale_zero(pairs + g * N + block * 64 + t * 16, &scale, &zero);
+            scale_zero(group_pairs(pairs, N, groups, 64, block, g, by_block) + t * 16, &scale,
+                       &zero);
             a[t] = _mm512_mul_ps(scale, inverse[t]);
             b[t] = _mm512_mul_ps(_mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero), inverse[t]);
         }
@@ -507,16 +522,11 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K,
    floats as the AVX-512 build's. A block's sums for two rows fill AVX2's 16 registers. */
 
 #define AVX2_ROWS 2 /* rows a half block's sums hold in registers; more rows pass again */
-
-/* This build reads the scales and zeros by block (Int4Weight's "blocks" layout, put so at load:
-   [N / 32][K / 32][32][2] bfloat16, a block's groups one after another). In torch's layout each
-   group's are N * 4 bytes apart, a new page every group: a decode step's row then read its
-   weights at 1.4x a stream's time, however far ahead they were fetched, and at 1.15x by block
-   (a 2-core Zen 1). Group g's pairs of block `block`: */
-static inline const uint32_t *block_pairs(const uint32_t *pairs, int64_t groups, int64_t block,
-                                          int64_t g) {
-    return pairs + (block * groups + g) * 32;
-}
+/* The scales and zeros by group or by block (Int4Weight's "blocks", put so at load where the
+   plan's kernels are their only readers). By group each is N * 4 bytes from the last, a new page
+   every group: a decode step's row read its weights at 1.4x a stream's time however far ahead
+   they were fetched, and at 1.15x by block (a 2-core Zen 1). */
+#define READS_BY_BLOCK 1
 
 /* x's rows as int4_quantize_rows above makes them: the same integers, scales and sums */
 void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
@@ -578,12 +588,12 @@ static inline void avx2_scale_zero(const uint32_t *pairs, __m256 *scale, __m256 
 }
 
 /* y's `rows` (a constant once inlined) x the 32 channels of `block`, each channel's float sum
-   as int4_vnni_block's; the next block's bytes fetched ahead as there (its scales and zeros
-   follow this block's: the hardware's prefetcher has them) */
+   as int4_vnni_block's; the next block fetched ahead as there */
 static inline __attribute__((always_inline)) void
 int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
-                const uint8_t *packed, const uint32_t *pairs_of, int64_t K, int64_t N,
-                int64_t block, const int rows, float *y, struct ahead *ahead) {
+                const uint8_t *packed, const uint32_t *pairs_of, int by_block, int64_t K, int64_t N,
+                int64_t block, const int rows, float *y, struct ahead *ahead,
+                const uint32_t *next_pairs) {
     const int64_t groups = K / 32;
     const uint8_t *bytes = packed + block * K * 16;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -592,6 +602,7 @@ int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
         for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         fetch_ahead(ahead);
+        fetch_pairs_ahead(next_pairs, N, g, 32);
         __m256i sums[AVX2_ROWS][4];
         for (int m = 0; m < rows; m++)
             for (int j = 0; j < 4; j++) sums[m][j] = _mm256_setzero_si256();
@@ -609,7 +620,7 @@ int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
                         : "+x"(sums[m][0]), "+x"(sums[m][1]), "+x"(sums[m][2]), "+x"(sums[m][3]));
             }
         }
-        const uint32_t *pairs = block_pairs(pairs_of, groups, block, g);
+        const uint32_t *pairs = group_pairs(pairs_of, N, groups, 32, block, g, by_block);
         for (int j = 0; j < 4; j++) {
             __m256 scale, zero;
             avx2_scale_zero(pairs + 8 * j, &scale, &zero);
@@ -627,10 +638,11 @@ int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + m * N + block * 32 + 8 * j, acc[m][j]);
 }
 
-/* int4_vnni_products (above) on AVX2: AVX2_ROWS rows at a time over each block */
+/* int4_vnni_products (above) on AVX2: AVX2_ROWS rows at a time over each block, the scales by
+   group or by block */
 int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
-                       const uint8_t *packed, const uint16_t *scales_zeros, float *y, int64_t M,
-                       int64_t N, int64_t K, int threads) {
+                       const uint8_t *packed, const uint16_t *scales_zeros, int by_block, float *y,
+                       int64_t M, int64_t N, int64_t K, int threads) {
     if (M < 1 || N % 32 || K % 32) return 1;
     const uint32_t *pairs = (const uint32_t *)scales_zeros;
     const int64_t groups = K / 32;
@@ -641,12 +653,17 @@ int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x
             const float *scales = x_scales + m * groups;
             const int32_t *sums = x_sums + m * groups;
             struct ahead ahead = ahead_of(packed, K, N, 32, block, M, AVX2_ROWS, m / AVX2_ROWS);
-#define ROWS(R)                                                                                    \
-    int4_avx2_block(rows_xq, scales, sums, packed, pairs, K, N, block, R, y + m * N, &ahead)
-            if (M - m == 1)
-                ROWS(1);
+            const int first = ahead.lines && m == 0 && !by_block;
+            const uint32_t *next = first ? pairs + (block + 1) * 32 : NULL;
+#define ROWS(B, R)                                                                                 \
+    int4_avx2_block(rows_xq, scales, sums, packed, pairs, B, K, N, block, R, y + m * N, &ahead,    \
+                    next)
+            /* each a constant in its own copy: a test of by_block a group cost the groups' copy
+               15% at one row */
+            if (by_block)
+                M - m == 1 ? ROWS(1, 1) : ROWS(1, 2);
             else
-                ROWS(2);
+                M - m == 1 ? ROWS(0, 1) : ROWS(0, 2);
 #undef ROWS
         }
     return 0;
@@ -682,12 +699,11 @@ static inline __m256i widen_byte(__m256i q4, int j, __m256 a, __m256 b, __m256i 
 /* Block `block`'s 32 channels in int8_linear.c's layout (w: 2 groups of 16 channels, K * 16
    bytes each), as the AVX-512 build's widen_block makes its 64, to WEIGHT_TOP's levels. Vector t
    of avx2_nibbles holds channels 8 t .. 8 t + 7. */
-static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K, int64_t N,
-                        int64_t block, int8_t *w, int32_t *w_sum, float *w_scale) {
+static void widen_block(const uint8_t *packed, const uint32_t *pairs, int by_block, int64_t K,
+                        int64_t N, int64_t block, int8_t *w, int32_t *w_sum, float *w_scale) {
     const int64_t groups = K / 32;
     __m256 top[4], inverse[4];
     __m256i sum[4];
-    pairs = block_pairs(pairs, groups, block, 0);
     for (int t = 0; t < 4; t++) {
         top[t] = _mm256_set1_ps(1e-12f * WEIGHT_TOP); /* a channel of zeros: level 1e-12 */
         sum[t] = _mm256_setzero_si256();
@@ -695,7 +711,8 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K,
     for (int64_t g = 0; g < groups; g++)
         for (int t = 0; t < 4; t++) {
             __m256 scale, zero;
-            avx2_scale_zero(pairs + g * 32 + 8 * t, &scale, &zero);
+            avx2_scale_zero(group_pairs(pairs, N, groups, 32, block, g, by_block) + 8 * t, &scale,
+                            &zero);
             const __m256 lowest = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
             const __m256 highest = _mm256_fmadd_ps(_mm256_set1_ps(7.0f), scale, zero);
             const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -712,7 +729,8 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int64_t K,
         __m256 a[4], b[4];
         for (int t = 0; t < 4; t++) {
             __m256 scale, zero;
-            avx2_scale_zero(pairs + g * 32 + 8 * t, &scale, &zero);
+            avx2_scale_zero(group_pairs(pairs, N, groups, 32, block, g, by_block) + 8 * t, &scale,
+                            &zero);
             a[t] = _mm256_mul_ps(scale, inverse[t]);
             b[t] = _mm256_mul_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero), inverse[t]);
         }
@@ -750,10 +768,11 @@ static int widened_products(const uint8_t *x, const float *x_scale, const int8_t
 /* y (M x N, float32) = x @ W.T for int4 W in torch's CPU layout, each block of WIDE_BLOCK
    channels widened to int8 (widen_block) and x's rows to 8 bits (quantize_rows_8bit): the levels
    offset by 128, twice the 64 int8_linear.c's tiles take off, so they are handed twice the sums;
-   nonzero where the shapes are not the kernel's or a buffer could not be allocated. */
-int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, float *y,
-                      int64_t M, int64_t N, int64_t K, int threads) {
-    if (M < 1 || N % WIDE_BLOCK || K % 32) return 1;
+   nonzero where the shapes are not the kernel's (the scales by block where this build does not
+   read them so) or a buffer could not be allocated. */
+int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros,
+                      int by_block, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+    if (M < 1 || N % WIDE_BLOCK || K % 32 || (by_block && !READS_BY_BLOCK)) return 1;
     const uint32_t *pairs = (const uint32_t *)scales_zeros;
     uint8_t *levels = malloc((size_t)(M * K));
     float *x_scale = malloc((size_t)M * sizeof(float));
@@ -773,7 +792,7 @@ int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *sca
 #pragma omp for schedule(dynamic, 1)
         for (int64_t block = 0; block < N / WIDE_BLOCK; block++) {
             if (!w || failed) continue;
-            widen_block(packed, pairs, K, N, block, w, w_sum, w_scale);
+            widen_block(packed, pairs, by_block, K, N, block, w, w_sum, w_scale);
             for (int c = 0; c < WIDE_BLOCK; c++) w_sum[c] *= 2;
             failed |= widened_products(levels, x_scale, w, w_sum, w_scale, bias,
                                        y + block * WIDE_BLOCK, M, N, K);
