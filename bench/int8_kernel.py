@@ -95,9 +95,8 @@ def int4_rates(rows: int, weights: list) -> tuple[str, float, float]:
     ours = matmul(x, read_forms[0], None) is not None
     name = cpu.amx_int4_kernel(rows) if cpu.name() == "AMX" else "int4_vnni.c"
     kernel = name if ours else "torch int4"
-    mine = best(lambda: [matmul(x, w, None) for w in read_forms]) if ours else None
     library = best(lambda: [measure.torch_int4(x, w) for w in weights])
-    mine = library if mine is None else mine
+    mine = best(lambda: [matmul(x, w, None) for w in read_forms]) if ours else library
     return kernel, nbytes / mine / 1e9, nbytes / library / 1e9
 
 

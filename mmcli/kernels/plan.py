@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 from mmcli.kernels import attention, cpu, cpu_ops, delta_rule, experts, fused_decode, matrix
 from mmcli.kernels.machine import Crossover, Machine
@@ -357,10 +357,8 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
     products = "bfloat16" if shape.bf16_products() else "float32"
     if machine.int4_vnni:
         fewest = machine.crossover("int4_fewest_rows")
-        choice = _int4_vnni(measured, fewest, products, machine.int4_widened)
-        # torch's int4 kernel and the tiles' dequantizer read the scales by group
-        ours_only = machine.int4_widened and not int4_torch_rows(fewest) and measured.above is None
-        return _by_block(choice) if ours_only and machine.int4_by_block else choice
+        widened, by_block = machine.int4_widened, machine.int4_by_block
+        return _int4_vnni(measured, fewest, products, widened, by_block)
     if measured.above is None:
         return Choice("torch_int4", "torch int4", measured.why)
     above = measured.above
@@ -399,13 +397,18 @@ def _int4_vnni_rows(machine: Machine) -> int:
     return cpu.AMX_ROWS if above is None else min(above, cpu.AMX_ROWS)
 
 
-def _int4_vnni(tiles: Crossover, fewest: Crossover, products: str, widened: bool = True) -> Choice:
+def _int4_vnni(
+    tiles: Crossover, fewest: Crossover, products: str, widened: bool = True, by_block: bool = False
+) -> Choice:
     """int4 on the int8 dot products: a decode step's rows (to cpu.AMX_ROWS) on int4_vnni.c, each
     row quantized to int8 per group; a prompt's more rows widened to int8 for int8_linear.c's
     tiles (at the int8 rate, each row with a scale of its own: 8 bits with VBMI, 7 on AVX2;
     torch's int4 kernel where the build's tiles are wider than torch's blocks); oneDNN's GEMM in
     the run's `products` on dequantized tiles above the measured crossover, where there is one;
-    torch's int4 kernel at a step's fewest rows where it measures faster there."""
+    torch's int4 kernel at a step's fewest rows where it measures faster there. Where int4_vnni.c
+    reads the scales and zeros by block (`by_block`: its AVX2 half) and its kernels are their only
+    readers, they are put so at load (torch's kernel and the tiles' dequantizer read them by
+    group)."""
     torch_rows = int4_torch_rows(fewest)
     kernel = f"torch int4 to {torch_rows} rows, " if torch_rows else ""
     vnni = cpu.AMX_ROWS if tiles.above is None else min(tiles.above, cpu.AMX_ROWS)
@@ -419,13 +422,10 @@ def _int4_vnni(tiles: Crossover, fewest: Crossover, products: str, widened: bool
         kernel += f", int4 tiles + oneDNN {products} above"
         kernels.append("int4_tiles")
     install = _function(matrix.int4_matmul(tiles.above, torch_rows, products))
-    return Choice("+".join(kernels), kernel, f"{tiles.why}; {fewest.why}", install)
-
-
-def _by_block(choice: Choice) -> Choice:
-    """int4_vnni.c's choice where its kernels are the only ones to read the weights and read
-    their scales and zeros fastest by block (its AVX2 half): put so at load."""
-    return replace(choice, kernel=f"{choice.kernel}, scales by block", form=INT4_BLOCKS)
+    ours_only = not torch_rows and kernels == ["int4_vnni.c", "int4_widened"]
+    kernel += ", scales by block" if by_block and ours_only else ""
+    form = INT4_BLOCKS if by_block and ours_only else ""
+    return Choice("+".join(kernels), kernel, f"{tiles.why}; {fewest.why}", install, form)
 
 
 def int4_torch_rows(fewest: Crossover) -> int:

@@ -221,9 +221,9 @@ def by_block(model: torch.nn.Module, block: int) -> int:
     """Every Int4Linear's scales and zeros by blocks of `block` output channels (the plan's
     INT4_BLOCKS: the kernels that read them so), where its shape divides so; returns how many
     are."""
+    count = 0
     for layer in model.modules():
         if isinstance(layer, Int4Linear):
             layer.weight = layer.weight.by_block(block)
-    return sum(
-        isinstance(m, Int4Linear) and m.weight.pairs_layout == "blocks" for m in model.modules()
-    )
+            count += layer.weight.pairs_layout == "blocks"
+    return count
