@@ -111,7 +111,7 @@ def test_caption_help_shows_the_install_extra():
     [({"avx2", "fma"}, "bf16_linear.c"), ({"avx2", "fma", "amx_bf16"}, "oneDNN bfloat16 (AMX)")],
 )
 def test_doctor_prints_the_units_the_peaks_and_the_plan(monkeypatch, units, upcast):
-    from mmcli.kernels import cpu
+    from mmcli.kernels import cpu, cpu_features
 
     monkeypatch.setenv("MMCLI_CPU_FEATURES", ",".join(sorted(units)))
     monkeypatch.setenv("COLUMNS", "250")  # Rich's table, unwrapped
@@ -124,6 +124,8 @@ def test_doctor_prints_the_units_the_peaks_and_the_plan(monkeypatch, units, upca
         assert upcast in result.output and "measured kernels" in result.output
     if "amx_bf16" not in units:  # no tiles: nothing to time against them
         assert "step_rows" not in result.output
+    if not cpu_features.exact_int8():  # oneDNN's int8 would saturate: never taken, never timed
+        assert "int8_prefill" not in result.output and "oneDNN int8" not in result.output
 
 
 LOADING_COMMANDS = ("ask", "caption", "compile", "serve", "batch")

@@ -131,6 +131,8 @@ def test_onednns_int8_is_never_taken_where_it_would_saturate(units):
     """Measured faster or not, where the CPU itself has no VNNI (its units shown as AMX too, as
     tests and benches force them) int8 and the vision tower stay on int8_linear.c."""
     inexact = dataclasses.replace(machine(units, "AVX2", above=0), exact_int8=False)
+    consulted = comparisons(units, "AVX2", exact_int8=False)  # so never measured either
+    assert not {"int8_prefill", "int8_vision"} & set(consulted)
     plan = choose(shape_on(units, quantize="int8"), inexact)
     assert plan.int8.id == "int8_linear.c" and plan.vision_int8.id == "int8_linear.c"
     assert "saturate" in plan.int8.why and "saturate" in plan.vision_int8.why
@@ -372,7 +374,7 @@ def test_mmcli_cpu_prefer_stands_in_for_every_measurement(monkeypatch, prefer):
     monkeypatch.setattr(measure, "measured", None)  # never called
     here = machines.here()
     library = prefer == "library"
-    consulted = comparisons(here.cpu, here.build, here.int4_vnni, here.int4_block)
+    consulted = comparisons(here.cpu, here.build, here.int4_vnni, here.int4_block, here.exact_int8)
     assert set(here.crossovers) == set(consulted)
     plan = choose(shape_on(AVX512_BF16, quantize="int8"), here)
     assert ("above 0 rows" in plan.upcast.kernel) == library
@@ -397,14 +399,17 @@ def test_a_measurement_is_made_once_per_machine_and_cached(monkeypatch, tmp_path
 
 
 @pytest.mark.skipif(cpu.why_unavailable() is not None, reason="no build of our kernels")
-@pytest.mark.parametrize("build", ["AVX2", "VNNI", "AMX"])
+@pytest.mark.parametrize("build", ["AVX2", "VNNI", "AMX", ""])
 def test_the_int8_peak_is_timed_on_int8_linear_c_wherever_our_build_runs(monkeypatch, build):
     # oneDNN's int8 alone gave an AVX2 EPYC a peak of 2 G(OP)/s, int8_linear.c ran at 86
     monkeypatch.setattr(cpu, "name", lambda: build)
     int8 = measure.peak_kernels()["int8"]
-    ours = {f"int8_linear.c, {rows} rows" for rows in (measure.PEAK_SIDE, measure.PEAK_PROMPT_ROWS)}
-    int4 = {f"int4_vnni.c, {cpu.AMX_ROWS} rows"} if cpu.load()[0].int4_vnni else set()
-    assert set(int8) == {"oneDNN int8", *ours, *int4}
+    peak_rows = (measure.PEAK_SIDE, measure.PEAK_PROMPT_ROWS)
+    ours = {f"int8_linear.c, {rows} rows" for rows in peak_rows} if build else set()
+    int4 = {f"int4_vnni.c, {cpu.AMX_ROWS} rows"} if build and cpu.load()[0].int4_vnni else set()
+    # oneDNN's where it is exact or alone (a saturating kernel the plan never takes is no peak)
+    onednn = {"oneDNN int8"} if cpu_features.exact_int8() or not build else set()
+    assert set(int8) == {*onednn, *ours, *int4}
     for name in ours | int4:  # each computes: a kernel that refused its weights would time nothing
         product, ops = int8[name]
         y = product()

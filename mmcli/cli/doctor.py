@@ -37,6 +37,8 @@ def _both_here(name: str, machine: Machine) -> bool:
         return machine.int4_vnni
     if name in ("int8_step_rows", "int4_step_rows"):  # the vector units against the tiles
         return machine.tiles() and (name == "int8_step_rows" or machine.int4_vnni)
+    if name in ("int8_prefill", "int8_vision"):  # oneDNN's int8, where its sums are exact
+        return bool(machine.build) and machine.exact_int8
     return bool(machine.build)
 
 

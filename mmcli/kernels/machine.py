@@ -90,16 +90,21 @@ class Machine:
 
 
 def comparisons(
-    cpu: CpuFeatures, build: str, int4_vnni: bool = False, int4_block: int | None = 64
+    cpu: CpuFeatures,
+    build: str,
+    int4_vnni: bool = False,
+    int4_block: int | None = 64,
+    exact_int8: bool = True,
 ) -> tuple[str, ...]:
     """The measured comparisons the plan can consult on these units and this build (`int4_vnni`:
-    it has int4_vnni.c; `int4_block`: torch's int4 layout here); the units decide the rest
-    (AMX-BF16 above the few-rows kernel, the int8 matrix engines, amx.c's tiles)."""
+    it has int4_vnni.c; `int4_block`: torch's int4 layout here; `exact_int8`: oneDNN's int8 GEMM
+    may be taken, cpu_features.exact_int8); the units decide the rest (AMX-BF16 above the
+    few-rows kernel, the int8 matrix engines, amx.c's tiles)."""
     names = []
     if cpu.bf16_matrix():  # bfloat16 products are chosen only where the CPU has them
         names += [] if "amx_bf16" in cpu.units else ["bf16_gemm"]
         names += ["attention"]
-    if not cpu.int8_matrix():
+    if exact_int8 and not cpu.int8_matrix():  # elsewhere it would saturate: never taken
         names += ["int8_prefill", "int8_vision"]
     if TILE_UNITS <= cpu.units and build == "AMX":
         names += ["int8_step_rows"]
@@ -144,9 +149,10 @@ def _made(environment: tuple[str | None, ...], floors: bool) -> Machine:
     int4_block = weight_forms.int4_block()
     int4_vnni = bool(library is not None and library.int4_vnni)
     int4_widened = bool(int4_vnni and library.int4_widened)
+    exact_int8 = cpu_features.exact_int8()
     crossovers = {
         name: _crossover(name, units, build, unavailable)
-        for name in comparisons(units, build, int4_vnni, int4_block)
+        for name in comparisons(units, build, int4_vnni, int4_block, exact_int8)
     }
     machine = Machine(
         units,
@@ -158,7 +164,7 @@ def _made(environment: tuple[str | None, ...], floors: bool) -> Machine:
         int4_widened=int4_widened,
         int4_block=int4_block,
         int4_by_block=bool(int4_vnni and library.int4_by_block),
-        exact_int8=cpu_features.exact_int8(),
+        exact_int8=exact_int8,
     )
     if not floors:
         return machine

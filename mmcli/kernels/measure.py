@@ -262,18 +262,21 @@ PEAK_PROMPT_ROWS = 256  # and int8_linear.c's on a prompt's rows of SHAPE
 
 def peak_kernels() -> dict[str, dict[str, tuple[Callable[[], object], float]]]:
     """Each unit's kernels that `peaks` times, with their operations: float32 FMA (MKL/oneDNN),
-    bfloat16 (oneDNN: the matrix engine where there is one) and int8: oneDNN's, and wherever our
-    build runs int8_linear.c's (AMX's tiles, VNNI's or AVX2's dot products) with the weights as
-    it reads them and the rows already in levels, as torch._int_mm's; and int4_vnni.c's at a
-    decode step's most rows (its int8 products, summed in int16 on AVX2). On an AVX2 CPU oneDNN's
-    int8 runs at a fortieth of int8_linear.c's, int8_linear.c at PEAK_SIDE rows (its levels past
-    L2) at 0.8x its rate at a prompt's, and int4_vnni.c at 1.1x that: a peak below a kernel's
-    rate is no floor."""
+    bfloat16 (oneDNN: the matrix engine where there is one) and int8: oneDNN's where its sums
+    are exact (VNNI, AMX-INT8) or nothing else runs int8, and wherever our build runs
+    int8_linear.c's (AMX's tiles, VNNI's or AVX2's dot products) with the weights as it reads
+    them and the rows already in levels, as torch._int_mm's; and int4_vnni.c's at a decode
+    step's most rows (its int8 products, summed in int16 on AVX2). On an AVX2 CPU oneDNN's int8
+    runs at a fortieth of int8_linear.c's (46 s to time on a Zen 1, for a kernel the plan never
+    takes there), int8_linear.c at PEAK_SIDE rows (its levels past L2) at 0.8x its rate at a
+    prompt's, and int4_vnni.c at 1.1x that: a peak below a kernel's rate is no floor."""
     a = torch.randn(PEAK_SIDE, PEAK_SIDE)
     b16 = a.bfloat16()
-    i8 = torch.randint(-63, 64, (PEAK_SIDE, PEAK_SIDE), dtype=torch.int8)
     cube = 2 * PEAK_SIDE**3
-    int8 = {"oneDNN int8": (lambda: torch._int_mm(i8, i8), cube)}
+    int8 = {}
+    if cpu_features.exact_int8() or not cpu.name():
+        i8 = torch.randint(-63, 64, (PEAK_SIDE, PEAK_SIDE), dtype=torch.int8)
+        int8["oneDNN int8"] = (lambda: torch._int_mm(i8, i8), cube)
     if cpu.name():
         for rows, (inner, outer) in ((PEAK_SIDE, (PEAK_SIDE,) * 2), (PEAK_PROMPT_ROWS, SHAPE)):
             weight, _ = random_int8(outer, inner)
