@@ -147,6 +147,7 @@ def test_the_attentions_stream_reads_the_columns_its_rows_attend_over():
     assert [float(top) for top in stream()] == [1.0] * 6
 
 
+@pytest.mark.slow
 def test_decode_attention_bench_smoke():
     out = _smoke("decode_attention.py", "--rows", "1,3", "--columns", "20")
     rows = [line.split(" | ") for line in out.splitlines() if line[:1].isdigit()]
@@ -155,6 +156,7 @@ def test_decode_attention_bench_smoke():
 
 
 @pytest.mark.skipif(cpu_kernels.why_unavailable() is not None, reason="no kernels build here")
+@pytest.mark.slow
 def test_decode_products_bench_smoke():
     """Each kernel the build has, at each row count: hot, its stream, cold and their ratios."""
     out = _smoke("decode_products.py", "--rows", "1,3")
@@ -175,6 +177,7 @@ def test_kernels_of_a_commit_are_compared_only_through_the_same_declarations(mon
 
 
 @pytest.mark.skipif(cpu_kernels.why_unavailable() is not None, reason="no C kernels here")
+@pytest.mark.slow
 def test_kernel_ab_bench_smoke():
     out = _smoke(
         "kernel_ab.py", "--against", "HEAD", "--rows", "1,3", "--columns", "20", "--repeats", "1"
@@ -282,6 +285,7 @@ def test_moe_bench_smoke(tmp_path):
     assert "\ntiny dense, outlier channels x30 | " in stdout
 
 
+@pytest.mark.slow
 def test_int8_kernel_bench_smoke():
     out = _smoke("int8_kernel.py")
     assert "| 37 x 80 x 264 |" in out
@@ -291,6 +295,7 @@ def test_int8_kernel_bench_smoke():
     assert all(f"| {rows} | " in int4 for rows in (1, 3, 5))
 
 
+@pytest.mark.slow
 def test_float_kernels_bench_smoke():
     stdout = _smoke("float_kernels.py")
     for row in (

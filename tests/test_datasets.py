@@ -119,6 +119,7 @@ def test_resume_over_shards_redoes_only_an_edited_shard(tiny_dir, tmp_path):
     assert redone == {f"00000/{k:09d}" for k in range(4)}  # the edited shard, its new sample too
 
 
+@pytest.mark.slow
 def test_an_interrupted_shard_run_finishes_with_every_sample_once(tiny_dir, tmp_path):
     _shards(tmp_path / "s", _jpegs(24), per_shard=8)
     out = tmp_path / "out.jsonl"
