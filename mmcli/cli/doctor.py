@@ -11,7 +11,7 @@ from rich.table import Table
 from mmcli.api.loader import Run, choose_kernels, resolve_run
 from mmcli.config import Config
 from mmcli.kernels import measure
-from mmcli.kernels.machine import Machine, here, measure_again
+from mmcli.kernels.machine import ONEDNN_INT8_COMPARISONS, Machine, here, measure_again
 
 
 def plan_table(run: Run) -> Table:
@@ -37,7 +37,7 @@ def _both_here(name: str, machine: Machine) -> bool:
         return machine.int4_vnni
     if name in ("int8_step_rows", "int4_step_rows"):  # the vector units against the tiles
         return machine.tiles() and (name == "int8_step_rows" or machine.int4_vnni)
-    if name in ("int8_prefill", "int8_vision"):  # oneDNN's int8, where its sums are exact
+    if name in ONEDNN_INT8_COMPARISONS:
         return bool(machine.build) and machine.exact_int8
     return bool(machine.build)
 

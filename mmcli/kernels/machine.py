@@ -89,6 +89,10 @@ class Machine:
         return self.build or f"none ({self.unavailable})"
 
 
+# the comparisons that time oneDNN's int8 GEMM: only where its sums are exact (exact_int8)
+ONEDNN_INT8_COMPARISONS = ("int8_prefill", "int8_vision")
+
+
 def comparisons(
     cpu: CpuFeatures,
     build: str,
@@ -105,7 +109,7 @@ def comparisons(
         names += [] if "amx_bf16" in cpu.units else ["bf16_gemm"]
         names += ["attention"]
     if exact_int8 and not cpu.int8_matrix():  # elsewhere it would saturate: never taken
-        names += ["int8_prefill", "int8_vision"]
+        names += ONEDNN_INT8_COMPARISONS
     if TILE_UNITS <= cpu.units and build == "AMX":
         names += ["int8_step_rows"]
     amx_int4 = TILE_UNITS <= cpu.units and build == "AMX" and int4_block == 64
