@@ -17,17 +17,8 @@ from conftest import assert_same_choices, forced_logits, greedy, photo
 from mmcli.kernels import attention, cpu, cpu_features, cpu_ops, matrix, measure, weight_forms
 from mmcli.kernels import experts as experts_module
 from mmcli.kernels.machine import Crossover, Machine, comparisons
-from mmcli.kernels.plan import (
-    INT4_BLOCKS,
-    INT8_OURS,
-    NONE,
-    ONEDNN_INT8,
-    PACKED_BF16,
-    RunShape,
-    choose,
-)
+from mmcli.kernels.plan import INT4_BLOCKS, INT8_OURS, ONEDNN_INT8, RunShape, choose
 from mmcli.kernels.weight_forms import Int4Weight
-from mmcli.models.layers.linear import can_pack
 from mmcli.models.layers.quantized import int4_linear, int8_reference
 from mmcli.weights.int4 import int4_values, quantize_int4
 from mmcli.weights.int8 import as_rows, quantize_int8
@@ -437,45 +428,6 @@ def test_bf16_products_are_float32s_to_bfloat16_rounding_and_few_rows_stay_exact
             continue
         tolerance = 0 if rows <= 8 else 2e-2 * reference.abs().max().item()
         assert (y - reference).abs().max().item() <= tolerance + 1e-4
-
-
-@pytest.mark.parametrize("units", [AVX2, AVX512_BF16, AMX])
-@pytest.mark.parametrize("quantize", ["none", "int8"])
-def test_the_vision_towers_bfloat16_matrices_are_packed_where_onednns_gemm_takes_them(
-    units, quantize
-):
-    """Packed at load where a run's many rows are oneDNN's bfloat16 GEMM and the tower is held
-    as loaded (not int8's); a float32 run packs every matrix (`linears`) instead."""
-    plan = choose(shape_on(units, quantize=quantize), machine(units, above=16))
-    gemm = plan.upcast.id.startswith("onednn_bf16")
-    assert gemm == units.bf16_matrix()
-    packed = plan.bf16_packed
-    assert packed.id == (PACKED_BF16 if gemm and quantize == "none" else NONE.id)
-    assert (packed.install is not None) == (packed.id == PACKED_BF16)
-    float32 = dataclasses.replace(shape_on(units), loaded="float32")
-    assert choose(float32, machine(units, above=16)).bf16_packed == NONE
-
-
-@pytest.mark.skipif(
-    not can_pack(torch.ones(1, dtype=torch.bfloat16)), reason="no oneDNN bfloat16 here"
-)
-def test_a_packed_bfloat16_matrix_gives_the_gemms_bits_as_loaded():
-    """PackedLinear on a bfloat16 weight (matrix.bf16_packed_linear) gives the bits of the
-    same weight as loaded on oneDNN's GEMM (matrix.bf16_products' many rows), with a bias, the
-    tower's GELU and outputs handed on rounded."""
-    from mmcli.models.layers.linear import Linear, PackedLinear
-
-    torch.manual_seed(5)
-    linear = Linear(64, 96)
-    linear.weight.data = linear.weight.data.bfloat16()
-    linear.kernel = matrix.bf16_products(above=8)
-    packed = PackedLinear(linear)
-    packed.kernel = matrix.bf16_packed_linear
-    with torch.inference_mode():
-        for x in (torch.randn(40, 64), torch.randn(3, 40, 64)):
-            for activation, rounded in ((None, False), ("gelu_tanh", True), ("gelu_tanh", False)):
-                expected = linear(x, activation=activation, rounded=rounded)
-                assert torch.equal(packed(x, activation=activation, rounded=rounded), expected)
 
 
 @pytest.mark.skipif(cpu.why_unavailable() is not None, reason="no C kernels here")

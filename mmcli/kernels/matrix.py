@@ -52,28 +52,7 @@ def bf16_linear(
     one pass where our kernels run: pointwise.c). `rounded`: that result rounded to bfloat16 in
     the same pass, as the next product would round it; a float32 one where our kernels do not
     run."""
-    return _widened(F.linear(x.to(torch.bfloat16), weight), bias, activation, rounded)
-
-
-def bf16_packed_linear(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    bias: torch.Tensor | None,
-    activation: str | None,
-    rounded: bool = False,
-) -> torch.Tensor:
-    """bf16_linear for a weight packed once in oneDNN's blocked layout (PackedLinear: the vision
-    tower's in a run of bfloat16 products): the same GEMM and the same bits, without the reorder
-    of a plain weight that every call of the GEMM makes, a pass over weights that come from
-    memory (1.4-1.6x the GEMM for the 2B tower's qkv and fc1 on a 2-core AMX Xeon)."""
-    y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")
-    return _widened(y, bias, activation, rounded)
-
-
-def _widened(
-    y: torch.Tensor, bias: torch.Tensor | None, activation: str | None, rounded: bool
-) -> torch.Tensor:
-    """A bfloat16 GEMM's outputs widened with the bias and the activation (bf16_linear)."""
+    y = F.linear(x.to(torch.bfloat16), weight)
     widened = cpu_ops.widen_outputs(y, bias, activation, rounded)
     if widened is not None:
         return widened

@@ -7,8 +7,7 @@ model's layers: each layer names its kind of work (`work`) and calls what is ins
 Kinds of work: `linears` (the form the weights take: as loaded, oneDNN's packed float32, int8,
 int4), `upcast` (bfloat16 weights with float32 activations), `head` (the lm_head: as `upcast`,
 but in float32 products always; a quantized run's in int8, on 14 bits of each activation),
-`int8`, `vision_int8` (the vision tower's int8), `bf16_packed` (the vision tower's bfloat16
-matrices packed for oneDNN's GEMM), `int4`, `attention` (the decoder's prefill and
+`int8`, `vision_int8` (the vision tower's int8), `int4`, `attention` (the decoder's prefill and
 attention within one image), `vision_blocks` (the packed vision blocks' bounded attention),
 `norm`, `rotary`, `swiglu`, `decode_step` (a decode step through every layer in one call),
 `experts` (MoE) and `delta_rule` (Gated DeltaNet).
@@ -53,8 +52,6 @@ BY_RANGE = "by_range"  # the vision blocks' attention range by range, each image
 INT8_HEADS = ("int8_wide", "int8_split")
 # the vision tower's int8 on oneDNN: its weights are put in rows layout at load
 ONEDNN_INT8 = "onednn_int8"
-# the vision tower's bfloat16 matrices packed at load for oneDNN's bfloat16 GEMM
-PACKED_BF16 = "packed_bf16"
 INT8_OURS = "int8_linear.c"  # in words
 
 
@@ -88,7 +85,6 @@ class KernelPlan:
     head: Choice
     int8: Choice
     vision_int8: Choice
-    bf16_packed: Choice
     int4: Choice
     attention: Choice
     vision_blocks: Choice
@@ -265,23 +261,6 @@ def _bf16_products(shape: RunShape, machine: Machine) -> Choice | None:
         return Choice("onednn_bf16+bf16_dot.c", kernel, why, install)
     kernel = f"oneDNN bfloat16 ({engine}) above {above} rows, bf16_linear.c to {above}"
     return Choice("onednn_bf16+bf16_linear.c", kernel, why, _function(matrix.bf16_products(above)))
-
-
-# the upcast choices whose many rows are oneDNN's bfloat16 GEMM
-ONEDNN_BF16 = ("onednn_bf16+amx_tiles", "onednn_bf16+bf16_dot.c", "onednn_bf16+bf16_linear.c")
-
-
-def _bf16_packed(shape: RunShape, upcast: Choice) -> Choice:
-    """The vision tower's bfloat16 matrices where its products are oneDNN's bfloat16 GEMM (a
-    run of bfloat16 products that keeps the tower as loaded): packed once at load in oneDNN's
-    blocked layout, where the GEMM reorders a plain weight on every call, a pass over weights
-    that come from memory. Only the tower's GEMMs read them (it never decodes); the decoder's stay
-    as loaded, in the layout its decode step reads."""
-    if shape.quantize != "none" or shape.loaded != "bfloat16" or upcast.id not in ONEDNN_BF16:
-        return NONE
-    why = "the GEMM reorders a plain weight on every call"
-    install = _function(matrix.bf16_packed_linear)
-    return Choice(PACKED_BF16, "vision tower packed (oneDNN)", why, install, form=PACKED_BF16)
 
 
 INEXACT_INT8 = "this CPU has no VNNI: oneDNN's int8 would saturate its 16-bit pairs"
@@ -589,7 +568,6 @@ def choose(shape: RunShape, machine: Machine) -> KernelPlan:
         head=_head(shape, machine, upcast, int8),
         int8=int8,
         vision_int8=_vision_int8(shape, machine),
-        bf16_packed=_bf16_packed(shape, upcast),
         int4=_int4(shape, machine),
         attention=attend,
         vision_blocks=_vision_blocks(shape, attend),

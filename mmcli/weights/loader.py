@@ -1,6 +1,6 @@
 """The model built from a checkpoint's weights, and its weights put into the form the kernel plan
-chose (oneDNN's packed float32, or the vision tower's bfloat16; int8 through the prepared cache;
-int4's scales by block), the plan's kernels installed."""
+chose (oneDNN's packed float32, int8 through the prepared cache, int4's scales by block), the
+plan's kernels installed."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from mmcli.kernels.plan import (
     INT8,
     ONEDNN_INT8,
     PACKED,
-    PACKED_BF16,
     KernelPlan,
     install,
     int8_head,
@@ -42,8 +41,8 @@ def build_model(cfg: ModelConfig, weights: Weights) -> nn.Module:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Every Linear of `model` that can be (CPU, float32 or bfloat16, oneDNN present) replaced
-    by its PackedLinear; returns how many were."""
+    """Every Linear of `model` that can be (CPU, float32, oneDNN present) replaced by its
+    PackedLinear; returns how many were."""
     names = [
         name
         for name, m in model.named_modules()
@@ -91,8 +90,6 @@ def prepare(
         pack_linears(model)
     if plan.vision_int8.install is not None:
         vision_int8(model.visual, rows=plan.vision_int8.id == ONEDNN_INT8)
-    if plan.bf16_packed.form == PACKED_BF16:
-        pack_linears(model.visual)
     if plan.int4.form == INT4_BLOCKS:
         int4.by_block(model, int4_block())
     install(plan, model)

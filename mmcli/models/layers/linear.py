@@ -10,10 +10,8 @@ form each layer takes at load (mmcli/weights) and installs the kernels they call
   to float32 exactly, so the numbers are those of the float32 path up to the order of the sums.
   In a run of bfloat16 products (matrix.bf16_products) a layer whose output only feeds the next
   product takes `rounded` and hands it on in bfloat16, as that product would round it.
-- PackedLinear: weights reordered once into oneDNN's blocked layout (`torch.ops.mkldnn`, the ops
-  Inductor emits for CPU linears): every float32 one (`dtype: float32`), and in a run of bfloat16
-  products the vision tower's bfloat16 ones, which only its GEMMs read (the plan's
-  `bf16_packed`: the decoder's stay as loaded, in the layout its decode step reads).
+- PackedLinear: float32 weights reordered once into oneDNN's blocked layout (`torch.ops.mkldnn`,
+  the ops Inductor emits for CPU linears); `dtype: float32` runs this.
 """
 
 from __future__ import annotations
@@ -113,13 +111,10 @@ class Linear(nn.Linear):
 
 def can_pack(weight: torch.Tensor) -> bool:
     # The ops torch's own Inductor emits for CPU linears; checked, not assumed (a build without
-    # oneDNN lacks them, a CPU without AVX-512 its bfloat16).
+    # oneDNN lacks them).
     return (
         weight.device.type == "cpu"
-        and (
-            weight.dtype == torch.float32
-            or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        )
+        and weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -127,13 +122,9 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """A Linear with its weight in oneDNN's blocked layout (the hint of 16 rows measured as good
-    as any from 2 rows to 1000s); the plain weight is freed unless shared (a tied lm_head's is
-    the embedding's). A float32 weight is multiplied in float32; a bfloat16 one by the installed
-    kernel (matrix.bf16_packed_linear: x rounded, the sums in float32, widened as a Linear's)."""
-
-    work = "bf16_packed"  # the kind of work the kernel plan installs a kernel for
-    kernel = None  # (x, packed weight, bias, activation, rounded) -> y
+    """A float32 Linear with its weight in oneDNN's blocked layout (the hint of 16 rows measured
+    as good as any from 2 rows to 1000s); the plain weight is freed unless shared (a tied
+    lm_head's is the embedding's)."""
 
     def __init__(self, linear: Linear):
         super().__init__()
@@ -148,10 +139,8 @@ class PackedLinear(nn.Module):
     def forward(
         self, x: torch.Tensor, activation: str | None = None, rounded: bool = False
     ) -> torch.Tensor:
-        """As Linear's: in float32 (`rounded` or not) for a float32 weight."""
+        """As Linear's, in float32 (`rounded` or not)."""
         check_activation(activation)
-        if self.packed_weight.dtype == torch.bfloat16:
-            return self.kernel(x, self.packed_weight, self.bias, activation, rounded)
         post, algorithm = ("gelu", "tanh") if activation else ("none", "")
         return torch.ops.mkldnn._linear_pointwise(
             x, self.packed_weight, self.bias, post, [], algorithm
