@@ -42,10 +42,11 @@ import torch
 from mmcli.testing import installed_command, make_outlier_checkpoint
 
 ASK_IMAGE = 14  # compare_hf's 448x448 image
+INT8 = {"dtype": "auto", "quantize": "int8"}  # (b)'s int8 ask and (d)'s, whatever --paths keeps
 PATHS = {
     "float32": {"dtype": "float32"},
     "default": {"dtype": "auto"},
-    "int8": {"dtype": "auto", "quantize": "int8"},
+    "int8": INT8,
     "int4": {"dtype": "auto", "quantize": "int4"},
 }
 MATRIX_UNITS = {"amx_bf16", "amx_int8", "avx512_bf16", "bf16", "i8mm"}
@@ -555,7 +556,7 @@ def ask_part(args, ckpt: Path, image: Path) -> None:
         env = {**os.environ, "XDG_CACHE_HOME": cache}
         first8, first_rss8 = cli_ask([*command, "--quantize", "int8"], env)
         second8, rss8 = commands(args, [*command, "--quantize", "int8"], env)
-        timed8 = instrumented(args, worker, PATHS["int8"], env)
+        timed8 = instrumented(args, worker, INT8, env)
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
     phases, text, head = ask_flops(cfg, timed[0]["image_tokens"], timed[0]["input_tokens"])
     flops = total(phases)
@@ -988,7 +989,7 @@ def agreements(args, ckpt: Path, image: Path) -> None:
     print("|---|---|---|---|---|")
     for label, test, side in (
         ("bfloat16 products (default, after)", {}, "after"),
-        ("int8 (after)", PATHS["int8"], "after"),
+        ("int8 (after)", INT8, "after"),
     ):
         for name, path in checkpoints.items():
             print(f"| {label} " + agreement(args, path, image, name, test, side), flush=True)
