@@ -150,8 +150,11 @@ def test_the_next_blocks_scales_are_fetched_ahead_in_each_build(tmp_path, build)
     compiler = [os.environ.get("CC", "cc"), *cpu.FLAGS, *build]
     subprocess.run([*compiler, "-S", str(source), "-o", str(assembly)], check=True)
     # a block's scales and zeros of a group: 128 bytes (AVX2's 32 channels) or 256, a line at a
-    # time; the weights' bytes ahead are fetched a line at a time from the pointer itself
-    assert re.search(r"prefetcht2\s+64\(", assembly.read_text())
+    # time (the tiles' into L1); the weights' bytes ahead are fetched from the pointer itself
+    text = assembly.read_text()
+    assert re.search(r"prefetcht2\s+64\(", text)
+    if build:
+        assert re.search(r"prefetcht0\s+64\(", text)
 
 
 def _8bit_rows(x: torch.Tensor) -> torch.Tensor:

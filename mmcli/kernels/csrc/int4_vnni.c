@@ -378,8 +378,10 @@ static struct ahead tile_ahead(const uint8_t *packed, int64_t K, int64_t N, int6
     return a;
 }
 
-/* Groups g0 .. g0 + TILE_GROUPS's scales and zeros of a block (a group's 256 bytes, N * 4 apart) */
-static void fetch_pairs(const uint32_t *pairs, int64_t N, int64_t g0, int64_t groups) {
+/* Groups g0 .. g0 + TILE_GROUPS's scales and zeros of a block (a group's 256 bytes, N * 4 apart);
+   always inlined, as fetch_pairs_ahead */
+static inline __attribute__((always_inline)) void fetch_pairs(const uint32_t *pairs, int64_t N,
+                                                              int64_t g0, int64_t groups) {
     for (int64_t g = g0; g < g0 + TILE_GROUPS && g < groups; g++)
         for (int i = 0; i < 4; i++)
             _mm_prefetch((const char *)(pairs + g * N) + 64 * i, _MM_HINT_T0);
