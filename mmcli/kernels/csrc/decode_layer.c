@@ -222,7 +222,8 @@ static inline void from_kv_order(const vec *a, int NV, vec scale, float *out, co
 
 /* Rows of keys and values fetched ahead of their use: a bfloat16 cache's attention at 8 and 32
    rows 10% and 15% faster with them on an AMX Xeon (a float32 cache's the same; no change from
-   16 rows ahead to 64) */
+   16 rows ahead to 64). Into L2 (T2): fetched into L1 (T0) they filled its fill buffers, and the
+   loop waited on its own prefetches (most of its samples under perf on that Xeon) */
 #define AHEAD 32
 
 /* Row `row` of k's n rows and then v's (d values each) into the cache, where there is one */
@@ -232,7 +233,7 @@ fetch_row(const void *k, const void *v, int64_t row, int64_t n, int64_t d, const
     const char *at =
         row < n ? kv_element((void *)k, row * d, bf16) : kv_element((void *)v, (row - n) * d, bf16);
     for (int64_t line = 0; line < d * (bf16 ? 2 : 4); line += 64)
-        _mm_prefetch(at + line, _MM_HINT_T0);
+        _mm_prefetch(at + line, _MM_HINT_T2);
 }
 
 /* attend_head for G query heads (d apart in q, out and n apart in scores) of d = NV vectors
