@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import re
 import subprocess
 import tempfile
@@ -54,8 +53,8 @@ def commit_library(commit: str, into: Path) -> ctypes.CDLL:
     for file in files:
         file.write_bytes(git_show(commit, f"mmcli/kernels/csrc/{file.name}"))
     sources, headers = files[: len(library.sources)], files[len(library.sources) :]
-    compiler, torch_lib = os.environ.get("CC", "cc"), Path(torch.__file__).parent / "lib"
-    path = cpu._build(compiler, torch_lib, library.flags, sources, headers)
+    torch_lib = Path(torch.__file__).parent / "lib"
+    path = cpu._build(cpu.compiler(), torch_lib, library.flags, sources, headers)
     theirs_library = ctypes.CDLL(str(path))
     theirs_library.build, theirs_library.int4_vnni = library.build, library.int4_vnni
     theirs_library.int4_widened = library.int4_widened

@@ -109,9 +109,14 @@ def why_unavailable() -> str | None:
         return f"the CPU's capability is {torch.backends.cpu.get_cpu_capability()}, not AVX2"
     if os.environ.get("MMCLI_CPU_KERNEL", "1") == "0":
         return "MMCLI_CPU_KERNEL=0"
-    if not shutil.which(os.environ.get("CC", "cc")):
-        return f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH"
+    if not shutil.which(compiler()):
+        return f"no C compiler ({compiler()}) on PATH"
     return None
+
+
+def compiler() -> str:
+    """The C compiler our kernels are built with: $CC, else cc."""
+    return os.environ.get("CC", "cc")
 
 
 def _build(
@@ -205,7 +210,7 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     for build, extra, sources in [*builds, ("AVX2", [], SOURCES)]:
         try:
             torch_lib = Path(torch.__file__).parent / "lib"
-            path = _build(os.environ.get("CC", "cc"), torch_lib, extra, sources)
+            path = _build(compiler(), torch_lib, extra, sources)
             library = ctypes.CDLL(str(path))
             library.build, library.sources, library.flags = build, sources, extra
             # int4_vnni.c reads blocks of 64 output channels with VBMI (torch's AVX-512 layout),
