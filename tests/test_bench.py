@@ -303,6 +303,8 @@ def test_float_kernels_bench_smoke():
         "| 100 x 2/2 x 64 |",
         "| 50 x 4/2 x 32, causal |",
         "| 1 x 2048 |",
+        "| GELU (tanh), bfloat16 products widened |",
+        "| SiLU(gate) x up, bfloat16 |",
     ):
         assert row in stdout
     decode = stdout[stdout.index("bfloat16, 2 copies") :]
