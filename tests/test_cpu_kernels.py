@@ -55,8 +55,8 @@ def test_the_fused_gelu_is_within_a_few_ulp_everywhere(build):
     assert out[0, 2] == 100.0 and out[0, 3] == 1e4 and out[0, :2].abs().max() < 1e-30
 
 
-# e^a and 2^a over the softmax's, GELU's and SiLU's arguments far below zero: each result's
-# class (fpclassify) and its largest subnormal count, printed by a small program of vectors.h's
+# e^a and 2^a over the softmax's, GELU's and SiLU's arguments far below zero: how many results
+# are subnormal (fpclassify), printed by a small program of vectors.h's
 EXPONENTIALS = r"""
 #include <math.h>
 #include <stdio.h>
@@ -81,7 +81,7 @@ int main(void) {
 def test_the_exponentials_never_return_a_subnormal(tmp_path, wide):
     """vexp and vexp2_softmax stop at a normal float: a subnormal result, or an operand made from
     one (1 + e^-x), costs a microcode assist of a hundred cycles or more, and GELU on a GEMM's
-    outputs of deviation 32 took 14x as long so."""
+    outputs of deviation 32 took 7-10x as long so."""
     if wide and not cpu.has_vnni():
         pytest.skip("no AVX-512 here")
     source, program = tmp_path / "exponentials.c", tmp_path / "exponentials"

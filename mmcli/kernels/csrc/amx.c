@@ -486,7 +486,7 @@ static struct ahead int8_ahead(const int8_t *w, int64_t Np, int64_t Kp, int64_t 
     struct ahead a = {NULL, NULL, 0};
     if (m0 > 0 || n0 + 32 >= Np) return a;
     a.next = (const char *)(w + (n0 + 32) * Kp), a.end = a.next + Kp * 32;
-    a.lines = Kp * 32 / 64 / (Kp / 64);
+    a.lines = 32; /* Kp * 32 bytes over Kp / 64 steps: 32 lines a step */
     return a;
 }
 

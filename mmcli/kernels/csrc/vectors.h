@@ -232,7 +232,7 @@ static inline void transpose(vec r[8]) {
 /* e^a, within 2 ulp: Cephes' expf (a = n ln 2 + r, |r| <= ln 2 / 2, a degree-7 polynomial in r);
    e^-87 (a normal float) below -87: a subnormal result (or operand after it) costs the core a
    microcode assist of a hundred cycles or more, and GELU, SiLU and a softmax meet one for every
-   value they send below -87 (GELU at 14x its cost on a GEMM's outputs of deviation 32). */
+   value they send below -87 (GELU at 7-10x its cost on a GEMM's outputs of deviation 32). */
 static inline vec vexp(vec a) {
     a = vmax(vmin(a, vset(88.3762626647949f)), vset(-87.0f));
     vec n = vround(vmul(a, vset(1.44269504088896341f)));
