@@ -6,7 +6,8 @@ interface did not change, and the commit's C structs and declarations (kernels/c
 this tree's.
 
 python bench/kernel_ab.py --against COMMIT [--smoke] [--settings '{"quantize": "int8"}']
-    [--rows 1,8,32] [--columns 300,1000]"""
+    [--rows 1,8,32] [--columns 300,1000]
+python bench/kernel_ab.py --against COMMIT --attention    (attention.c alone: ATTENTION_SHAPES)"""
 
 from __future__ import annotations
 
@@ -88,18 +89,63 @@ def steps(ckpt: Path, settings: dict, libraries: dict, rows: list, columns: list
     return best
 
 
+# attention.c's shapes (positions, heads, key heads, head size, causal): the vision tower's at one
+# 448x448 image, and a prompt's causal one with grouped key heads
+ATTENTION_SHAPES = [(1024, 16, 16, 64, False), (280, 16, 8, 128, True)]
+
+
+def attention_turns(libraries: dict, repeats: int) -> dict:
+    """{(shape, side): attention.c's best seconds on that shape}, on this build's products
+    (the tiles, AVX-512 BF16's pairs, else float32), the sides taking turns."""
+    tiles, pairs = cpu.has_attention_pairs(tiles=True), cpu.has_attention_pairs()
+    products = "tiles" if tiles else "pairs" if pairs else "float32"
+    generator = torch.Generator().manual_seed(0)
+    load, best = cpu.load, {}
+    try:
+        for shape in ATTENTION_SHAPES:
+            positions, heads, key_heads, d, causal = shape
+            q = torch.randn(positions, heads, d, generator=generator)
+            k, v = (torch.randn(positions, key_heads, d, generator=generator) for _ in range(2))
+            for attempt in range(repeats + 1):  # the first a warm-up
+                for side, library in libraries.items():
+                    cpu.load = lambda library=library: (library, "")
+                    start = time.perf_counter()
+                    cpu.attention(q, k, v, causal=causal, products=products)
+                    seconds = time.perf_counter() - start
+                    if attempt:
+                        best[shape, side] = min(best.get((shape, side), seconds), seconds)
+    finally:
+        cpu.load = load
+    return best
+
+
+def print_attention(best: dict, against: str) -> None:
+    print(f"attention.c, {cpu.name()} build, {torch.get_num_threads()} threads")
+    columns = f"this tree ms | {against} ms | {against} / this tree"
+    print(f"positions x heads/key heads x head size | {columns}")
+    for positions, heads, key_heads, d, causal in ATTENTION_SHAPES:
+        shape = (positions, heads, key_heads, d, causal)
+        ours, theirs = best[shape, "this tree"], best[shape, against]
+        name = f"{positions} x {heads}/{key_heads} x {d}{', causal' if causal else ''}"
+        print(f"{name} | {ours * 1e3:.2f} | {theirs * 1e3:.2f} | {theirs / ours:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", required=True, metavar="COMMIT")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--attention", action="store_true", help="attention.c alone")
     add_step_arguments(parser)
     args = parser.parse_args()
-    ckpt, settings, rows, columns = step_inputs(args)
     with tempfile.TemporaryDirectory() as tmp:
         libraries = {
             "this tree": cpu.load()[0],
             args.against: commit_library(args.against, Path(tmp)),
         }
+        if args.attention:
+            print_attention(attention_turns(libraries, args.repeats * 5), args.against)
+            return
+        ckpt, settings, rows, columns = step_inputs(args)
         best = steps(ckpt, settings, libraries, rows, columns, args.repeats)
     print(
         f"{ckpt.name}, settings {settings}, {cpu.name()} build, {torch.get_num_threads()} threads"

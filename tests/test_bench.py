@@ -187,6 +187,15 @@ def test_kernel_ab_bench_smoke():
     assert all(len(r) == 5 and r[-1].endswith("x") for r in rows)
 
 
+@pytest.mark.skipif(cpu_kernels.why_unavailable() is not None, reason="no C kernels here")
+@pytest.mark.slow
+def test_kernel_ab_bench_times_attention_alone():
+    out = _smoke("kernel_ab.py", "--against", "HEAD", "--attention", "--repeats", "1")
+    rows = [line.split(" | ") for line in out.splitlines() if line[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1024 x 16/16 x 64", "280 x 16/8 x 128, causal"]
+    assert all(len(r) == 4 and r[-1].endswith("x") for r in rows)
+
+
 def test_a_tree_run_beside_keeps_an_mmcli_cache_of_its_own(tmp_path, monkeypatch):
     """--against's tree imports its own mmcli and keeps its own cache: two trees whose int8
     quantization code differs would otherwise prepare the weights again at every other run."""
