@@ -100,12 +100,21 @@ def gemm_row(rows: int, out: int, width: int, builds: list[str], repeats: int, p
     return f"| {rows} x {out} x {width} | " + " | ".join(f"{s:.0%}" for s in shares.values()) + " |"
 
 
+def attention_inputs(positions: int, heads: int, kv_heads: int, d: int) -> tuple:
+    """q, k and v as the model holds them: q as the rotary leaves it, v a view."""
+    q = torch.randn(positions, heads, d)
+    kv = torch.randn(positions, 2, kv_heads, d)
+    return q, kv[:, 0].contiguous(), kv[:, 1]
+
+
+def attention_shape(positions: int, heads: int, kv_heads: int, d: int, causal: bool) -> str:
+    return f"{positions} x {heads}/{kv_heads} x {d}{', causal' if causal else ''}"
+
+
 def attention_row(
     positions: int, heads: int, kv_heads: int, d: int, causal: bool, repeats: int, peak
 ) -> str:
-    q = torch.randn(positions, heads, d)  # as the rotary leaves it
-    kv = torch.randn(positions, 2, kv_heads, d)
-    k, v = kv[:, 0].contiguous(), kv[:, 1]  # v a view, as in the model
+    q, k, v = attention_inputs(positions, heads, kv_heads, d)
 
     def sdpa():
         return F.scaled_dot_product_attention(
@@ -118,7 +127,7 @@ def attention_row(
     }
     flops = 4 * positions**2 * heads * d // (2 if causal else 1)
     shares = rounds(variants, flops, repeats, peak)
-    shape = f"{positions} x {heads}/{kv_heads} x {d}{', causal' if causal else ''}"
+    shape = attention_shape(positions, heads, kv_heads, d, causal)
     return f"| {shape} | " + " | ".join(f"{s:.0%}" for s in shares.values()) + " |"
 
 
@@ -128,9 +137,7 @@ def bf16_attention_row(
     """attention.c's bfloat16 products (each this build has: AVX-512 BF16's dot products, the
     AMX tiles) against torch's flash attention on bfloat16, each from float32 q, k, v as the
     model holds them: shares of the bfloat16 matmul peak."""
-    q = torch.randn(positions, heads, d)
-    kv = torch.randn(positions, 2, kv_heads, d)
-    k, v = kv[:, 0].contiguous(), kv[:, 1]
+    q, k, v = attention_inputs(positions, heads, kv_heads, d)
     variants = {
         products: (lambda: None, lambda p=products: cpu.attention(q, k, v, causal, p))
         for products in bf16_attention_products()
@@ -138,7 +145,7 @@ def bf16_attention_row(
     variants["flash"] = (lambda: None, lambda: attention.bf16_attention(q, k, v, causal))
     flops = 4 * positions**2 * heads * d // (2 if causal else 1)
     shares = rounds(variants, flops, repeats, peak)
-    shape = f"{positions} x {heads}/{kv_heads} x {d}{', causal' if causal else ''}"
+    shape = attention_shape(positions, heads, kv_heads, d, causal)
     return f"| {shape} | " + " | ".join(f"{s:.0%}" for s in shares.values()) + " |"
 
 

@@ -7,12 +7,13 @@ this tree's.
 
 python bench/kernel_ab.py --against COMMIT [--smoke] [--settings '{"quantize": "int8"}']
     [--rows 1,8,32] [--columns 300,1000]
-python bench/kernel_ab.py --against COMMIT --attention    (attention.c alone: ATTENTION_SHAPES)"""
+python bench/kernel_ab.py --against COMMIT --attention [--smoke]   (attention.c alone)"""
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import re
 import subprocess
 import tempfile
@@ -22,6 +23,13 @@ from pathlib import Path
 import compare_hf
 import torch
 from decode_attention import add_step_arguments, step_inputs
+from float_kernels import (
+    ATTENTION,
+    SMOKE_ATTENTION,
+    attention_inputs,
+    attention_shape,
+    bf16_attention_products,
+)
 
 from mmcli.api.labeler import Labeler
 from mmcli.config import load_config
@@ -63,70 +71,61 @@ def commit_library(commit: str, into: Path) -> ctypes.CDLL:
     return theirs_library
 
 
+def in_turns(libraries: dict, calls: dict, repeats: int) -> dict:
+    """{(key, side): the best seconds of calls[key] with that side's library loaded}, after a
+    warm-up round, the sides taking turns on each call."""
+    load, best = cpu.load, {}
+    try:
+        for attempt in range(repeats + 1):  # the first a warm-up
+            for key, call in calls.items():
+                for side, library in libraries.items():
+                    cpu.load = lambda library=library: (library, "")
+                    start = time.perf_counter()
+                    call()
+                    seconds = time.perf_counter() - start
+                    if attempt:
+                        best[key, side] = min(best.get((key, side), seconds), seconds)
+    finally:
+        cpu.load = load
+    return best
+
+
 def steps(ckpt: Path, settings: dict, libraries: dict, rows: list, columns: list, repeats: int):
-    """{(rows, columns, side): the best decode step's seconds}, the sides taking turns."""
+    """{((rows, columns), side): the best decode step's seconds}, the sides taking turns."""
     engine = {"max_seqs": max(rows), "max_len": max(columns) + 1}
     cfg = load_config(None, {"device": "cpu", "engine": engine, **settings})
     runner = Labeler.from_pretrained(str(ckpt), config=cfg).runner
     runner.cache.grow(max(rows) + 1, max(columns) + 1)
-    load, best = cpu.load, {}
-    try:
-        with torch.inference_mode():
-            for attempt in range(repeats + 1):  # the first a warm-up
-                for n in rows:
-                    for c in columns:
-                        items = [DecodeItem(i, 100 + i, c, 0) for i in range(n)]
-                        for side, library in libraries.items():
-                            cpu.load = lambda library=library: (library, "")
-                            start = time.perf_counter()
-                            runner.decode(items)
-                            seconds = time.perf_counter() - start
-                            if attempt:
-                                key = (n, c, side)
-                                best[key] = min(best.get(key, seconds), seconds)
-    finally:
-        cpu.load = load
+    calls = {
+        (n, c): functools.partial(runner.decode, [DecodeItem(i, 100 + i, c, 0) for i in range(n)])
+        for n in rows
+        for c in columns
+    }
+    with torch.inference_mode():
+        return in_turns(libraries, calls, repeats)
+
+
+def attention(libraries: dict, shapes: list, repeats: int) -> dict:
+    """{(shape, side): attention.c's best seconds on float_kernels' shape}, on this build's
+    best products (the tiles, AVX-512 BF16's pairs, else float32), the sides taking turns on
+    one shape at a time (shapes in turns left the first side its inputs out of L2: 0.67x on
+    the same code)."""
+    products = (bf16_attention_products() or ["float32"])[-1]
+    best = {}
+    for shape in shapes:
+        q, k, v = attention_inputs(*shape[:4])
+        call = functools.partial(cpu.attention, q, k, v, shape[4], products)
+        best.update(in_turns(libraries, {shape: call}, repeats))
     return best
 
 
-# attention.c's shapes (positions, heads, key heads, head size, causal): the vision tower's at one
-# 448x448 image, and a prompt's causal one with grouped key heads
-ATTENTION_SHAPES = [(1024, 16, 16, 64, False), (280, 16, 8, 128, True)]
-
-
-def attention_turns(libraries: dict, repeats: int) -> dict:
-    """{(shape, side): attention.c's best seconds on that shape}, on this build's products
-    (the tiles, AVX-512 BF16's pairs, else float32), the sides taking turns."""
-    tiles, pairs = cpu.has_attention_pairs(tiles=True), cpu.has_attention_pairs()
-    products = "tiles" if tiles else "pairs" if pairs else "float32"
-    generator = torch.Generator().manual_seed(0)
-    load, best = cpu.load, {}
-    try:
-        for shape in ATTENTION_SHAPES:
-            positions, heads, key_heads, d, causal = shape
-            q = torch.randn(positions, heads, d, generator=generator)
-            k, v = (torch.randn(positions, key_heads, d, generator=generator) for _ in range(2))
-            for attempt in range(repeats + 1):  # the first a warm-up
-                for side, library in libraries.items():
-                    cpu.load = lambda library=library: (library, "")
-                    start = time.perf_counter()
-                    cpu.attention(q, k, v, causal=causal, products=products)
-                    seconds = time.perf_counter() - start
-                    if attempt:
-                        best[shape, side] = min(best.get((shape, side), seconds), seconds)
-    finally:
-        cpu.load = load
-    return best
-
-
-def print_attention(best: dict, against: str) -> None:
+def print_attention(best: dict, shapes: list, against: str) -> None:
     print(f"attention.c, {cpu.name()} build, {torch.get_num_threads()} threads")
     columns = f"this tree ms | {against} ms | {against} / this tree"
     print(f"positions x heads/key heads x head size | {columns}")
-    for positions, heads, key_heads, d, causal in ATTENTION_SHAPES:
-        shape = (positions, heads, key_heads, d, causal)
+    for shape in shapes:
         ours, theirs = best[shape, "this tree"], best[shape, against]
-        name = f"{positions} x {heads}/{key_heads} x {d}{', causal' if causal else ''}"
+        name = attention_shape(*shape)
         print(f"{name} | {ours * 1e3:.2f} | {theirs * 1e3:.2f} | {theirs / ours:.2f}x")
 
 
@@ -142,8 +141,10 @@ def main() -> None:
             "this tree": cpu.load()[0],
             args.against: commit_library(args.against, Path(tmp)),
         }
-        if args.attention:
-            print_attention(attention_turns(libraries, args.repeats * 5), args.against)
+        if args.attention:  # float_kernels' shapes: the vision tower's, a prompt's
+            shapes = SMOKE_ATTENTION if args.smoke else ATTENTION
+            best = attention(libraries, shapes, args.repeats * 5)
+            print_attention(best, shapes, args.against)
             return
         ckpt, settings, rows, columns = step_inputs(args)
         best = steps(ckpt, settings, libraries, rows, columns, args.repeats)
@@ -153,7 +154,7 @@ def main() -> None:
     print(f"rows | columns | this tree ms | {args.against} ms | {args.against} / this tree")
     for n in rows:
         for c in columns:
-            ours, theirs = best[n, c, "this tree"], best[n, c, args.against]
+            ours, theirs = best[(n, c), "this tree"], best[(n, c), args.against]
             print(f"{n} | {c} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x")
 
 

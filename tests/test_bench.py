@@ -192,7 +192,7 @@ def test_kernel_ab_bench_smoke():
 def test_kernel_ab_bench_times_attention_alone():
     out = _smoke("kernel_ab.py", "--against", "HEAD", "--attention", "--repeats", "1")
     rows = [line.split(" | ") for line in out.splitlines() if line[:1].isdigit()]
-    assert [r[0] for r in rows] == ["1024 x 16/16 x 64", "280 x 16/8 x 128, causal"]
+    assert [r[0] for r in rows] == ["100 x 2/2 x 64", "50 x 4/2 x 32, causal"]
     assert all(len(r) == 4 and r[-1].endswith("x") for r in rows)
 
 
