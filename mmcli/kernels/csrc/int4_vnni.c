@@ -324,14 +324,17 @@ int4_tile_block(const int8_t *xq, const float *x_scales, const float *x_sums, co
     if (count > 2) _tile_loadd(5, xq + (g0 + 2) * 32, K);
     EACH_GROUP(GROUP_PRODUCT, 0); /* then each channel tile's as the last one's are stored */
     for (int t = 0; t < 4; t++) {
-        fetch_ahead(ahead);
         EACH_GROUP(STORE_AND_NEXT, t);
         __m512 acc[16];
         for (int m = 0; m < rows; m++)
             acc[m] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * N + t * 16);
-        for (int j = 0; j < count; j++)
+        for (int j = 0; j < count; j++) {
+            /* a few lines a group: a dozen at once, a call a channel tile, stalled the loop on
+               its own prefetches (a third of its samples under perf at 8 rows) */
+            fetch_ahead(ahead);
             scale_group_sums(sums[t & 1][j], pairs + (g0 + j) * N + t * 16, x_scales, x_sums,
                              groups, g0 + j, rows, acc);
+        }
         for (int m = 0; m < rows; m++) _mm512_storeu_ps(y + m * N + t * 16, acc[m]);
     }
 }
@@ -366,11 +369,12 @@ static void int4_tile_rows_of(const int8_t *xq, const float *x_scales, const flo
 #undef ROWS
 }
 
-/* The next block's bytes, spread over this block's chunks of groups and rows (vectors.h) */
+/* The next block's bytes, spread over this block's calls of scale_group_sums (its chunks of
+   groups and rows, 4 channel tiles, each group: vectors.h) */
 static struct ahead tile_ahead(const uint8_t *packed, int64_t K, int64_t N, int64_t block,
                                int64_t M) {
     const int64_t chunks = (K / 32 + TILE_GROUPS - 1) / TILE_GROUPS;
-    const int64_t bytes = K * 32, steps = chunks * 4 * ((M + 15) / 16); /* a call a channel tile */
+    const int64_t bytes = K * 32, steps = chunks * 4 * TILE_GROUPS * ((M + 15) / 16);
     struct ahead a = {NULL, NULL, 0};
     if ((block + 1) * 64 >= N) return a; /* the last block: none after it */
     a.next = (const char *)(packed + (block + 1) * bytes), a.end = a.next + bytes;
@@ -408,10 +412,13 @@ int int4_tile_products(const int8_t *xq, const float *x_scales, const int32_t *x
         for (int64_t block = 0; block < N / 64; block++) {
             const uint8_t *bytes = packed + block * K * 32;
             struct ahead ahead = tile_ahead(packed, K, N, block, M);
+            /* the next block's scales and zeros, the groups of each chunk (none after the last) */
+            const uint32_t *next_pairs = ahead.lines ? pairs + (block + 1) * 64 : NULL;
             for (int64_t g0 = 0; g0 < groups; g0 += TILE_GROUPS) {
                 const int count = groups - g0 < TILE_GROUPS ? (int)(groups - g0) : TILE_GROUPS;
                 int4_block_quads(bytes, g0, count, quads);
                 fetch_pairs(pairs + block * 64, N, g0 + TILE_GROUPS, groups);
+                for (int64_t g = g0; g < g0 + count; g++) fetch_pairs_ahead(next_pairs, N, g, 64);
                 for (int64_t m = 0; m < M; m += 16) {
                     const int rows = M - m < 16 ? (int)(M - m) : 16;
                     if (rows != configured) configure_int4_tiles(configured = rows);
