@@ -201,6 +201,18 @@ def test_int4_at_a_prompts_rows_is_widened_to_int8(rows, channels, inputs):
     assert (got - unquantized).norm() < margin * unquantized.norm()
 
 
+@WIDENED
+def test_rows_past_l2_give_the_floats_of_the_rows_a_few_at_a_time():
+    """More rows than L2 holds (2 MiB of 8-bit rows: the AMX build widens the whole weight once
+    for int8_linear.c's chunks of rows, where fewer take a block at a time): each row's floats
+    are those it gets among a few rows, every build."""
+    generator = torch.Generator().manual_seed(5)
+    weight = _quantized(torch.randn(192, 8192, generator=generator).bfloat16())
+    x = torch.randn(300, 8192, generator=generator)  # 2.3 MiB of levels
+    few = torch.cat([cpu.int4_widened_linear(rows, weight) for rows in x.split(64)])
+    assert torch.equal(cpu.int4_widened_linear(x, weight), few)
+
+
 def test_a_decode_steps_rows_stay_quantized_per_group():
     weight = _quantized(torch.randn(64, 256).bfloat16())
     x = torch.randn(cpu.AMX_ROWS, 256)
