@@ -416,7 +416,7 @@ int int4_tile_products(const int8_t *xq, const float *x_scales, const int32_t *x
             const uint8_t *bytes = packed + block * K * 32;
             struct ahead ahead = tile_ahead(packed, K, N, block, M);
             /* the next block's scales and zeros, the groups of each chunk (none after the last) */
-            const uint32_t *next_pairs = ahead.lines ? pairs + (block + 1) * 64 : NULL;
+            const uint32_t *next_pairs = (block + 1) * 64 < N ? pairs + (block + 1) * 64 : NULL;
             for (int64_t g0 = 0; g0 < groups; g0 += TILE_GROUPS) {
                 const int count = groups - g0 < TILE_GROUPS ? (int)(groups - g0) : TILE_GROUPS;
                 int4_block_quads(bytes, g0, count, quads);
@@ -779,18 +779,24 @@ static int widened_products(const uint8_t *x, const float *x_scale, const int8_t
 
 #endif
 
+/* widen_block for int8_linear.c's tiles: its sums twice over (see int4_widened_rows) */
+static void widen_for_tiles(const uint8_t *packed, const uint32_t *pairs, int by_block, int64_t K,
+                            int64_t N, int64_t block, int8_t *w, int32_t *w_sum, float *w_scale) {
+    widen_block(packed, pairs, by_block, K, N, block, w, w_sum, w_scale);
+    for (int c = 0; c < WIDE_BLOCK; c++) w_sum[c] *= 2;
+}
+
 #ifdef __AMX_INT8__
 #define ROWS_IN_L2 (2 << 20) /* bytes of 8-bit rows L2 holds beside a block: the Xeons' 2 MiB */
 
 /* Each block of W widened into one int8 matrix in int8_linear.c's layout (a block's 4 groups of
-   16 channels are that layout's), with its sums (twice each: see int4_widened_rows) and scales */
+   16 channels are that layout's), with its sums and scales */
 static void widen_blocks(const uint8_t *packed, const uint32_t *pairs, int by_block, int64_t K,
                          int64_t N, int8_t *w, int32_t *w_sum, float *w_scale, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t block = 0; block < N / WIDE_BLOCK; block++) {
         const int64_t c = block * WIDE_BLOCK;
-        widen_block(packed, pairs, by_block, K, N, block, w + c * K, w_sum + c, w_scale + c);
-        for (int64_t i = c; i < c + WIDE_BLOCK; i++) w_sum[i] *= 2;
+        widen_for_tiles(packed, pairs, by_block, K, N, block, w + c * K, w_sum + c, w_scale + c);
     }
 }
 
@@ -857,8 +863,7 @@ int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *sca
 #pragma omp for schedule(dynamic, 1)
         for (int64_t block = 0; block < N / WIDE_BLOCK; block++) {
             if (!w || failed) continue;
-            widen_block(packed, pairs, by_block, K, N, block, w, w_sum, w_scale);
-            for (int c = 0; c < WIDE_BLOCK; c++) w_sum[c] *= 2;
+            widen_for_tiles(packed, pairs, by_block, K, N, block, w, w_sum, w_scale);
             failed |= widened_products(levels, x_scale, w, w_sum, w_scale, bias,
                                        y + block * WIDE_BLOCK, M, N, K);
         }
