@@ -39,7 +39,8 @@ def split_products(x2: torch.Tensor, products) -> torch.Tensor | None:
     """x2's products with each activation as two rows of 7-bit levels (split_rows), summed:
     `products` takes the split rows to (2 * rows, out), or None (then None)."""
     y = products(split_rows(x2))
-    return None if y is None else y[: x2.shape[0]] + y[x2.shape[0] :]
+    # summed into the first rows: a buffer of rows x out more would cost the logits' pages again
+    return None if y is None else y[: x2.shape[0]].add_(y[x2.shape[0] :])
 
 
 @dataclass

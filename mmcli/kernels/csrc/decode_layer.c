@@ -73,9 +73,9 @@ struct rows_in {
 };
 
 static void take_rows(const struct decode_layer *l, struct rows_in *in, const float *x, int64_t M,
-                      int64_t K) {
+                      int64_t K, int threads) {
     in->x = x;
-    if (l->int8) quantize_rows(x, M, K, in->levels, K, in->scale, 1);
+    if (l->int8) quantize_rows(x, M, K, in->levels, K, in->scale, threads);
     if (l->int4) int4_quantize_rows(x, M, K, (int8_t *)in->levels, in->scale, in->group_sums);
     /* bfloat16 products take x as it is; their tiles' rare refusals make pairs (linear) */
     if (!l->int8 && !l->int4 && !l->bf16_products) bf16_pairs(x, (float *)in->levels, M, K);
@@ -406,7 +406,9 @@ static void attend_kv_head(const float *q, int64_t group, const void *k, const v
     }
 }
 
-static void add_into(float *x, const float *y, int64_t n) {
+/* Threads only for many values, as rms_norm.c's: a parallel region costs more than a few rows */
+static void add_into(float *x, const float *y, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (n >= 1 << 16)
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
 }
 
@@ -420,15 +422,18 @@ static void kv_write(void *cache, int64_t at, const float *from, int64_t d, int 
     for (int64_t i = 0; i < d; i++) to[i] = bf16_rounded(from[i]);
 }
 
-/* Every row's attention: its query heads against its cache row's first positions[r] + 1
-   columns (a head every head_stride values, a column every d), a task a row and key/value
-   head, each task's scores at its own place in `scores` (longest floats a head). */
-static void attend_rows(const struct decode_layer *l, const float *q, void *k_cache, void *v_cache,
-                        int kv_bf16, int64_t rows, const int64_t *slots, const int64_t *positions,
-                        int64_t head_stride, int64_t longest, float *scores, float *attn,
-                        int threads) {
+/* Every row's attention: its key and value (k, v: KV values a row) written at column
+   positions[r] of its cache row, then its query heads against that row's first positions[r] + 1
+   columns (a head every head_stride values, a column every d), a task a row and key/value head,
+   each task's scores at its own place in `scores` (longest floats a head). The writes are the
+   tasks' own: each lands on lines of its own, far from the last (a stall on memory each), which
+   a loop of them on one thread made 4% of a step of 32 rows. */
+static void attend_rows(const struct decode_layer *l, const float *q, const float *k,
+                        const float *v, void *k_cache, void *v_cache, int kv_bf16, int64_t rows,
+                        const int64_t *slots, const int64_t *positions, int64_t head_stride,
+                        int64_t longest, float *scores, float *attn, int threads) {
     const int64_t d = l->d, group = l->heads / l->kv_heads, Q = l->heads * d;
-    const int64_t slot_stride = l->kv_heads * head_stride;
+    const int64_t KV = l->kv_heads * d, slot_stride = l->kv_heads * head_stride;
 /* the context's keys and values are the step's largest read after the weights: both
    threads' share of the memory bandwidth; each output is its task's alone, whichever thread
    makes it */
@@ -436,6 +441,9 @@ static void attend_rows(const struct decode_layer *l, const float *q, void *k_ca
     for (int64_t task = 0; task < rows * l->kv_heads; task++) {
         const int64_t r = task / l->kv_heads, g = task % l->kv_heads;
         const int64_t at = slots[r] * slot_stride + g * head_stride, first = g * group;
+        const int64_t column = at + positions[r] * d;
+        kv_write(k_cache, column, k + r * KV + g * d, d, kv_bf16);
+        kv_write(v_cache, column, v + r * KV + g * d, d, kv_bf16);
         attend_kv_head(q + r * Q + first * d, group, kv_element(k_cache, at, kv_bf16),
                        kv_element(v_cache, at, kv_bf16), positions[r] + 1, d,
                        scores + (r * l->heads + first) * longest, attn + r * Q + first * d,
@@ -457,7 +465,6 @@ void decode_layer(const struct decode_layer *l, float *x, int64_t rows, void *k_
                   int threads) {
     const int64_t H = l->hidden, d = l->d, Q = l->heads * d, KV = l->kv_heads * d;
     const int64_t I = l->intermediate, head_stride = columns * d;
-    const int64_t slot_stride = l->kv_heads * head_stride;
     const int64_t widest = H > Q ? (H > I ? H : I) : (Q > I ? Q : I);
     float *normed = scratch, *q = normed + rows * H, *k = q + rows * Q, *v = k + rows * KV;
     float *attn = v + rows * KV, *out = attn + rows * Q, *gate = out + rows * H;
@@ -467,35 +474,29 @@ void decode_layer(const struct decode_layer *l, float *x, int64_t rows, void *k_
     uint8_t *levels = (uint8_t *)(group_sums + scales);
     float *scores = (float *)levels + rows * widest;
     struct rows_in in = {normed, levels, level_scale, group_sums};
-    rms_norm(x, H, l->input_norm, normed, rows, H, l->eps, 1);
-    take_rows(l, &in, normed, rows, H);
+    rms_norm(x, H, l->input_norm, normed, rows, H, l->eps, threads);
+    take_rows(l, &in, normed, rows, H, threads);
     linear(l, &in, &l->q, q, rows, Q, H, threads);
     linear(l, &in, &l->k, k, rows, KV, H, threads);
     linear(l, &in, &l->v, v, rows, KV, H, threads);
-    rms_norm(q, d, l->q_norm, q, rows * l->heads, d, l->eps, 1);
-    rms_norm(k, d, l->k_norm, k, rows * l->kv_heads, d, l->eps, 1);
+    rms_norm(q, d, l->q_norm, q, rows * l->heads, d, l->eps, threads);
+    rms_norm(k, d, l->k_norm, k, rows * l->kv_heads, d, l->eps, threads);
     rotary(q, Q, d, q, rows, l->heads, d, cos, sin, d, threads);
     rotary(k, KV, d, k, rows, l->kv_heads, d, cos, sin, d, threads);
     int64_t longest = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t g = 0; g < l->kv_heads; g++) {
-            const int64_t at = slots[r] * slot_stride + g * head_stride + positions[r] * d;
-            kv_write(k_cache, at, k + r * KV + g * d, d, kv_bf16);
-            kv_write(v_cache, at, v + r * KV + g * d, d, kv_bf16);
-        }
+    for (int64_t r = 0; r < rows; r++)
         longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
-    }
-    attend_rows(l, q, k_cache, v_cache, kv_bf16, rows, slots, positions, head_stride, longest,
+    attend_rows(l, q, k, v, k_cache, v_cache, kv_bf16, rows, slots, positions, head_stride, longest,
                 scores, attn, threads);
-    take_rows(l, &in, attn, rows, Q);
+    take_rows(l, &in, attn, rows, Q, threads);
     linear(l, &in, &l->o, out, rows, H, Q, threads);
-    add_into(x, out, rows * H);
-    rms_norm(x, H, l->post_norm, normed, rows, H, l->eps, 1);
-    take_rows(l, &in, normed, rows, H);
+    add_into(x, out, rows * H, threads);
+    rms_norm(x, H, l->post_norm, normed, rows, H, l->eps, threads);
+    take_rows(l, &in, normed, rows, H, threads);
     linear(l, &in, &l->gate, gate, rows, I, H, threads);
     linear(l, &in, &l->up, up, rows, I, H, threads);
     silu_times(gate, up, rows * I, threads);
-    take_rows(l, &in, gate, rows, I);
+    take_rows(l, &in, gate, rows, I, threads);
     linear(l, &in, &l->down, out, rows, H, I, threads);
-    add_into(x, out, rows * H);
+    add_into(x, out, rows * H, threads);
 }
