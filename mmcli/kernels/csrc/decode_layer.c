@@ -76,7 +76,13 @@ static void take_rows(const struct decode_layer *l, struct rows_in *in, const fl
                       int64_t K, int threads) {
     in->x = x;
     if (l->int8) quantize_rows(x, M, K, in->levels, K, in->scale, threads);
-    if (l->int4) int4_quantize_rows(x, M, K, (int8_t *)in->levels, in->scale, in->group_sums);
+    if (l->int4) { /* a row at a time on each thread, for many values (rms_norm.c's guard) */
+        const int64_t groups = K / 32;
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 1 << 16)
+        for (int64_t r = 0; r < M; r++)
+            int4_quantize_rows(x + r * K, 1, K, (int8_t *)in->levels + r * K,
+                               in->scale + r * groups, in->group_sums + r * groups);
+    }
     /* bfloat16 products take x as it is; their tiles' rare refusals make pairs (linear) */
     if (!l->int8 && !l->int4 && !l->bf16_products) bf16_pairs(x, (float *)in->levels, M, K);
 }
