@@ -76,9 +76,9 @@ static void take_rows(const struct decode_layer *l, struct rows_in *in, const fl
                       int64_t K, int threads) {
     in->x = x;
     if (l->int8) quantize_rows(x, M, K, in->levels, K, in->scale, threads);
-    if (l->int4) { /* a row at a time on each thread, for many values (rms_norm.c's guard) */
+    if (l->int4) { /* a row at a time on each thread, for many values */
         const int64_t groups = K / 32;
-#pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 1 << 16)
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= PARALLEL_VALUES)
         for (int64_t r = 0; r < M; r++)
             int4_quantize_rows(x + r * K, 1, K, (int8_t *)in->levels + r * K,
                                in->scale + r * groups, in->group_sums + r * groups);
@@ -412,9 +412,8 @@ static void attend_kv_head(const float *q, int64_t group, const void *k, const v
     }
 }
 
-/* Threads only for many values, as rms_norm.c's: a parallel region costs more than a few rows */
 static void add_into(float *x, const float *y, int64_t n, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (n >= 1 << 16)
+#pragma omp parallel for num_threads(threads) schedule(static) if (n >= PARALLEL_VALUES)
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
 }
 

@@ -377,8 +377,7 @@ static float row_scale(const float *row, int64_t K, int top) {
 static void quantize_rows_to(const float *x, int64_t M, int64_t K, void *q, int64_t Kp,
                              float *x_scale, int top, int words, int threads) {
     const int offset = words ? 0 : top + 1;
-    /* threads only for many values, as rms_norm.c's */
-#pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 1 << 16)
+#pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= PARALLEL_VALUES)
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * K;
         uint8_t *bytes = (uint8_t *)q + m * Kp;

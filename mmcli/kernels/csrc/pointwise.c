@@ -27,7 +27,8 @@ static void rotate_head(const float *x, float *out, const float *cos, const floa
    for every head); the values past rot (partial rotary) are copied as they are. */
 void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t rows, int64_t heads,
             int64_t d, const float *cos, const float *sin, int64_t rot, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= 1 << 16)
+#pragma omp parallel for num_threads(threads)                                                      \
+    schedule(static) if (rows * heads * d >= PARALLEL_VALUES)
     for (int64_t t = 0; t < rows * heads; t++) {
         const int64_t r = t / heads, h = t % heads;
         const float *from = x + r * x_row + h * x_head;
@@ -63,7 +64,7 @@ static inline void set_at(void *p, int64_t i, float v, int bf16) {
    bf16, gate, up and out are bfloat16 */
 static void swiglu(const void *gate, const void *up, void *out, int64_t n, int bf16, int threads) {
     const int64_t vectors = n / GL;
-#pragma omp parallel for num_threads(threads) schedule(static) if (n >= 1 << 16)
+#pragma omp parallel for num_threads(threads) schedule(static) if (n >= PARALLEL_VALUES)
     for (int64_t b = 0; b < vectors; b++) {
         const vec g = load_as(gate, b * GL, bf16);
         const vec s = vdiv(g, vadd(vset(1.0f), vexp(vsub(vzero(), g))));
@@ -93,7 +94,7 @@ void silu_times_rounded(const uint16_t *gate, const uint16_t *up, uint16_t *out,
 void widen_outputs(const uint16_t *products, const float *bias, void *y, int64_t rows, int64_t cols,
                    int activation, int rounded, int threads) {
     const int64_t vectors = cols / GL;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 1 << 16)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *from = products + r * cols;
         for (int64_t b = 0; b < vectors; b++) {

@@ -23,6 +23,6 @@ static void norm_row(const float *x, const float *w, float *out, int64_t width, 
    many rows: a parallel region costs more than a few rows' work. */
 void rms_norm(const float *x, int64_t ld, const float *w, float *out, int64_t rows, int64_t width,
               float eps, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= 1 << 16)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; r++) norm_row(x + r * ld, w, out + r * width, width, eps);
 }

@@ -12,6 +12,10 @@
    decode step's outputs, read by its next product, stay cached. */
 #define STREAM_BYTES (4 << 20)
 
+/* Values below which a pass over them stays on the calling thread: a parallel region costs more
+   than a few rows' work (a decode step's 8 rows of 2048 stay on one). */
+#define PARALLEL_VALUES (1 << 16)
+
 /* Whether `n` float32 outputs at y, `cols` a row, are stored past the caches: rows of whole,
    aligned vectors */
 #define STREAMED(y, n, cols)                                                                       \
