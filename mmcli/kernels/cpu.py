@@ -312,7 +312,7 @@ def _declare_quantized(library: ctypes.CDLL) -> None:
         kernel.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_int]
     if library.int4_vnni:
         library.int4_quantize_rows.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2
-        library.int4_quantize_rows.argtypes += [ctypes.c_void_p] * 3
+        library.int4_quantize_rows.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_int]
         library.int4_quantize_rows.restype = None
 
 
@@ -475,7 +475,13 @@ def int4_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     levels = torch.empty(rows, width, dtype=torch.int8)
     scales, sums = torch.empty(rows, width // 32), torch.empty(rows, width // 32, dtype=torch.int32)
     library.int4_quantize_rows(
-        x.data_ptr(), rows, width, levels.data_ptr(), scales.data_ptr(), sums.data_ptr()
+        x.data_ptr(),
+        rows,
+        width,
+        levels.data_ptr(),
+        scales.data_ptr(),
+        sums.data_ptr(),
+        torch.get_num_threads(),
     )
     return levels, scales, sums
 

@@ -28,7 +28,7 @@ void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const 
                  const float *w_scale, const float *bias, float *y, int64_t M, int64_t Np,
                  int64_t Kp, int64_t vnni_rows, int act, int threads);
 void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
-                        int32_t *sums);
+                        int32_t *sums, int threads);
 int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
                        const uint8_t *packed, const uint16_t *scales_zeros, int by_block, float *y,
                        int64_t M, int64_t N, int64_t K, int threads);
@@ -76,13 +76,8 @@ static void take_rows(const struct decode_layer *l, struct rows_in *in, const fl
                       int64_t K, int threads) {
     in->x = x;
     if (l->int8) quantize_rows(x, M, K, in->levels, K, in->scale, threads);
-    if (l->int4) { /* a row at a time on each thread, for many values */
-        const int64_t groups = K / 32;
-#pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= PARALLEL_VALUES)
-        for (int64_t r = 0; r < M; r++)
-            int4_quantize_rows(x + r * K, 1, K, (int8_t *)in->levels + r * K,
-                               in->scale + r * groups, in->group_sums + r * groups);
-    }
+    if (l->int4)
+        int4_quantize_rows(x, M, K, (int8_t *)in->levels, in->scale, in->group_sums, threads);
     /* bfloat16 products take x as it is; their tiles' rare refusals make pairs (linear) */
     if (!l->int8 && !l->int4 && !l->bf16_products) bf16_pairs(x, (float *)in->levels, M, K);
 }

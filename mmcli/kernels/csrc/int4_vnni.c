@@ -16,7 +16,7 @@
    after another), else by group (torch's [K / 32][N][2]); a build that does not read them so
    (READS_BY_BLOCK) refuses them. */
 void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
-                        int32_t *sums);
+                        int32_t *sums, int threads);
 int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
                        const uint8_t *packed, const uint16_t *scales_zeros, int by_block, float *y,
                        int64_t M, int64_t N, int64_t K, int threads);
@@ -42,7 +42,7 @@ static int int4_quantized_rows(int4_products products, const float *x, const uin
     int32_t *sums = malloc((size_t)(M * (K / 32)) * sizeof(int32_t));
     int failed = !xq || !scales || !sums;
     if (!failed) {
-        int4_quantize_rows(x, M, K, xq, scales, sums);
+        int4_quantize_rows(x, M, K, xq, scales, sums, threads);
         failed = products(xq, scales, sums, packed, scales_zeros, by_block, y, M, N, K, threads);
     }
     free(xq);
@@ -137,7 +137,8 @@ static inline void int4_quads(const uint8_t *first, __m512i w[4]) {
    quotient are the scalar ones: the same integers as a loop of lrintf, at a fraction of its time
    (a decode step of 32 rows spent a quarter of its time in that loop). */
 void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
-                        int32_t *sums) {
+                        int32_t *sums, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * K >= PARALLEL_VALUES)
     for (int64_t i = 0; i < rows * (K / 32); i++) {
         const __m512 a = _mm512_loadu_ps(x + i * 32), b = _mm512_loadu_ps(x + i * 32 + 16);
         const float largest =
@@ -544,9 +545,10 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int by_blo
 
 /* x's rows as int4_quantize_rows above makes them: the same integers, scales and sums */
 void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
-                        int32_t *sums) {
+                        int32_t *sums, int threads) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * K >= PARALLEL_VALUES)
     for (int64_t i = 0; i < rows * (K / 32); i++) {
         __m256 v[4], top = _mm256_setzero_ps();
         for (int j = 0; j < 4; j++) {
