@@ -185,9 +185,11 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
     """What `mmcli ask` does, through the same API, timed by phase (the parent adds the
     interpreter's start)."""
     from mmcli.api.labeler import Labeler
-    from mmcli.config import load_config
+    from mmcli.config import Config, load_config
 
     imported = time.perf_counter()
+    if "weights_memory" in Config.__dataclass_fields__:  # as the command resolves it (--against)
+        settings = {"weights_memory": "mapped", **settings}
     cap = Labeler.from_pretrained(
         str(ckpt), config=load_config(None, {"device": "cpu", **settings})
     )
@@ -889,8 +891,8 @@ def print_batched(name: str, side: str, r: dict, parameters: int) -> None:
         f"{name} {side}: {r['images_per_s']:.4f} images/s ({r['seconds']:.1f} s: vision "
         f"{spent['vision']:.1f}, text prefill {spent['text']:.1f}, decode {spent['decode']:.1f}; "
         f"{r['precision']}); weights {r['weight_bytes'] / 2**30:.2f} GiB "
-        f"({r['weight_bytes'] / parameters:.2f} bytes a parameter), peak RSS "
-        f"{r['peak_rss'] / 2**30:.2f} GiB",
+        f"({r['weight_bytes'] / parameters:.2f} bytes a parameter), load "
+        f"{r['load_seconds']:.1f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB",
         flush=True,
     )
 

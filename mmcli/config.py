@@ -221,6 +221,9 @@ class Config:
     quantize: str = "none"  # none, int8 or int4 (CPU)
     # int8 values computed once, read back by later runs: under <cache_dir>/weights
     weights_cache: bool = True
+    # on the CPU: auto (huge_pages, but mapped for `mmcli ask`), mapped (the files' pages, loaded
+    # at once) or huge_pages (copied at load into 2 MiB pages, which a decode step reads faster)
+    weights_memory: str = "auto"
     cache_dir: str = ""  # empty: $XDG_CACHE_HOME/mmcli, else ~/.cache/mmcli
     device: str = "auto"
     prompt: str = "Describe this image."
@@ -247,6 +250,7 @@ class Config:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHTS_MEMORY = ("auto", "mapped", "huge_pages")
 COUNTS = "a non-empty list of counts >= 1"
 # (key, whether its value is allowed (value, whole config), what it must be)
 _CHECKS = [
@@ -255,6 +259,7 @@ _CHECKS = [
     ("quantize", lambda v, c: v in ("none", "int8", "int4"), "none, int8, int4"),
     ("thinking", lambda v, c: isinstance(v, bool), "true or false"),
     ("weights_cache", lambda v, c: isinstance(v, bool), "true or false"),
+    ("weights_memory", lambda v, c: v in WEIGHTS_MEMORY, ", ".join(WEIGHTS_MEMORY)),
     ("device", lambda v, c: v in ("auto", "cpu", "cuda"), "auto, cpu, cuda"),
     ("inputs.workers", lambda v, c: v >= 0, "0 (one per core but one) or more"),
     ("engine.max_seqs", lambda v, c: v >= 1, "at least 1"),

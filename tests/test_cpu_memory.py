@@ -297,16 +297,16 @@ def test_the_weights_quantize_in_c_to_the_bits_torch_gives(build, dtype, folded,
         assert torch.equal(ours.tensors()[part], value), part
 
 
-def _resident_bytes(address: int) -> int:
-    """Rss of the mapping of this process that holds `address` (/proc/self/smaps)."""
+def _smaps_entry(address: int, key: str) -> int:
+    """`key` (Rss, AnonHugePages) of the mapping of this process that holds `address`."""
     lines = Path("/proc/self/smaps").read_text().splitlines()
     for n, line in enumerate(lines):
         span = line.split()[0]
         if "-" in span and all(c in "0123456789abcdef-" for c in span):
             start, end = (int(v, 16) for v in span.split("-"))
             if start <= address < end:
-                rss = next(entry for entry in lines[n + 1 :] if entry.startswith("Rss:"))
-                return int(rss.split()[1]) * 1024
+                entry = next(e for e in lines[n + 1 :] if e.startswith(key + ":"))
+                return int(entry.split()[1]) * 1024
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
@@ -324,11 +324,86 @@ def test_the_weights_pages_are_mapped_in_at_once(tmp_path):
     with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
         mapped = f.get_tensor("w")
         size = mapped.numel() * mapped.element_size()
-        assert _resident_bytes(mapped.data_ptr()) < size / 4
+        assert _smaps_entry(mapped.data_ptr(), "Rss") < size / 4
         if not populate([(mapped.data_ptr(), size)]):
             pytest.skip("this kernel has no MADV_POPULATE_READ (Linux 5.14)")
-        assert _resident_bytes(mapped.data_ptr()) >= size
+        assert _smaps_entry(mapped.data_ptr(), "Rss") >= size
     assert keep_freed_memory()
+
+
+def _huge_pages_allowed() -> bool:
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return enabled.exists() and "[never]" not in enabled.read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
+def test_weights_moved_into_huge_pages_keep_their_values_views_and_ties(tmp_path):
+    """hold_in_huge_pages copies each storage once and points every tensor at its copy, in
+    place: a tied pair still shares its bytes, a view keeps its offset and strides, a tensor of
+    another holder over the old storage keeps it (the prepared file's writer), and the region
+    is in 2 MiB pages where the kernel allows them."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mmcli.kernels.host_memory import HUGE_PAGE, hold_in_huge_pages
+
+    save_file({"w": torch.arange(3 << 20, dtype=torch.float32)}, tmp_path / "w.safetensors")
+    with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
+        mapped = f.get_tensor("w")
+    tied = mapped.view(3, -1)  # another tensor over the same storage
+    column = torch.arange(12, dtype=torch.bfloat16).view(4, 3).t()[1:]  # a strided view
+    writers = [mapped.detach(), column.detach()]
+    before = [(t.clone(), t.stride()) for t in (mapped, tied, column)]
+    assert hold_in_huge_pages([mapped, tied, column, mapped])
+    for moved, (values, strides) in zip((mapped, tied, column), before):
+        assert torch.equal(moved, values) and moved.stride() == strides
+    assert tied.data_ptr() == mapped.data_ptr() and writers[0].data_ptr() != mapped.data_ptr()
+    assert torch.equal(writers[0], before[0][0]) and torch.equal(writers[1], before[2][0])
+    # the copies begin on a 2 MiB boundary (column's view is one value into its storage)
+    assert min(mapped.data_ptr(), column.data_ptr() - column.itemsize) % HUGE_PAGE == 0
+    mapped += 1  # the copy is the process's own memory, no longer the file's
+    assert torch.equal(tied.view(-1), before[0][0] + 1)
+    if _huge_pages_allowed():
+        assert _smaps_entry(mapped.data_ptr(), "AnonHugePages") >= HUGE_PAGE
+
+
+def test_a_load_into_huge_pages_computes_as_the_mapped_load(bf16_dir):
+    """weights_memory huge_pages: the same logits, the same bytes held, and no page of the
+    checkpoint still mapped; mapped keeps its pages."""
+    mapped = _labeler(bf16_dir, weights_memory="mapped")
+    moved = _labeler(bf16_dir, weights_memory="huge_pages")
+    assert torch.equal(_logits(moved), _logits(mapped))
+    assert moved.weight_bytes == mapped.weight_bytes
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else None
+    if maps is not None:  # the first load's pages only
+        assert str(bf16_dir) in maps
+    del mapped
+    import gc
+
+    gc.collect()
+    if maps is not None:
+        assert str(bf16_dir) not in Path("/proc/self/maps").read_text()
+
+
+def test_ask_keeps_the_weights_mapped_and_caption_moves_them(tiny_dir, tmp_path, monkeypatch):
+    """weights_memory auto: one answer's few steps gain less than the copy costs, so `mmcli
+    ask` keeps the files' pages; `caption` copies the weights into huge pages."""
+    from mmcli.weights import loader
+
+    moves = []
+    monkeypatch.setattr(loader, "hold_in_huge_pages", lambda tensors: moves.append(tensors))
+    model = ["--model", str(tiny_dir), "--dtype", "float32", "--max-new-tokens", "2"]
+    image = str(SAMPLES / "coffee.jpg")
+    result = CliRunner().invoke(app, ["ask", *model, "--image", image, "q"])
+    assert result.exit_code == 0, result.output
+    assert moves == []
+    folder = tmp_path / "images"
+    folder.mkdir()
+    shutil.copy(image, folder)
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["caption", str(folder), *model, "-o", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert len(moves) == 1 and moves[0]
 
 
 def _anonymous_bytes() -> int:

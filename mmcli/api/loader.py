@@ -164,7 +164,9 @@ def _load_model(run: Run):
     kernel_plan = choose_kernels(run, run.model_config)
     weights, prepared = _read_weights(run, kernel_plan.linears.id)
     device = torch.device(run.device)
-    model = prepare(build_model(run.model_config, weights), kernel_plan, device, prepared)
+    huge_pages = run.config.weights_memory in ("auto", "huge_pages")
+    model = build_model(run.model_config, weights)
+    model = prepare(model, kernel_plan, device, prepared, huge_pages)
     return model, kernel_plan, prepared, device
 
 

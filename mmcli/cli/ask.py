@@ -4,6 +4,7 @@ when asked."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from mmcli.config import Config
@@ -24,6 +25,8 @@ def run_ask(
     record; returns 0, or 1 when the item failed (its error is on stderr and in the record).
     `inputs` is (image files, video files)."""
     images, videos = inputs
+    if config.weights_memory == "auto":  # one answer's few steps gain less than a copy costs
+        config = replace(config, weights_memory="mapped")
     from mmcli.weights.hub import read_ahead
 
     read_ahead(config.model)  # before torch is imported

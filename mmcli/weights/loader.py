@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmcli.kernels.host_memory import keep_freed_memory, populate
+from mmcli.kernels.host_memory import hold_in_huge_pages, keep_freed_memory, populate
 from mmcli.kernels.plan import (
     INT4,
     INT4_BLOCKS,
@@ -76,10 +76,15 @@ def quantize(
 
 
 def prepare(
-    model: nn.Module, plan: KernelPlan, device: torch.device, prepared: PreparedWeights | None
+    model: nn.Module,
+    plan: KernelPlan,
+    device: torch.device,
+    prepared: PreparedWeights | None,
+    huge_pages: bool = False,
 ) -> nn.Module:
     """The weights in the plan's form on `device`, its kernels installed, and on the CPU the
-    allocator set for the run and the weights' pages mapped in."""
+    allocator set for the run and the weights' pages mapped in, or (`huge_pages`) copied into
+    anonymous memory in 2 MiB pages before the kernels take their addresses."""
     model = model.to(device)
     form = plan.linears.id
     if form == INT8:
@@ -92,10 +97,12 @@ def prepare(
         vision_int8(model.visual, rows=plan.vision_int8.id == ONEDNN_INT8)
     if plan.int4.form == INT4_BLOCKS:
         int4.by_block(model, int4_block())
+    moved = device.type == "cpu" and huge_pages and hold_in_huge_pages(held_tensors(model))
     install(plan, model)
     if device.type == "cpu":
         keep_freed_memory()  # after the load: its temporaries are returned as before
-        populate([(t.data_ptr(), t.numel() * t.element_size()) for t in held_tensors(model)])
+        if not moved:
+            populate([(t.data_ptr(), t.numel() * t.element_size()) for t in held_tensors(model)])
     return model
 
 
@@ -112,24 +119,29 @@ def int4_int8_scopes(model: nn.Module, plan: KernelPlan) -> nn.ModuleList | None
 def held_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The tensors the model computes with on the CPU: parameters, buffers and the quantized and
     packed layers' weights (oneDNN's packed ones are opaque: no pages of ours to map)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    for layer in model.modules():
-        if hasattr(layer, "held"):
-            tensors += layer.held()
+    tensors = [*model.parameters(), *model.buffers(), *held_extras(model)]
     return [t for t in tensors if t.device.type == "cpu" and t.layout == torch.strided]
 
 
+def held_extras(model: nn.Module) -> list[torch.Tensor]:
+    """The quantized and packed layers' own weights (their `held`), beside the parameters."""
+    return [t for layer in model.modules() if hasattr(layer, "held") for t in layer.held()]
+
+
 def held_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights take as held: every tensor's storage once (a tied weight is
-    shared), plus the packed oneDNN, int8 and int4 weights and the MoE experts' int4."""
-    storages = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    total = sum(storages.values())
-    for layer in model.modules():
-        if hasattr(layer, "held"):
-            total += sum(t.numel() * t.element_size() for t in layer.held())
-    total += sum(getattr(m, "int4_bytes", 0) for m in model.modules())  # MoE experts
-    return total
+    """Bytes the model's weights take as held: the extents of its parameters, buffers and
+    quantized and packed layers' weights, each byte once (a tied weight is shared; weights held
+    in huge pages share one storage), plus the MoE experts' int4."""
+    tensors = [*model.parameters(), *model.buffers(), *held_extras(model)]
+    tensors = [t for t in tensors if t.device.type != "meta" and t.numel()]
+    opaque = [t for t in tensors if t.layout != torch.strided]  # oneDNN's packed: no address
+    extents = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in tensors
+        if t.layout == torch.strided
+    )
+    total, reached = sum(t.numel() * t.element_size() for t in opaque), 0
+    for start, end in extents:
+        total += max(0, end - max(start, reached))
+        reached = max(reached, end)
+    return total + sum(getattr(m, "int4_bytes", 0) for m in model.modules())  # MoE experts

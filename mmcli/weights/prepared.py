@@ -231,6 +231,10 @@ class PreparedWeights:
         return prepared
 
     def _write_aside(self, tensors: dict[str, torch.Tensor]) -> None:
+        # tensors of the writer's own over the same storages: the load may move the model's into
+        # huge pages meanwhile (host_memory.hold_in_huge_pages), which frees the storages only
+        # once this file is written
+        tensors = {name: tensor.detach() for name, tensor in tensors.items()}
         # not a daemon: the interpreter waits for the file before it exits
         self._writer = threading.Thread(target=self._write, args=(tensors,), name="mmcli-prepared")
         self._writer.start()
