@@ -339,9 +339,9 @@ def _huge_pages_allowed() -> bool:
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
 def test_weights_moved_into_huge_pages_keep_their_values_views_and_ties(tmp_path):
     """hold_in_huge_pages copies each storage once and points every tensor at its copy, in
-    place: a tied pair still shares its bytes, a view keeps its offset and strides, a tensor of
-    another holder over the old storage keeps it (the prepared file's writer), and the region
-    is in 2 MiB pages where the kernel allows them."""
+    place: a tied pair still shares its bytes, a view keeps its offset and strides and its base
+    moves with it, a tensor of another holder over the old storage keeps it (the prepared
+    file's writer), and the region is in 2 MiB pages where the kernel allows them."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -353,11 +353,15 @@ def test_weights_moved_into_huge_pages_keep_their_values_views_and_ties(tmp_path
     tied = mapped.view(3, -1)  # another tensor over the same storage
     column = torch.arange(12, dtype=torch.bfloat16).view(4, 3).t()[1:]  # a strided view
     writers = [mapped.detach(), column.detach()]
+    old = column.untyped_storage().data_ptr()
     before = [(t.clone(), t.stride()) for t in (mapped, tied, column)]
     assert hold_in_huge_pages([mapped, tied, column, mapped])
     for moved, (values, strides) in zip((mapped, tied, column), before):
         assert torch.equal(moved, values) and moved.stride() == strides
     assert tied.data_ptr() == mapped.data_ptr() and writers[0].data_ptr() != mapped.data_ptr()
+    # the view's base moved with it: nothing of ours holds the old storage but the writer's
+    assert column._base.untyped_storage().data_ptr() == column.untyped_storage().data_ptr()
+    assert column._base.untyped_storage().data_ptr() != old
     assert torch.equal(writers[0], before[0][0]) and torch.equal(writers[1], before[2][0])
     # the copies begin on a 2 MiB boundary (column's view is one value into its storage)
     assert min(mapped.data_ptr(), column.data_ptr() - column.itemsize) % HUGE_PAGE == 0

@@ -166,6 +166,7 @@ def _load_model(run: Run):
     device = torch.device(run.device)
     huge_pages = run.config.weights_memory in ("auto", "huge_pages")
     model = build_model(run.model_config, weights)
+    del weights  # the model holds them now: a storage moved into huge pages is then freed at once
     model = prepare(model, kernel_plan, device, prepared, huge_pages)
     return model, kernel_plan, prepared, device
 

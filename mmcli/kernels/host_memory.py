@@ -99,7 +99,9 @@ def hold_in_huge_pages(tensors: list[torch.Tensor]) -> bool:
     (not Linux, or transparent huge pages not built in)."""
     libc = _libc()
     holders: dict[int, list[torch.Tensor]] = {}
-    for tensor in {id(t): t for t in tensors}.values():
+    # a view holds its base, and with it the old storage: the bases move too
+    bases = [t._base for t in tensors if t._base is not None]
+    for tensor in {id(t): t for t in [*tensors, *bases]}.values():
         if tensor.untyped_storage().nbytes():
             holders.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
     if libc is None or not holders:
