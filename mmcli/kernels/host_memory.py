@@ -94,9 +94,9 @@ def release_freed_memory() -> bool:
 def hold_in_huge_pages(tensors: list[torch.Tensor]) -> bool:
     """Copy these tensors' storages into one anonymous region in 2 MiB pages and point each
     tensor at its copy, in place (every holder of a tensor sees it moved), a storage at a time:
-    each old one is freed, or its file unmapped, with its last holder, so the load holds the
-    two copies of one file at most. False, nothing moved, where the kernel takes no such advice
-    (not Linux, or transparent huge pages not built in)."""
+    each old one is freed, or its file's pages unmapped, with its last holder, so the load holds
+    little more than one copy. False, nothing moved, where the kernel takes no such advice (not
+    Linux, or transparent huge pages not built in) or the region cannot be had."""
     libc = _libc()
     holders: dict[int, list[torch.Tensor]] = {}
     # a view holds its base, and with it the old storage: the bases move too
@@ -108,8 +108,10 @@ def hold_in_huge_pages(tensors: list[torch.Tensor]) -> bool:
         return False
     sizes = {address: ts[0].untyped_storage().nbytes() for address, ts in holders.items()}
     size = sum(-(-n // 64) * 64 for n in sizes.values())  # each storage on lines of its own
-    # a fresh mapping (malloc maps a block this large): untouched, so advised before any fault
-    region = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+    try:  # a fresh mapping (malloc maps a block this large): untouched, so advised before any fault
+        region = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+    except RuntimeError:  # refused (no overcommit): the weights stay where they are
+        return False
     place = -region.data_ptr() % HUGE_PAGE
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     if libc.madvise(region.data_ptr() + place, size, MADV_HUGEPAGE) != 0:
