@@ -297,8 +297,9 @@ def test_the_weights_quantize_in_c_to_the_bits_torch_gives(build, dtype, folded,
         assert torch.equal(ours.tensors()[part], value), part
 
 
-def _smaps_entry(address: int, key: str) -> int:
-    """`key` (Rss, AnonHugePages) of the mapping of this process that holds `address`."""
+def _smaps_entry(address: int, key: str) -> int | str:
+    """`key` of the mapping of this process that holds `address`: a size in bytes (Rss,
+    AnonHugePages), or VmFlags' letters."""
     lines = Path("/proc/self/smaps").read_text().splitlines()
     for n, line in enumerate(lines):
         span = line.split()[0]
@@ -306,7 +307,8 @@ def _smaps_entry(address: int, key: str) -> int:
             start, end = (int(v, 16) for v in span.split("-"))
             if start <= address < end:
                 entry = next(e for e in lines[n + 1 :] if e.startswith(key + ":"))
-                return int(entry.split()[1]) * 1024
+                value = entry.split(":", 1)[1].strip()
+                return value if key == "VmFlags" else int(value.split()[0]) * 1024
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
@@ -345,7 +347,7 @@ def test_weights_moved_into_huge_pages_keep_their_values_views_and_ties(tmp_path
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from mmcli.kernels.host_memory import HUGE_PAGE, hold_in_huge_pages
+    from mmcli.kernels.host_memory import HUGE_PAGE, hold_in_huge_pages, keep_freed_memory
 
     save_file({"w": torch.arange(3 << 20, dtype=torch.float32)}, tmp_path / "w.safetensors")
     with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
@@ -355,6 +357,9 @@ def test_weights_moved_into_huge_pages_keep_their_values_views_and_ties(tmp_path
     writers = [mapped.detach(), column.detach()]
     old = column.untyped_storage().data_ptr()
     before = [(t.clone(), t.stride()) for t in (mapped, tied, column)]
+    # malloc keeps freed blocks (as after a load): the region must be fresh memory all the same
+    keep_freed_memory()
+    torch.ones(64 << 20, dtype=torch.uint8).add_(1)  # written and freed, kept in the heap
     assert hold_in_huge_pages([mapped, tied, column, mapped])
     for moved, (values, strides) in zip((mapped, tied, column), before):
         assert torch.equal(moved, values) and moved.stride() == strides
@@ -367,6 +372,7 @@ def test_weights_moved_into_huge_pages_keep_their_values_views_and_ties(tmp_path
     assert min(mapped.data_ptr(), column.data_ptr() - column.itemsize) % HUGE_PAGE == 0
     mapped += 1  # the copy is the process's own memory, no longer the file's
     assert torch.equal(tied.view(-1), before[0][0] + 1)
+    assert "hg" in _smaps_entry(mapped.data_ptr(), "VmFlags").split()  # advised
     if _huge_pages_allowed():
         assert _smaps_entry(mapped.data_ptr(), "AnonHugePages") >= HUGE_PAGE
 

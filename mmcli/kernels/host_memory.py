@@ -25,11 +25,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import mmap
 import sys
 
 import torch
 
-MADV_HUGEPAGE = 14  # Linux 2.6.38 and later, where transparent huge pages are built in
 MADV_POPULATE_READ = 22  # Linux 5.14 and later
 PAGE = 4096
 HUGE_PAGE = 2 << 20
@@ -97,24 +97,25 @@ def hold_in_huge_pages(tensors: list[torch.Tensor]) -> bool:
     each old one is freed, or its file's pages unmapped, with its last holder, so the load holds
     little more than one copy. False, nothing moved, where the kernel takes no such advice (not
     Linux, or transparent huge pages not built in) or the region cannot be had."""
-    libc = _libc()
     holders: dict[int, list[torch.Tensor]] = {}
     # a view holds its base, and with it the old storage: the bases move too
     bases = [t._base for t in tensors if t._base is not None]
     for tensor in {id(t): t for t in [*tensors, *bases]}.values():
         if tensor.untyped_storage().nbytes():
             holders.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
-    if libc is None or not holders:
+    if not hasattr(mmap, "MADV_HUGEPAGE") or not holders:  # Linux's advice only
         return False
     sizes = {address: ts[0].untyped_storage().nbytes() for address, ts in holders.items()}
     size = sum(-(-n // 64) * 64 for n in sizes.values())  # each storage on lines of its own
-    try:  # a fresh mapping (malloc maps a block this large): untouched, so advised before any fault
-        region = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
-    except RuntimeError:  # refused (no overcommit): the weights stay where they are
+    try:  # a mapping of its own, untouched (malloc may hand back used heap): advised before a fault
+        mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # refused (no overcommit): the weights stay where they are
         return False
+    region = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping; unmapped with it
     place = -region.data_ptr() % HUGE_PAGE
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(region.data_ptr() + place, size, MADV_HUGEPAGE) != 0:
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, place, size)
+    except OSError:  # transparent huge pages not built in
         return False
     held = region.untyped_storage()
     with torch.no_grad():
