@@ -21,9 +21,10 @@
    same bytes of the tile `threads` tiles on (the one this thread likely takes next: the tiles go
    to whichever thread is free), for a new tile starts a new page, where the hardware's
    prefetcher stops. On a 2-core Zen 1 (AVX2) the logits of one row (151936 x 2048) took 17-19
-   ms where they took 22-23, a 6144 x 2048 layer's 1.05-1.1x less; the AVX-512 builds' are
-   unmeasured. */
-#define FETCH_ROWS 2
+   ms where they took 22-23, a 6144 x 2048 layer's 1.05-1.1x less. To 4 rows, as the AMX build
+   takes them here (int8_step_rows): int8's decode step at 3 and 4 sequences 1.02-1.03x on an AMX
+   Xeon, 1 and 2 unchanged (bench/kernel_ab.py, two runs); 3 and 4 rows on AVX2 unmeasured. */
+#define FETCH_ROWS 4
 
 /* The bytes from tile `t` to the tile `threads` on (FETCH_ROWS), 0 where that is not a whole tile
    of the `tiles` (no pointer past the weights' end is formed) */
