@@ -297,19 +297,29 @@ def test_the_weights_quantize_in_c_to_the_bits_torch_gives(build, dtype, folded,
         assert torch.equal(ours.tensors()[part], value), part
 
 
-def _smaps_entry(address: int, key: str) -> int | str:
-    """`key` of the mapping of this process that holds `address`: a size in bytes (Rss,
-    AnonHugePages), or VmFlags' letters."""
+def _smaps_fields(address: int) -> dict[str, str]:
+    """The smaps fields (Rss, AnonHugePages, VmFlags, ...) of this process's mapping that holds
+    `address`."""
     lines = Path("/proc/self/smaps").read_text().splitlines()
     for n, line in enumerate(lines):
         span = line.split()[0]
         if "-" in span and all(c in "0123456789abcdef-" for c in span):
             start, end = (int(v, 16) for v in span.split("-"))
             if start <= address < end:
-                entry = next(e for e in lines[n + 1 :] if e.startswith(key + ":"))
-                value = entry.split(":", 1)[1].strip()
-                return value if key == "VmFlags" else int(value.split()[0]) * 1024
+                fields = {}
+                for entry in lines[n + 1 :]:
+                    key, _, value = entry.partition(":")
+                    if not value or " " in key:  # the next mapping's header
+                        break
+                    fields[key] = value.strip()
+                return fields
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _smaps_entry(address: int, key: str) -> int:
+    """`key` (Rss, AnonHugePages) of the mapping of this process that holds `address`, in
+    bytes."""
+    return int(_smaps_fields(address)[key].split()[0]) * 1024
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
@@ -378,7 +388,7 @@ def test_weights_moved_into_huge_pages_keep_their_values_views_and_ties(tmp_path
     assert min(mapped.data_ptr(), column.data_ptr() - column.itemsize) % HUGE_PAGE == 0
     mapped += 1  # the copy is the process's own memory, no longer the file's
     assert torch.equal(tied.view(-1), before[0][0] + 1)
-    assert "hg" in _smaps_entry(mapped.data_ptr(), "VmFlags").split()  # advised
+    assert "hg" in _smaps_fields(mapped.data_ptr())["VmFlags"].split()  # advised
     if _huge_pages_promised():
         assert _smaps_entry(mapped.data_ptr(), "AnonHugePages") >= HUGE_PAGE
 
