@@ -246,6 +246,53 @@ def test_the_decoder_norm_takes_the_kernel_and_keeps_the_reference_result(monkey
     assert called
 
 
+# rows below and past the threads' threshold (2^16 values)
+@pytest.mark.parametrize("rows,width", [(3, 64), (300, 1024)])
+def test_the_add_and_norm_kernels_give_the_add_then_the_norm(build, rows, width):
+    """rms_norm.c's and layer_norm.c's residual add with the norm after it, one pass: the sum the
+    floats of x + update (a product's bfloat16 outputs widened, float32, or none); the RMSNorm the
+    floats of rms_norm.c's own norm of that sum, the LayerNorm within float32's rounding of
+    float64's; rounded to bfloat16, the bits of torch's rounding of those."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, width, generator=generator) * 3 + 1
+    weight, bias = torch.randn(2, width, generator=generator)
+    updates = torch.randn(2, rows, width, generator=generator)
+    for update in (updates[0].bfloat16(), updates[1], None):
+        total = x if update is None else x + update.float()
+        summed, normed = cpu.add_rms_norm(x, update, weight, 1e-6, False)
+        assert torch.equal(summed, total)
+        assert torch.equal(normed, cpu.rms_norm(total, weight, 1e-6))
+        assert torch.equal(cpu.add_rms_norm(x, update, weight, 1e-6, True)[1], normed.bfloat16())
+        summed, normed = cpu.add_layer_norm(x, update, weight, bias, 1e-6, False)
+        exact = F.layer_norm(total.double(), (width,), weight.double(), bias.double(), 1e-6)
+        assert torch.equal(summed, total)
+        torch.testing.assert_close(normed.double(), exact, atol=1e-5, rtol=1e-5)
+        rounded = cpu.add_layer_norm(x, update, weight, bias, 1e-6, True)[1]
+        assert torch.equal(rounded, normed.bfloat16())
+
+
+def test_the_norm_layers_take_the_residual_add_through_the_kernels_or_torch():
+    """add_and_norm: (x + update, its norm) through the installed kernels, the output in bfloat16
+    where the plan sets `rounded`; without a kernel, and for rows the kernels decline (70 wide,
+    off their vectors), torch's add and norm: the same sum, the norm within float32's rounding
+    (the kernels' bits against the unfused norm's: above)."""
+    from mmcli.models.layers.norms import LayerNorm, RMSNorm
+
+    generator = torch.Generator().manual_seed(9)
+    for width in (64, 70):
+        x, update = torch.randn(2, 5, width, generator=generator)
+        for make in (lambda w: RMSNorm(w, 1e-6), lambda w: LayerNorm(w, eps=1e-6)):
+            plain, fused = make(width).requires_grad_(False), with_cpu_kernels(make(width))
+            fused.requires_grad_(False).load_state_dict(plain.state_dict())
+            expected_sum, expected = plain.add_and_norm(x, update.bfloat16())
+            summed, normed = fused.add_and_norm(x, update.bfloat16())
+            assert torch.equal(summed, expected_sum) and torch.equal(summed, x + update.bfloat16())
+            torch.testing.assert_close(normed, expected, atol=1e-5, rtol=1e-5)
+            fused.rounded = True
+            dtype = torch.bfloat16 if width % cpu.NORM_WIDTH == 0 else torch.float32
+            assert fused.add_and_norm(x, update)[1].dtype == fused(x).dtype == dtype
+
+
 def _torch_rotary(x, cos, sin):
     """rotate_half's rotary, as transformers writes it, in float64; partial: the rest passes."""
     rot, half = cos.shape[-1], cos.shape[-1] // 2

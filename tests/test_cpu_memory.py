@@ -140,6 +140,8 @@ def test_int8_keeps_outlier_channels_from_wrecking_the_rest(outlier_dir):
     for layer in naive.model.modules():
         if isinstance(layer, Int8Linear):
             layer.per_token = False
+        if hasattr(layer, "rounded"):  # set at load for bfloat16 products, not int8's
+            layer.rounded = False
     assert _relative_error(_logits(naive), reference) > 0.12
 
 

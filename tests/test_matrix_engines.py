@@ -579,6 +579,32 @@ def _loaded(path, units: cpu_features.CpuFeatures, monkeypatch, **settings):
     return labeler, req, greedy(labeler, req).token_ids
 
 
+@needs_kernels
+def test_norms_hand_their_outputs_on_in_bfloat16_without_moving_a_float(
+    bf16_checkpoint, monkeypatch
+):
+    """hand_on_norms: the norms whose readers all take the `upcast` products, where those round
+    their inputs at every row count, give their outputs in bfloat16 (the decoder's input and post
+    norms, the vision blocks' two); the final norm (read by the logits' near-float32 products),
+    q/k norms and the mergers' do not. Handed on or not, the prompt's logits are the same floats
+    (forced on here where this build's few rows would not round, to check it on any CPU)."""
+    labeler, req, tokens = _loaded(bf16_checkpoint, AMX, monkeypatch, weights_cache=False)
+    model = labeler.model
+    decoder, tower = model.language_model, model.visual
+    text = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in decoder.layers]
+    readers = [norm for pair in text for norm in pair]
+    readers += [norm for block in tower.blocks for norm in (block.norm1, block.norm2)]
+    others = [decoder.norm, decoder.layers[0].self_attn.q_norm, tower.merger.norm]
+    rounds = labeler.kernel_plan.upcast.rounds_inputs
+    assert all(n.rounded == rounds for n in readers) and not any(n.rounded for n in others)
+    logits = {}
+    for handed_on in (True, False):
+        for norm in readers:
+            norm.rounded = handed_on
+        (logits[handed_on],) = forced_logits(labeler, [req], [tokens[:1]])
+    assert torch.equal(logits[True], logits[False])
+
+
 # bfloat16 rounding of the activations moves this checkpoint's logits by 2-4% of their spread;
 # a wrong kernel (a layout, a scale) moves them by all of it.
 PRODUCTS_MARGIN = 0.1

@@ -39,7 +39,7 @@ from mmcli.paths import mmcli_cache
 SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in (
-        *("bf16_linear.c", "attention.c", "rms_norm.c"),
+        *("bf16_linear.c", "attention.c", "rms_norm.c", "layer_norm.c"),
         *("pointwise.c", "decode_layer.c", "int8_linear.c", "int8_weights.c", "int4_tiles.c"),
         "int4_vnni.c",
     )
@@ -259,6 +259,16 @@ def _declare(library: ctypes.CDLL) -> None:
     library.rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     library.rms_norm.argtypes += [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     library.rms_norm.restype = None
+    # x, update, update_bf16, sum, weight, out, rounded, rows, width, eps, threads
+    library.add_rms_norm.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 3
+    library.add_rms_norm.argtypes += [ctypes.c_int] + [ctypes.c_int64] * 2
+    library.add_rms_norm.argtypes += [ctypes.c_float, ctypes.c_int]
+    library.add_rms_norm.restype = None
+    # x, update, update_bf16, sum, weight, bias, out, rounded, rows, width, eps, threads
+    library.add_layer_norm.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 4
+    library.add_layer_norm.argtypes += [ctypes.c_int] + [ctypes.c_int64] * 2
+    library.add_layer_norm.argtypes += [ctypes.c_float, ctypes.c_int]
+    library.add_layer_norm.restype = None
     library.rotary.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     library.rotary.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
     library.rotary.argtypes += [ctypes.c_int]
@@ -502,6 +512,7 @@ def _int4_products(kernel, x: torch.Tensor, weight) -> torch.Tensor | None:
 
 # bf16_gemm's activations (bf16_linear.c's enum activation)
 ACTIVATIONS = {None: 0, "gelu_tanh": 1}
+NORM_WIDTH = 16  # the add-and-norm kernels' rows: whole vectors in either build
 
 
 def bf16_gemm(
@@ -591,6 +602,63 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    update: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    rounded: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + update, rms_norm(x + update)) in one pass (rms_norm.c); see _add_norm."""
+    return _add_norm("add_rms_norm", x, update, [weight], eps, rounded)
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    update: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    rounded: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + update, layer_norm(x + update)) in one pass (layer_norm.c); see _add_norm."""
+    return _add_norm("add_layer_norm", x, update, [weight, bias], eps, rounded)
+
+
+def _add_norm(
+    name: str,
+    x: torch.Tensor,
+    update: torch.Tensor | None,
+    params: list[torch.Tensor],
+    eps: float,
+    rounded: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A norm's kernel with the residual stream's add before it: x float32, contiguous, its last
+    dimension a multiple of NORM_WIDTH; update of x's shape, contiguous, float32 or bfloat16 (a
+    product's outputs handed on), or None (the sum is x); params float32, contiguous.
+    `rounded`: the norm's output in bfloat16, each value rounded as torch rounds float32."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    width = x.shape[-1]
+    total = torch.empty(x.shape) if update is not None else x
+    out = torch.empty(x.shape, dtype=torch.bfloat16 if rounded else torch.float32)
+    getattr(library, name)(
+        x.data_ptr(),
+        update.data_ptr() if update is not None else None,
+        int(update is not None and update.dtype == torch.bfloat16),
+        total.data_ptr(),
+        *(p.data_ptr() for p in params),
+        out.data_ptr(),
+        int(rounded),
+        x.numel() // width,
+        width,
+        eps,
+        torch.get_num_threads(),
+    )
+    return total, out
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

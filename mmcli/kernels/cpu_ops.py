@@ -20,11 +20,49 @@ def _float32_on_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """rms_norm.c: a norm in one call (torch's CPU rms_norm is eight operations)."""
+def rms_norm(
+    x: torch.Tensor,
+    update: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    rounded: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """rms_norm.c: (x + update, its norm) in one call (torch's CPU rms_norm alone is eight
+    operations), `update` None (x as it is: its rows may be strided) or a product's outputs
+    (float32, or bfloat16 handed on); the norm in bfloat16 where `rounded`."""
     if not (_float32_on_cpu(x, weight) and x.stride(-1) == 1 and cpu.eager()):
         return None
-    return cpu.rms_norm(x, weight, eps)
+    if update is None and not rounded:
+        return x, cpu.rms_norm(x, weight, eps)
+    if not _whole_rows(x, update):
+        return None
+    return cpu.add_rms_norm(x, update, weight, eps, rounded)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    update: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    rounded: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """layer_norm.c: (x + update, its norm) in one pass, as rms_norm's."""
+    if not (_float32_on_cpu(x, weight, bias) and _whole_rows(x, update) and cpu.eager()):
+        return None
+    return cpu.add_layer_norm(x, update, weight, bias, eps, rounded)
+
+
+def _whole_rows(x: torch.Tensor, update: torch.Tensor | None) -> bool:
+    """x (and update, where there is one: float32, or bfloat16 handed on) in the add-and-norm
+    kernels' rows: contiguous, of whole vectors."""
+    fits = update is None or (
+        update.shape == x.shape
+        and update.is_contiguous()
+        and update.device.type == "cpu"
+        and update.dtype in (torch.float32, torch.bfloat16)
+    )
+    return fits and x.is_contiguous() and x.shape[-1] % cpu.NORM_WIDTH == 0
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:

@@ -9,8 +9,9 @@ int4), `upcast` (bfloat16 weights with float32 activations), `head` (the lm_head
 but in float32 products always; a quantized run's in int8, on 14 bits of each activation),
 `int8`, `vision_int8` (the vision tower's int8), `int4`, `attention` (the decoder's prefill and
 attention within one image), `vision_blocks` (the packed vision blocks' bounded attention),
-`norm`, `rotary`, `swiglu`, `decode_step` (a decode step through every layer in one call),
-`experts` (MoE) and `delta_rule` (Gated DeltaNet).
+`norm` (RMSNorm) and `layer_norm`, each with the residual stream's add before it, `rotary`,
+`swiglu`, `decode_step` (a decode step through every layer in one call), `experts` (MoE) and
+`delta_rule` (Gated DeltaNet).
 
 On the CPU the choice among ours and the library's (oneDNN through torch) follows the machine
 (kernels/machine.py): its units where they decide it (AMX against our vector kernels), its
@@ -24,6 +25,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+
+import torch
 
 from mmcli.kernels import attention, cpu, cpu_ops, delta_rule, experts, fused_decode, matrix
 from mmcli.kernels.machine import Crossover, Machine
@@ -41,6 +44,9 @@ class Choice:
     # where the kernels read the weights in a form of their own, the form mmcli/weights puts
     # them in at load ("": as they are)
     form: str = ""
+    # products that round their inputs to bfloat16 at every row count: a norm before them may
+    # hand its output on so (hand_on_norms)
+    rounds_inputs: bool = False
 
 
 NONE = Choice("none", "-", "no such work in this model")
@@ -89,6 +95,7 @@ class KernelPlan:
     attention: Choice
     vision_blocks: Choice
     norm: Choice
+    layer_norm: Choice
     rotary: Choice
     swiglu: Choice
     decode_step: Choice
@@ -253,12 +260,12 @@ def _bf16_products(shape: RunShape, machine: Machine) -> Choice | None:
     if _tiles(shape, machine):
         kernel = f"oneDNN bfloat16 (AMX) above {above} rows, AMX tiles to {above}"
         install = _function(matrix.bf16_products(above, few_rows=True))
-        return Choice("onednn_bf16+amx_tiles", kernel, why, install)
+        return Choice("onednn_bf16+amx_tiles", kernel, why, install, rounds_inputs=True)
     engine = machine.cpu.engine()
     if _bf16_dot(shape, machine):
         kernel = f"oneDNN bfloat16 ({engine}) above {above} rows, bf16_dot.c to {above}"
         install = _function(matrix.bf16_products(above, few_rows=True))
-        return Choice("onednn_bf16+bf16_dot.c", kernel, why, install)
+        return Choice("onednn_bf16+bf16_dot.c", kernel, why, install, rounds_inputs=True)
     kernel = f"oneDNN bfloat16 ({engine}) above {above} rows, bf16_linear.c to {above}"
     return Choice("onednn_bf16+bf16_linear.c", kernel, why, _function(matrix.bf16_products(above)))
 
@@ -572,6 +579,7 @@ def choose(shape: RunShape, machine: Machine) -> KernelPlan:
         attention=attend,
         vision_blocks=_vision_blocks(shape, attend),
         norm=_c_kernel("rms_norm.c", shape, machine, _function(cpu_ops.rms_norm)),
+        layer_norm=_c_kernel("layer_norm.c", shape, machine, _function(cpu_ops.layer_norm)),
         rotary=_c_kernel("pointwise.c", shape, machine, _function(cpu_ops.rotary)),
         swiglu=_c_kernel("pointwise.c", shape, machine, _function(cpu_ops.silu_times)),
         decode_step=_decode_step(shape, machine),
@@ -587,3 +595,21 @@ def install(plan: KernelPlan, model) -> None:
         choice = choices.get(getattr(layer, "work", None))
         if choice is not None:
             layer.kernel = choice.install(layer) if choice.install is not None else None
+
+
+def hand_on_norms(plan: KernelPlan, groups) -> None:
+    """Each norm of the family's fold groups (scope, [(norm, its readers)]) whose readers are all
+    linears on the `upcast` products, where those round their inputs to bfloat16 (the GEMM, and
+    the tiles or AVX-512 BF16 at a few rows): its kernel (installed first) hands its output on in
+    bfloat16 (`rounded`), the values each reader would round to, one rounding in place of one a
+    reader. (A few rows with a bias, on bf16_linear.c, then widen that input exactly.)"""
+    if not plan.upcast.rounds_inputs:
+        return
+    for _, scope_groups in groups:
+        for norm, readers in scope_groups:
+            upcast = all(
+                getattr(r, "work", None) == "upcast" and r.weight.dtype == torch.bfloat16
+                for r in readers
+            )
+            if upcast and hasattr(norm, "rounded") and norm.kernel is not None:
+                norm.rounded = True

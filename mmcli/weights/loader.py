@@ -15,6 +15,7 @@ from mmcli.kernels.plan import (
     ONEDNN_INT8,
     PACKED,
     KernelPlan,
+    hand_on_norms,
     install,
     int8_head,
 )
@@ -99,6 +100,7 @@ def prepare(
         int4.by_block(model, int4_block())
     moved = device.type == "cpu" and huge_pages and hold_in_huge_pages(held_tensors(model))
     install(plan, model)
+    hand_on_norms(plan, family_of(model.cfg).fold_groups(model))
     if device.type == "cpu":
         keep_freed_memory()  # after the load: its temporaries are returned as before
         if not moved:

@@ -39,17 +39,7 @@ void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t r
     }
 }
 
-/* Element i of a float32 tensor or, with bf16, of a bfloat16 one: its vector from i, its value,
-   each read widened exactly and written rounded as torch rounds float32 */
-static inline vec load_as(const void *p, int64_t i, int bf16) {
-    return bf16 ? widen((const uint16_t *)p + i) : vload((const float *)p + i);
-}
-static inline void store_as(void *p, int64_t i, vec v, int bf16) {
-    if (bf16)
-        store_bf16((uint16_t *)p + i, v);
-    else
-        vstore((float *)p + i, v);
-}
+/* Element i of a float32 tensor or, with bf16, of a bfloat16 one (as load_as and store_as) */
 static inline float value_at(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }

@@ -233,6 +233,30 @@ static inline void transpose(vec r[8]) {
 }
 #endif
 
+/* The vector from element i of a float32 tensor or, with bf16, of a bfloat16 one: read widened
+   exactly, written rounded as torch rounds float32 */
+static inline vec load_as(const void *p, int64_t i, int bf16) {
+    return bf16 ? widen((const uint16_t *)p + i) : vload((const float *)p + i);
+}
+static inline void store_as(void *p, int64_t i, vec v, int bf16) {
+    if (bf16)
+        store_bf16((uint16_t *)p + i, v);
+    else
+        vstore((float *)p + i, v);
+}
+
+/* Vector i of a residual row x plus its update (as load_as reads it), written to sum; x's own
+   where there is no update (NULL), sum unwritten: the add the norms take before them */
+static inline vec add_update(const float *x, const void *update, int update_bf16, float *sum,
+                             int64_t i) {
+    vec v = vload(x + i);
+    if (update) {
+        v = vadd(v, load_as(update, i, update_bf16));
+        vstore(sum + i, v);
+    }
+    return v;
+}
+
 /* e^a, within 2 ulp: Cephes' expf (a = n ln 2 + r, |r| <= ln 2 / 2, a degree-7 polynomial in r);
    e^-87 (a normal float) below -87: a subnormal result (or operand after it) costs the core a
    microcode assist of a hundred cycles or more, and GELU, SiLU and a softmax meet one for every

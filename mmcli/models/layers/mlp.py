@@ -38,4 +38,5 @@ class MLP(nn.Module):
         # gate and up as their products give them (bfloat16 where the run's are), the SwiGLU's
         # output as down's product reads it: no pass widens or rounds them in between
         gate, up = self.gate_proj(x, rounded=True), self.up_proj(x, rounded=True)
-        return self.down_proj(self.act(gate, up))
+        # down's as its product gives it: the next norm adds it to the residual stream
+        return self.down_proj(self.act(gate, up), rounded=True)

@@ -60,7 +60,8 @@ class Attention(nn.Module):
         out = out.flatten(-2)
         if self.output_gate:
             out = out * torch.sigmoid(gate.flatten(-2))
-        return self.o_proj(out)
+        # as its product gives it (bfloat16 where the run's are): the post norm adds it
+        return self.o_proj(out, rounded=True)
 
     def _prefill(self, q, k, v, batch, k_cache, v_cache):
         out, start = [], 0
@@ -171,14 +172,21 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         batch: AttentionBatch,
         state: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        """`state`: this layer's cache tensors, (K, V) or (conv, recurrent)."""
-        normed = self.input_layernorm(x)
-        if self.linear:
-            h = x + self.linear_attn(normed, batch, *state)
+        update: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`state`: this layer's cache tensors, (K, V) or (conv, recurrent). The layer's input is
+        x + `update` (the layer before's), its output the sum of the two it returns: each sum
+        is taken by the norm after it, in the norm's pass (add_and_norm)."""
+        if update is None:
+            normed = self.input_layernorm(x)
         else:
-            h = x + self.self_attn(normed, cos, sin, batch, *state)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            x, normed = self.input_layernorm.add_and_norm(x, update)
+        if self.linear:
+            update = self.linear_attn(normed, batch, *state)
+        else:
+            update = self.self_attn(normed, cos, sin, batch, *state)
+        h, normed = self.post_attention_layernorm.add_and_norm(x, update)
+        return h, self.mlp(normed)
 
 
 class TextDecoder(nn.Module):
@@ -224,8 +232,10 @@ class TextDecoder(nn.Module):
         cos, sin = cos.to(hidden.dtype), sin.to(hidden.dtype)
         if self.kernel is not None and self.kernel.fits(hidden, batch, deepstack):
             return self.norm(self.kernel(hidden, cos, sin, batch, cache))
+        update = None  # each layer's output is hidden + update, summed by the next norm
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, batch, cache.layer(i))
+            hidden, update = layer(hidden, cos, sin, batch, cache.layer(i), update)
             if deepstack is not None and i < len(deepstack):
-                hidden = hidden + deepstack[i].to(hidden.dtype)
-        return self.norm(hidden)
+                hidden = hidden + update.to(hidden.dtype) + deepstack[i].to(hidden.dtype)
+                update = None
+        return self.norm(hidden) if update is None else self.norm.add_and_norm(hidden, update)[1]

@@ -16,6 +16,7 @@ from torch import nn
 from mmcli.kernels.attention import BlockAttention, segment_attention
 from mmcli.models.config import VisionConfig
 from mmcli.models.layers.linear import Linear, embedding
+from mmcli.models.layers.norms import LayerNorm
 from mmcli.models.layers.rotary import Rotary
 
 # q, k, v [..., N, heads, d] -> out
@@ -109,8 +110,9 @@ class VisionAttention(nn.Module):
         """x [..., N, hidden]; the 2-D rotary in float32 (as the reference); `attend` confines
         each query."""
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(-3)
-        q = self.rotary(q.float(), cos, sin).to(x.dtype)
-        k = self.rotary(k.float(), cos, sin).to(x.dtype)
+        # in the activations' dtype, as v (x may be a norm's output handed on in bfloat16)
+        q = self.rotary(q.float(), cos, sin).to(v.dtype)
+        k = self.rotary(k.float(), cos, sin).to(v.dtype)
         return self.proj(attend(q, k, v).flatten(-2))
 
 
@@ -127,8 +129,8 @@ class VisionMLP(nn.Module):
 class VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.norm1 = LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.norm2 = LayerNorm(cfg.hidden_size, eps=1e-6)
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
 
@@ -137,10 +139,21 @@ class VisionBlock(nn.Module):
         return [(self.norm1, [self.attn.qkv]), (self.norm2, [self.mlp.linear_fc1])]
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, attend)
-        return x + self.mlp(self.norm2(x))
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Attend,
+        update: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's input is x + `update` (the block before's), its output the sum of the two
+        it returns: each sum is taken by the norm after it, in the norm's pass (add_and_norm)."""
+        if update is None:
+            normed = self.norm1(x)
+        else:
+            x, normed = self.norm1.add_and_norm(x, update)
+        x, normed = self.norm2.add_and_norm(x, self.attn(normed, cos, sin, attend))
+        return x, self.mlp(normed)
 
 
 class PatchMerger(nn.Module):
@@ -151,7 +164,7 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.merged = cfg.hidden_size * cfg.spatial_merge_size**2
         self.postshuffle_norm = postshuffle_norm
-        self.norm = nn.LayerNorm(self.merged if postshuffle_norm else cfg.hidden_size, eps=1e-6)
+        self.norm = LayerNorm(self.merged if postshuffle_norm else cfg.hidden_size, eps=1e-6)
         self.linear_fc1 = Linear(self.merged, self.merged)
         self.linear_fc2 = Linear(self.merged, cfg.out_hidden_size)
 
@@ -202,14 +215,15 @@ class VisionTower(nn.Module):
     def run_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend):
         """The blocks, with a DeepStack merger's output taken after each of
         deepstack_visual_indexes; returns (merged, [DeepStack features])."""
-        deepstack = []
+        deepstack, update = [], None  # each block's output is x + update, summed by a norm
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, attend)
+            x, update = block(x, cos, sin, attend, update)
             if i in self.cfg.deepstack_visual_indexes:
+                x, update = x + update.to(x.dtype), None  # the merger reads the sum
                 deepstack.append(
                     self.deepstack_merger_list[self.cfg.deepstack_visual_indexes.index(i)](x)
                 )
-        return self.merger(x), deepstack
+        return self.merger(x if update is None else x + update.to(x.dtype)), deepstack
 
     def forward_packed(
         self,
