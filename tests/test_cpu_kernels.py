@@ -323,6 +323,30 @@ def test_the_rotary_kernel_matches_rotate_half_in_float64(build, monkeypatch, sh
     torch.testing.assert_close(out.double(), _torch_rotary(x, cos, sin), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("shape,rot,fused", ROTARY_CASES)
+def test_the_rotary_takes_the_heads_norm_and_bfloat16_products_in_its_pass(
+    build, shape, rot, fused
+):
+    """The rotary with Qwen3's q/k norm before it (`norm`), from float32 or a product's bfloat16
+    outputs handed on: the floats of rms_norm.c's norm of each head then the rotary, one after
+    the other; a Qwen3.5 norm ((1 + weight), which the kernel does not take) applied first."""
+    from mmcli.models.layers.norms import RMSNorm
+    from mmcli.models.layers.rotary import Rotary
+
+    rotary = with_cpu_kernels(Rotary())
+    generator = torch.Generator().manual_seed(rot)
+    *lead, heads, d = shape
+    x = torch.randn(*lead, 3 if fused else 1, heads, d, generator=generator).select(-3, 0)
+    cos, sin = torch.randn(2, *lead, rot, generator=generator)
+    for offset in (False, True):
+        norm = with_cpu_kernels(RMSNorm(d, 1e-6, unit_offset=offset)).requires_grad_(False)
+        norm.weight.data = torch.randn(d, generator=generator)
+        for handed in (x, x.bfloat16()):
+            expected = rotary(norm(handed.float()), cos, sin)
+            assert torch.equal(rotary(handed, cos, sin, norm), expected)
+        assert torch.equal(rotary(x.bfloat16(), cos, sin), rotary(x.bfloat16().float(), cos, sin))
+
+
 def test_the_swiglu_kernel_matches_silu_times_up(build, monkeypatch):
     from mmcli.models.layers.mlp import SiluAndMul
 

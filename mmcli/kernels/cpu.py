@@ -273,6 +273,12 @@ def _declare(library: ctypes.CDLL) -> None:
     library.rotary.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
     library.rotary.argtypes += [ctypes.c_int]
     library.rotary.restype = None
+    # x, x_bf16, x_row, x_head, out, rows, heads, d, weight, eps, cos, sin, rot, threads
+    library.norm_rotary.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    library.norm_rotary.argtypes += [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    library.norm_rotary.argtypes += [ctypes.c_void_p, ctypes.c_float] + [ctypes.c_void_p] * 2
+    library.norm_rotary.argtypes += [ctypes.c_int64, ctypes.c_int]
+    library.norm_rotary.restype = None
     library.silu_times.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
     library.silu_times.restype = None
     library.silu_times_rounded.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
@@ -513,6 +519,7 @@ def _int4_products(kernel, x: torch.Tensor, weight) -> torch.Tensor | None:
 # bf16_gemm's activations (bf16_linear.c's enum activation)
 ACTIVATIONS = {None: 0, "gelu_tanh": 1}
 NORM_WIDTH = 16  # the add-and-norm kernels' rows: whole vectors in either build
+MAX_HEAD = 512  # the values of a head pointwise.c's norm_rotary holds
 
 
 def bf16_gemm(
@@ -661,28 +668,35 @@ def _add_norm(
     return total, out
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (rows, heads, d) float32 on the CPU, any row and head strides, d contiguous, rotated by
-    cos/sin (rows, rot) float32, contiguous, rot <= d and even (the rest of each head passes
-    through); a new contiguous tensor. See pointwise.c."""
+def rotary(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """x (rows, heads, d) float32 on the CPU, or (norm_rotary) a product's bfloat16 outputs, any
+    row and head strides, d contiguous, rotated by cos/sin (rows, rot) float32, contiguous, rot <=
+    d and even (the rest of each head passes through), each head normalised first by an RMSNorm of
+    `norm_weight` (d float32 values) where given, d at most MAX_HEAD then; a new contiguous
+    float32 tensor. See pointwise.c."""
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
     rows, heads, d = x.shape
     out = torch.empty(rows, heads, d)
-    library.rotary(
-        x.data_ptr(),
-        x.stride(0),
-        x.stride(1),
-        out.data_ptr(),
-        rows,
-        heads,
-        d,
-        cos.data_ptr(),
-        sin.data_ptr(),
-        cos.shape[-1],
-        torch.get_num_threads(),
-    )
+    strided = (x.data_ptr(), x.stride(0), x.stride(1))
+    shape = (out.data_ptr(), rows, heads, d)
+    rotation = (cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
+    threads = torch.get_num_threads()
+    if norm_weight is None and x.dtype == torch.float32:
+        library.rotary(*strided, *shape, *rotation, threads)
+        return out
+    if d > MAX_HEAD:
+        raise ValueError(f"norm_rotary holds heads of {MAX_HEAD} values at most, not {d}")
+    weight = norm_weight.data_ptr() if norm_weight is not None else None
+    bf16 = int(x.dtype == torch.bfloat16)
+    library.norm_rotary(strided[0], bf16, *strided[1:], *shape, weight, eps, *rotation, threads)
     return out
 
 

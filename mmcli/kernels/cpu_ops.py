@@ -65,10 +65,20 @@ def _whole_rows(x: torch.Tensor, update: torch.Tensor | None) -> bool:
     return fits and x.is_contiguous() and x.shape[-1] % cpu.NORM_WIDTH == 0
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """pointwise.c's rotary: x [..., heads, head_dim] by cos/sin [..., rotary_dim], one pass."""
+def rotary(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor | None:
+    """pointwise.c's rotary: x [..., heads, head_dim] by cos/sin [..., rotary_dim], one pass; x
+    float32, or a product's bfloat16 outputs handed on; each head normalised first by an RMSNorm
+    of `norm_weight` where given (float32, head_dim values), in the same pass."""
     if not (
-        _float32_on_cpu(x, cos, sin)
+        _float32_on_cpu(cos, sin)
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.device.type == "cpu"
         and x.dim() >= 3
         and x.stride(-1) == 1
         and cos.shape == sin.shape == (*x.shape[:-2], cos.shape[-1])
@@ -78,13 +88,19 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         and cpu.eager()
     ):
         return None
+    if norm_weight is not None or x.dtype == torch.bfloat16:
+        fits = x.shape[-1] <= cpu.MAX_HEAD and (
+            norm_weight is None or _float32_on_cpu(norm_weight) and norm_weight.is_contiguous()
+        )
+        if not fits:
+            return None
     try:
         rows = x.view(-1, *x.shape[-2:])
     except RuntimeError:  # leading dimensions that do not merge: torch's path
         return None
     rotary_dim = cos.shape[-1]
     cos, sin = cos.reshape(-1, rotary_dim).contiguous(), sin.reshape(-1, rotary_dim).contiguous()
-    return cpu.rotary(rows, cos, sin).view(x.shape)
+    return cpu.rotary(rows, cos, sin, norm_weight, eps).view(x.shape)
 
 
 def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:

@@ -39,6 +39,35 @@ void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t r
     }
 }
 
+/* rms_norm.c's norm of one row (out may be x) */
+void rms_norm_row(const float *x, const float *w, float *out, int64_t width, float eps);
+
+#define MAX_HEAD 512 /* the values of a head norm_rotary holds */
+
+/* rotary's heads, read from float32 or (x_bf16) from a product's bfloat16 outputs widened
+   exactly, each normalised first by rms_norm_row with w (d values; NULL: none): Qwen3's q/k
+   norms and the rotary in one pass, the floats of the two one after the other. Strides in
+   values; d <= MAX_HEAD (cpu.py checks). */
+void norm_rotary(const void *x, int x_bf16, int64_t x_row, int64_t x_head, float *out, int64_t rows,
+                 int64_t heads, int64_t d, const float *w, float eps, const float *cos,
+                 const float *sin, int64_t rot, int threads) {
+#pragma omp parallel for num_threads(threads)                                                      \
+    schedule(static) if (rows * heads * d >= PARALLEL_VALUES)
+    for (int64_t t = 0; t < rows * heads; t++) {
+        const int64_t r = t / heads, at = r * x_row + (t % heads) * x_head;
+        float head[MAX_HEAD] __attribute__((aligned(64)));
+        int64_t i = 0;
+        for (; i + GL <= d; i += GL) vstore(head + i, load_as(x, at + i, x_bf16));
+        for (; i < d; i++)
+            head[i] =
+                x_bf16 ? bf16_to_float(((const uint16_t *)x)[at + i]) : ((const float *)x)[at + i];
+        if (w) rms_norm_row(head, w, head, d, eps);
+        float *to = out + t * d;
+        rotate_head(head, to, cos + r * rot, sin + r * rot, rot / 2);
+        for (i = rot; i < d; i++) to[i] = head[i];
+    }
+}
+
 /* Element i of a float32 tensor or, with bf16, of a bfloat16 one (as load_as and store_as) */
 static inline float value_at(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];

@@ -4,7 +4,8 @@
    each cheap next to the dispatch of those operations. */
 #include "float_tiles.h"
 
-static void norm_row(const float *x, const float *w, float *out, int64_t width, float eps) {
+/* One row: out may be x (each vector is read before it is written). */
+void rms_norm_row(const float *x, const float *w, float *out, int64_t width, float eps) {
     vec squares = vzero();
     for (int64_t i = 0; i < width; i += GL) {
         lanes some = first_lanes(width - i < GL ? (int)(width - i) : GL);
@@ -24,10 +25,10 @@ static void norm_row(const float *x, const float *w, float *out, int64_t width, 
 void rms_norm(const float *x, int64_t ld, const float *w, float *out, int64_t rows, int64_t width,
               float eps, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) norm_row(x + r * ld, w, out + r * width, width, eps);
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * ld, w, out + r * width, width, eps);
 }
 
-/* norm_row over a row of whole vectors, of x + update (float32, or bfloat16 widened exactly)
+/* rms_norm_row over a row of whole vectors, of x + update (float32, or bfloat16 widened exactly)
    written to sum, its output in bfloat16 where `rounded` (as torch rounds) */
 static void add_norm_row(const float *x, const void *update, int update_bf16, float *sum,
                          const float *w, void *out, int rounded, int64_t width, float eps) {

@@ -45,14 +45,15 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
+        # q and k as their products give them (bfloat16 where the run's are): the rotary widens
+        # them, with the q/k norms before it (M-RoPE after the norms), in one pass
         if self.output_gate:
             q, gate = self.q_proj(x).unflatten(-1, (self.num_heads, -1)).chunk(2, dim=-1)
         else:
-            q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+            q = self.q_proj(x, rounded=True).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(x, rounded=True).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)  # M-RoPE after the q/k norms
+        q, k = self.rotary(q, cos, sin, self.q_norm), self.rotary(k, cos, sin, self.k_norm)
         if batch.seqlens is not None:
             out = self._prefill(q, k, v, batch, k_cache, v_cache)
         else:
