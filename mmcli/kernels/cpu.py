@@ -669,16 +669,12 @@ def _add_norm(
 
 
 def rotary(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: tuple | None = None
 ) -> torch.Tensor:
     """x (rows, heads, d) float32 on the CPU, or (norm_rotary) a product's bfloat16 outputs, any
     row and head strides, d contiguous, rotated by cos/sin (rows, rot) float32, contiguous, rot <=
-    d and even (the rest of each head passes through), each head normalised first by an RMSNorm of
-    `norm_weight` (d float32 values) where given, d at most MAX_HEAD then; a new contiguous
+    d and even (the rest of each head passes through), each head normalised first where `norm`,
+    (weight: d float32 values, eps), gives an RMSNorm (d at most MAX_HEAD then); a new contiguous
     float32 tensor. See pointwise.c."""
     library, reason = load()
     if library is None:
@@ -689,12 +685,12 @@ def rotary(
     shape = (out.data_ptr(), rows, heads, d)
     rotation = (cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
     threads = torch.get_num_threads()
-    if norm_weight is None and x.dtype == torch.float32:
+    if norm is None and x.dtype == torch.float32:
         library.rotary(*strided, *shape, *rotation, threads)
         return out
     if d > MAX_HEAD:
         raise ValueError(f"norm_rotary holds heads of {MAX_HEAD} values at most, not {d}")
-    weight = norm_weight.data_ptr() if norm_weight is not None else None
+    weight, eps = (norm[0].data_ptr(), norm[1]) if norm is not None else (None, 0.0)
     bf16 = int(x.dtype == torch.bfloat16)
     library.norm_rotary(strided[0], bf16, *strided[1:], *shape, weight, eps, *rotation, threads)
     return out

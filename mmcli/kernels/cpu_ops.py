@@ -100,7 +100,8 @@ def rotary(
         return None
     rotary_dim = cos.shape[-1]
     cos, sin = cos.reshape(-1, rotary_dim).contiguous(), sin.reshape(-1, rotary_dim).contiguous()
-    return cpu.rotary(rows, cos, sin, norm_weight, eps).view(x.shape)
+    norm = (norm_weight, eps) if norm_weight is not None else None
+    return cpu.rotary(rows, cos, sin, norm).view(x.shape)
 
 
 def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
