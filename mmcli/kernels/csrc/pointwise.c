@@ -39,6 +39,17 @@ void rotary(const float *x, int64_t x_row, int64_t x_head, float *out, int64_t r
     }
 }
 
+/* Element i of a float32 tensor or, with bf16, of a bfloat16 one (as load_as and store_as) */
+static inline float value_at(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+static inline void set_at(void *p, int64_t i, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = bf16_rounded(v);
+    else
+        ((float *)p)[i] = v;
+}
+
 /* rms_norm.c's norm of one row (out may be x) */
 void rms_norm_row(const float *x, const float *w, float *out, int64_t width, float eps);
 
@@ -58,25 +69,12 @@ void norm_rotary(const void *x, int x_bf16, int64_t x_row, int64_t x_head, float
         float head[MAX_HEAD] __attribute__((aligned(64)));
         int64_t i = 0;
         for (; i + GL <= d; i += GL) vstore(head + i, load_as(x, at + i, x_bf16));
-        for (; i < d; i++)
-            head[i] =
-                x_bf16 ? bf16_to_float(((const uint16_t *)x)[at + i]) : ((const float *)x)[at + i];
+        for (; i < d; i++) head[i] = value_at(x, at + i, x_bf16);
         if (w) rms_norm_row(head, w, head, d, eps);
         float *to = out + t * d;
         rotate_head(head, to, cos + r * rot, sin + r * rot, rot / 2);
         for (i = rot; i < d; i++) to[i] = head[i];
     }
-}
-
-/* Element i of a float32 tensor or, with bf16, of a bfloat16 one (as load_as and store_as) */
-static inline float value_at(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-static inline void set_at(void *p, int64_t i, float v, int bf16) {
-    if (bf16)
-        ((uint16_t *)p)[i] = bf16_rounded(v);
-    else
-        ((float *)p)[i] = v;
 }
 
 /* out = silu(gate) * up over n values, as F.silu(gate) * up: gate / (1 + e^-gate) * up; with
