@@ -185,7 +185,7 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
         workers = default_workers(cfg.inputs.workers)
         items = [(n, path, length) for n, (path, length) in enumerate(zip(images, lengths))]
         for ready in prefetch(
-            items, prepare, workers, max(cfg.engine.max_seqs, cfg.vision.lookahead) + workers
+            items, prepare, workers, max(cap.config.engine.max_seqs, cfg.vision.lookahead) + workers
         ):
             yield None if ready is NOT_READY else ready[1]
 
@@ -356,8 +356,7 @@ def worker_hf(
 
 def mmcli_settings(args) -> dict:
     # On the CPU all 16 images in flight (the KV cache for 16 x 512 tokens is 1.9 GB in float32);
-    # the default is
-    # 8 x 4096.
+    # --max-seqs 0 is the run's own (32 on the CPU, within 8 x max_len tokens of KV cache).
     return {
         "dtype": args.dtype,
         "device": args.device,
@@ -408,7 +407,9 @@ def main() -> None:
         "--images", type=int, default=16, help="images (the 16 sizes and lengths repeat)"
     )
     parser.add_argument("--families", default="qwen3_vl", help="qwen3_vl, qwen3_5 or both")
-    parser.add_argument("--max-seqs", type=int, default=16, help="mmcli's sequences in flight")
+    parser.add_argument(
+        "--max-seqs", type=int, default=16, help="mmcli's sequences in flight (0: its own)"
+    )
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--settings", default="{}", help="more mmcli settings, JSON")
     parser.add_argument("--worker", choices=["mmcli", "hf"], help=argparse.SUPPRESS)

@@ -93,7 +93,7 @@ def test_the_commands_that_load_no_model_import_no_torch(args):
 def test_public_names_load_on_first_use():
     import mmcli
 
-    assert mmcli.Labeler.__name__ == "Labeler" and mmcli.load_config().engine.max_seqs >= 1
+    assert mmcli.Labeler.__name__ == "Labeler" and mmcli.load_config().engine.max_len >= 1
     with pytest.raises(AttributeError):
         mmcli.nothing_here  # noqa: B018
 

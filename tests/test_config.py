@@ -37,6 +37,11 @@ def test_precedence_cli_over_file_over_defaults(tmp_path):
             "config dtype: value 'float64' must be auto, float32, bfloat16, float16",
         ),
         ("generation: 3\n", "config generation: expected a mapping"),
+        (
+            "engine:\n  max_cache_tokens: 100\n",
+            "config engine.max_cache_tokens: value 100 must be 0 (by the run) or at least "
+            "engine.max_len",
+        ),
         ("- a\n- b\n", "top level must be a mapping"),
     ],
 )

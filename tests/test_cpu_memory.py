@@ -202,7 +202,7 @@ def test_quantization_is_in_the_record_and_the_resume_key(tiny_dir, tmp_path):
 
 
 def test_the_kv_cache_holds_what_the_job_uses(tiny_dir, tmp_path):
-    cap = _labeler(tiny_dir, dtype="float32")  # engine.max_seqs 8, max_len 4096 by default
+    cap = _labeler(tiny_dir, dtype="float32")  # engine.max_len 4096 by default
     result = cap.ask(IMAGE, "Describe this image.", max_new_tokens=4)
     assert (cap.runner.cache.rows, cap.runner.cache.columns) == (
         1,

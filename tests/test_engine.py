@@ -7,7 +7,7 @@ import torch
 from conftest import SAMPLES, photo
 
 from mmcli.api.labeler import Labeler
-from mmcli.config import load_config
+from mmcli.config import GROWN_SEQS, load_config
 from mmcli.engine.packing import ffd_pack
 from mmcli.engine.vision_encoder import VisionEncoder
 
@@ -198,3 +198,19 @@ def test_packed_linear_equals_the_plain_product_and_frees_the_plain_weight():
             model["a"](x), torch.nn.functional.linear(x, *plain["a"]), atol=1e-5, rtol=0
         )
     assert pack_linears(model) == 0  # already packed
+
+
+def test_the_kv_cache_budget_holds_across_jobs(tiny_dir, tmp_path):
+    """A long sequence widens the KV cache, which never shrinks: the next job's sequences then
+    run one at a time within engine.max_cache_tokens (one row of 512 columns here), where all
+    three run at once with room; the tokens are the same."""
+    items = _items(tmp_path)[:3]
+    cap = _labeler(tiny_dir, engine={"max_len": 512, "max_cache_tokens": 512})
+    assert cap.config.engine.max_seqs == GROWN_SEQS  # the CPU's: the cache grows to the job
+    list(cap.label(items[:1], max_new_tokens=300))
+    assert cap.runner.cache_shape == (1, 512)
+    narrow = {r.key: r.token_ids for r in cap.label(items, max_new_tokens=4)}
+    assert cap.runner.cache_shape == (1, 512)
+    roomy = _labeler(tiny_dir, engine={"max_len": 512})
+    assert {r.key: r.token_ids for r in roomy.label(items, max_new_tokens=4)} == narrow
+    assert roomy.runner.cache_shape == (3, 256)

@@ -17,6 +17,7 @@ from conftest import (
 
 from mmcli.api.labeler import Labeler
 from mmcli.compiled.steps import prefill_step
+from mmcli.config import GROWN_SEQS
 from mmcli.engine.batch import PrefillItem
 from mmcli.engine.positions import mrope_cos_sin
 from mmcli.kernels import delta_rule
@@ -204,7 +205,7 @@ def test_the_linear_states_are_sized_to_the_job(qwen3_5_dirs):
     with the context, the K/V columns do."""
     labeler = Labeler.from_pretrained(str(qwen3_5_dirs["qwen3_5"]), dtype="float32", device="cpu")
     cache = labeler.runner.cache
-    assert cache.rows == 1 and labeler.config.engine.max_seqs == 8
+    assert cache.rows == 1 and labeler.config.engine.max_seqs == GROWN_SEQS
     sampling = labeler.sampling(max_new_tokens=4)
     names = ["chelsea.jpg", "coffee.jpg", "rocket.jpg"]
     requests = [labeler.request(n, [photo(n)], QUESTION, sampling)[0] for n in names]

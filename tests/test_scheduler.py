@@ -1,7 +1,11 @@
 """The scheduler on its own: slots, admission, groups, the prefill budget and stop rules (no
 model)."""
 
-from mmcli.config import SamplingParams, load_config
+import dataclasses
+
+import pytest
+
+from mmcli.config import EngineConfig, SamplingParams, engine_for, load_config
 from mmcli.engine.scheduler import Scheduler
 from mmcli.engine.sequence import Request
 
@@ -21,11 +25,15 @@ def request(key: str, tokens: int = 4, group: str | None = None, patches: int = 
     )
 
 
-def scheduler(max_seqs=2, max_len=64, budget=16384, lookahead=32, block_size=64, buckets=(1, 2)):
+def scheduler(
+    max_seqs=2, max_len=64, budget=16384, lookahead=32, block_size=64, buckets=(1, 2), cache=0
+):
     engine = {"max_seqs": max_seqs, "max_len": max_len, "max_prefill_tokens": budget}
+    engine["max_cache_tokens"] = cache
     vision = {"block_size": block_size, "num_blocks_buckets": list(buckets), "lookahead": lookahead}
     cfg = load_config(None, {"engine": engine, "vision": vision, "image": {"max_pixels": 16384}})
-    return Scheduler(cfg)
+    resolved = engine_for(cfg.engine, True, cfg.compile.decode_batch_buckets)
+    return Scheduler(dataclasses.replace(cfg, engine=resolved))
 
 
 def test_admits_up_to_the_free_slots_in_order_and_frees_them_when_done():
@@ -81,3 +89,33 @@ def test_a_vision_wave_is_chosen_for_least_padding():
     for key, patches in (("a", 40), ("b", 40), ("c", 24)):
         s.add(request(key, patches=patches))
     assert [q.request.key for q in s.admit()] == ["a", "c"]
+
+
+def test_the_kv_cache_budget_holds_back_long_prompts_but_always_admits_one():
+    # 4 rows of 256 columns: short prompts 4 at a time; a long one alone, and as the cache never
+    # shrinks, the rows after it wait until it is done
+    s = scheduler(max_seqs=4, max_len=1024, cache=1024)
+    for key, tokens in (("a", 10), ("b", 10), ("long", 600), ("c", 10)):
+        s.add(request(key, tokens=tokens, max_new_tokens=10))
+    assert [q.request.key for q in s.admit()] == ["a", "b"] and s.cache_shape == (2, 256)
+    for seq in s.running:
+        s.append(seq, 99, 0.0)
+    s.finish()
+    assert [q.request.key for q in s.admit()] == ["long"] and s.cache_shape == (2, 768)
+    assert s.admit() == []  # c's row would take the cache past 1024 tokens
+    s.append(s.running[0], 99, 0.0)
+    s.finish()
+    assert [(q.request.key, q.slot) for q in s.admit()] == [("c", 0)]
+
+
+def test_the_engine_limits_are_the_runs():
+    """0s resolved by the run: 32 sequences where the KV cache grows to the job, as much cache as 8
+    of max_len; a compiled run's largest decode bucket; what is set, kept."""
+    auto = EngineConfig(max_len=4096)
+    assert engine_for(auto, True, (1, 2, 4, 8)) == EngineConfig(32, 4096, 16384, 8 * 4096)
+    assert engine_for(auto, False, (1, 2, 4, 8)) == EngineConfig(8, 4096, 16384, 8 * 4096)
+    set_ = EngineConfig(max_seqs=3, max_len=512, max_cache_tokens=4096)
+    assert engine_for(set_, True, (1, 2, 4, 8)) == set_
+    assert engine_for(EngineConfig(max_seqs=3), True, (1,)).max_cache_tokens == 3 * 4096
+    with pytest.raises(ValueError, match="run's engine settings"):
+        Scheduler(load_config())

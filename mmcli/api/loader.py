@@ -5,12 +5,12 @@ the model with its kernel plan, the runner, the prompt builder and the input set
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmcli.compiled.backends import resolve_backend
-from mmcli.config import Config, cache_root, check_vision_budget
+from mmcli.config import Config, cache_root, check_vision_budget, engine_for
 from mmcli.errors import ConfigError
 from mmcli.inputs.images import ImageProcessorConfig, image_processor_config
 from mmcli.inputs.video import VideoSampling
@@ -85,6 +85,8 @@ def resolve_run(cfg: Config, path: Path | None = None) -> Run:
         config_bytes, model_cfg = read_config(path)
     checkpoint_dtype = model_cfg.torch_dtype if model_cfg is not None else "bfloat16"
     device = pick_device(cfg.device, backend).type
+    grows = device == "cpu" and backend == "eager"  # the KV cache sized to the job (runner)
+    cfg = replace(cfg, engine=engine_for(cfg.engine, grows, cfg.compile.decode_batch_buckets))
     bf16_matrix = device == "cpu" and backend == "eager" and cpu_features.detect().bf16_matrix()
     precision = run_precision(
         cfg.dtype, cfg.weights_dtype, cfg.quantize, checkpoint_dtype, device, bf16_matrix

@@ -66,7 +66,8 @@ def _answer(cfg: Config, requests: Path, todo, write, progress) -> int:
     service = EngineService(labeler, max_queue=1 << 30).start()
     policy = MediaPolicy(allowed_dir=requests.resolve().parent)
     # as caption's inputs ahead: the engine's next wave prepared while this one runs
-    window = max(cfg.engine.max_seqs, cfg.vision.lookahead) + default_workers(cfg.inputs.workers)
+    seqs = labeler.config.engine.max_seqs  # as the run resolved it
+    window = max(seqs, cfg.vision.lookahead) + default_workers(cfg.inputs.workers)
     try:
         asyncio.run(run_lines(labeler, service, todo, policy, write, window))
         progress.finish()

@@ -31,7 +31,7 @@ class Engine:
         """Finished sequences as they finish; `on_token(key, token id)` is called as each token is
         chosen. `requests` may yield None for "none ready yet" (inputs are prepared ahead)."""
         self.on_token = on_token
-        scheduler = Scheduler(self.config)
+        scheduler = Scheduler(self.config, self.runner.cache_shape)
         pending, more = iter(requests), True
         while True:
             more = more and self._take(pending, scheduler)
@@ -112,9 +112,7 @@ class Engine:
             pixel_values=req.pixel_values,
             vision_grids=req.vision_grids,
             vision_hashes=req.vision_hashes,
-            max_tokens=min(
-                self.config.engine.max_len, len(req.input_ids) + req.sampling.max_new_tokens
-            ),
+            max_tokens=req.reach(self.config.engine.max_len),
             group=req.group,
             prefix_len=req.prefix_len,
         )

@@ -20,6 +20,7 @@ from mmcli.engine.positions import (
     text_inv_freq,
 )
 from mmcli.engine.prefixes import share_prefixes
+from mmcli.engine.sequence import cache_columns
 from mmcli.engine.vision_encoder import VisionEncoder
 from mmcli.models.cache import AttentionBatch, DecoderCache
 from mmcli.models.registry import family_of
@@ -103,18 +104,22 @@ class ModelRunner:
         return self._decode(items)
 
     @property
+    def cache_shape(self) -> tuple[int, int] | None:
+        """The KV cache's rows and columns as the jobs so far have grown it; None where it is
+        fixed (compiled and CUDA graphs hold all of it from the start)."""
+        return None if self.fixed_cache else (self.cache.rows, self.cache.columns)
+
+    @property
     def images_encoded(self) -> int:
         return self.encoder.images_encoded
 
     def _reserve(self, items: list[PrefillItem]) -> None:
         """Grow the KV cache to hold these sequences' rows and every token they may reach
-        (columns in steps of 256, never past engine.max_len)."""
+        (columns in whole steps, never past engine.max_len: sequence.cache_columns)."""
         if self.fixed_cache:
             return
         need = max(max(item.max_tokens, item.start + len(item.input_ids) + 1) for item in items)
-        self.cache.grow(
-            max(item.slot for item in items) + 1, min(self.max_len, -(-need // 256) * 256)
-        )
+        self.cache.grow(max(item.slot for item in items) + 1, cache_columns(need, self.max_len))
 
     def _embed_prompts(self, items: list[PrefillItem]):
         """The prompts' embeddings [T, H] with their images' features, and the DeepStack levels

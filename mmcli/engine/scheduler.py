@@ -3,7 +3,7 @@
 Waiting requests are admitted as running ones finish. With vision inputs, a look-ahead window
 picks the wave that packs into vision blocks with least padding; an input's tasks (a group) are
 admitted together so that they share their prompt prefix; newly admitted prompts share a token
-budget."""
+budget, and the KV cache they grow one of its own."""
 
 from __future__ import annotations
 
@@ -11,13 +11,21 @@ from collections import deque
 
 from mmcli.config import Config
 from mmcli.engine.packing import choose_wave
-from mmcli.engine.sequence import Request, Sequence
+from mmcli.engine.sequence import Request, Sequence, cache_columns
 
 
 class Scheduler:
-    def __init__(self, config: Config):
-        self.max_seqs, self.max_len = config.engine.max_seqs, config.engine.max_len
-        self.max_prefill_tokens = config.engine.max_prefill_tokens
+    def __init__(self, config: Config, cache_shape: tuple[int, int] | None = (0, 0)):
+        """`config` as a run resolved it: its engine's limits set (config.engine_for).
+        `cache_shape`: the KV cache's rows and columns as earlier jobs grew it (it never
+        shrinks), or None where it is fixed (held whole from the start: no budget to keep)."""
+        engine = config.engine
+        if engine.max_seqs < 1 or engine.max_cache_tokens < 1:
+            raise ValueError(f"the scheduler takes a run's engine settings, not {engine}")
+        self.max_seqs, self.max_len = engine.max_seqs, engine.max_len
+        self.max_prefill_tokens = engine.max_prefill_tokens
+        self.max_cache_tokens = engine.max_cache_tokens
+        self.cache_shape = cache_shape  # grown by the sequences admitted
         self.lookahead = config.vision.lookahead
         self.block_size = config.vision.block_size
         self.num_blocks_buckets = list(config.vision.num_blocks_buckets)
@@ -86,11 +94,32 @@ class Scheduler:
             patches = [r.vision_patches for r in window]
             wave = choose_wave(patches, slots, self.block_size, self.num_blocks_buckets)
             picked = [window[i] for i in wave]
-        admitted = within_budget(picked, self.max_prefill_tokens)
+        admitted = self._within_cache(within_budget(picked, self.max_prefill_tokens))
         taken = {id(r) for r in admitted}  # by identity: requests hold tensors
         kept = [r for r in self.waiting if id(r) not in taken]
         self.waiting.clear()
         self.waiting.extend(kept)
+        return admitted
+
+    def _within_cache(self, picked: list[Request]) -> list[Request]:
+        """The first of `picked` whose rows keep the KV cache within engine.max_cache_tokens
+        (rows x columns: to the highest slot, and the longest reach), each in the next free
+        slot; always one where none runs, and a group is not cut. All of them where the cache
+        is fixed."""
+        if self.cache_shape is None:
+            return picked
+        (rows, columns), admitted = self.cache_shape, []
+        for req, slot in zip(picked, self.free):
+            reach = cache_columns(req.reach(self.max_len), self.max_len)
+            grown = max(rows, slot + 1), max(columns, reach)
+            fits = grown[0] * grown[1] <= self.max_cache_tokens
+            alone = not self.running and not admitted
+            in_group = bool(admitted) and req.group is not None and req.group == admitted[-1].group
+            if not (fits or alone or in_group):
+                break
+            admitted.append(req)
+            rows, columns = grown
+        self.cache_shape = (rows, columns)
         return admitted
 
 

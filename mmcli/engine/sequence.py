@@ -8,6 +8,13 @@ from typing import Any
 
 from mmcli.config import SamplingParams
 
+CACHE_STEP = 256  # the KV cache's columns grow in steps of this many tokens
+
+
+def cache_columns(tokens: int, max_len: int) -> int:
+    """The KV-cache columns that hold `tokens` tokens: whole steps, never past max_len."""
+    return min(max_len, -(-tokens // CACHE_STEP) * CACHE_STEP)
+
 
 @dataclass(eq=False)
 class Request:
@@ -39,6 +46,11 @@ class Request:
     @property
     def vision_patches(self) -> list[int]:
         return [t * h * w for t, h, w in self.vision_grids]
+
+    def reach(self, max_len: int) -> int:
+        """The tokens its KV-cache row may hold: the prompt and its output, within max_len."""
+        prompt = len(self.input_ids)
+        return max(min(max_len, prompt + self.sampling.max_new_tokens), prompt + 1)
 
 
 @dataclass
