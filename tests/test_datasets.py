@@ -122,8 +122,11 @@ def test_resume_over_shards_redoes_only_an_edited_shard(tiny_dir, tmp_path):
 @pytest.mark.slow
 def test_an_interrupted_shard_run_finishes_with_every_sample_once(tiny_dir, tmp_path):
     _shards(tmp_path / "s", _jpegs(24), per_shard=8)
-    out = tmp_path / "out.jsonl"
-    cmd = caption_process(tmp_path / "s/*.tar", "-o", out, model=tiny_dir, max_new_tokens=24)
+    out, settings = tmp_path / "out.jsonl", tmp_path / "c.yaml"
+    settings.write_text("engine:\n  max_seqs: 4\n")  # six waves: the kill lands within the run
+    cmd = caption_process(
+        tmp_path / "s/*.tar", "-o", out, "-c", settings, model=tiny_dir, max_new_tokens=24
+    )
     proc = subprocess.Popen(cmd)
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):
