@@ -159,6 +159,20 @@ def precision_record(cap) -> dict:
     return precision.record() if hasattr(precision, "record") else dict(precision)
 
 
+def units_of(cap) -> dict[str, str]:
+    """The unit each phase's linears ran on: int8 where the kernel plan puts them on int8 (int8's
+    two towers, int4's vision tower, int4's prompt widened to int8), else the run's products'
+    (int4's prompt on dequantized tiles, or torch's int4 kernel: bfloat16's activations where
+    the run's products are bfloat16, else float32 FMAs)."""
+    precision = precision_record(cap)  # --against's tree may hold a dict
+    products = "bfloat16" if precision.get("products") == "bfloat16" else "float32"
+    plan = cap.kernel_plan  # --against's tree may name its choices in words only
+    int4 = "int8" if "int4_widened" in getattr(plan.int4, "id", plan.int4.kernel) else products
+    text = {"int8": "int8", "int4": int4}.get(precision.get("quantize"), products)
+    vision = "int8" if plan.vision_int8.install is not None else text
+    return {"vision": vision, "text prefill": text}
+
+
 def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: dict) -> dict:
     from dataclasses import replace
 
@@ -189,7 +203,8 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
         ):
             yield None if ready is NOT_READY else ready[1]
 
-    done = {r.key: len(r.token_ids) for r in cap.engine.generate(requests())}
+    finished = list(cap.engine.generate(requests()))
+    done = {r.key: len(r.token_ids) for r in finished}
     _sync()
     elapsed = time.perf_counter() - start
     split = dict(spent)
@@ -240,6 +255,10 @@ def worker_mmcli(ckpt: Path, images: list[Path], lengths: list[int], settings: d
         "generated": sum(lengths),
         "spent": split,
         "precision": precision,
+        # each prompt's image and input tokens, and the units its phases ran on: their FLOPs and
+        # floors (bench/cpu.py)
+        "prompts": [(r.num_image_tokens, r.num_input_tokens) for r in finished],
+        "units": units_of(cap),
     }
 
 

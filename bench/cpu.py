@@ -4,7 +4,8 @@
 (a) images/s on compare_hf's 16 images and output lengths: `dtype: float32` (float32 weights,
 packed), the default (the checkpoint's bfloat16 weights, float32 compute) and `quantize: int8`,
 against the float32 path and against transformers (float32, its best batch size of
---hf-batch-sizes); (b) `mmcli ask` for one 448x448 image and 16 tokens: wall time split into
+--hf-batch-sizes), each run's vision tower and text prefill at their share of the peaks of the
+units they ran on; (b) `mmcli ask` for one 448x448 image and 16 tokens: wall time split into
 start, load, vision, prefill, decode, next to its floor = checkpoint bytes / read bandwidth +
 FLOPs / float32 matmul peak + decode weight bytes / bandwidth, and the command with `--quantize
 int8` on an empty cache (the first run prepares the int8 weights, the later ones read them), and
@@ -220,7 +221,7 @@ def ask_worker(ckpt: Path, image: Path, settings: dict, started: float) -> dict:
         "weight_bytes": cap.weight_bytes,
         "kv_bytes": cap.runner.cache.nbytes,
         "precision": compare_hf.precision_record(cap),
-        "units": units_of(cap),
+        "units": compare_hf.units_of(cap),
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
 
@@ -709,7 +710,7 @@ def main() -> None:
         decode_floors(args, ckpt)
     if args.decode_only:
         return
-    rates = batched(args, rate_args, parameters)
+    rates = batched(args, rate_args, cfg, parameters)
     if args.batched_only:
         return
     if not args.matrix_only:
@@ -832,7 +833,7 @@ def print_units(ckpt: Path) -> None:
 BENCH: dict = {}  # the peaks, measured once at the start
 
 
-def batched(args, rate_args, parameters: int) -> dict:
+def batched(args, rate_args, cfg, parameters: int) -> dict:
     """(a) each path's batched run before (vector units) and after (this CPU's units), the
     sides alternating for --rounds rounds (this shared machine drifts by tens of percent within
     minutes); the median round of each counts."""
@@ -846,7 +847,7 @@ def batched(args, rate_args, parameters: int) -> dict:
                         "mmcli",
                     )
                 runs.setdefault((name, side), []).append(r)
-                print_batched(name, side, r, parameters)
+                print_batched(name, side, r, cfg, parameters)
     rates = {
         key: sorted(rs, key=lambda r: r["images_per_s"])[len(rs) // 2] for key, rs in runs.items()
     }
@@ -884,13 +885,20 @@ def print_ratios(name: str, before: dict, after: dict, base: float | None) -> No
     )
 
 
-def print_batched(name: str, side: str, r: dict, parameters: int) -> None:
+def print_batched(name: str, side: str, r: dict, cfg, parameters: int) -> None:
+    """A batched run: images/s, its phases' seconds, each prefill phase's rate and share of the
+    peaks of the units it ran on (item 4 on the batched images), its weights, load and peak RSS."""
     spent = r["spent"]
     spent["text"] = spent["prefill"] - spent["vision"]
+    shares = phase_shares(cfg, r, r["prompts"])
+    rates = ", ".join(
+        f"{phase} {rate:.0f} G(FL)OP/s, {share:.0%} of {r['units'][phase]}'s peak"
+        for phase, (_, rate, share) in shares.items()
+    )
     print(
         f"{name} {side}: {r['images_per_s']:.4f} images/s ({r['seconds']:.1f} s: vision "
         f"{spent['vision']:.1f}, text prefill {spent['text']:.1f}, decode {spent['decode']:.1f}; "
-        f"{r['precision']}); weights {r['weight_bytes'] / 2**30:.2f} GiB "
+        f"{rates}; {r['precision']}); weights {r['weight_bytes'] / 2**30:.2f} GiB "
         f"({r['weight_bytes'] / parameters:.2f} bytes a parameter), load "
         f"{r['load_seconds']:.1f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB",
         flush=True,
@@ -908,20 +916,6 @@ def hf_part(args, rate_args, rates: dict) -> None:
     print(f"\ntransformers (float32, best batch {best['batch_size']}): {best['images_per_s']:.4f}")
     for (name, side), r in rates.items():
         print(f"{name} {side}: {r['images_per_s'] / best['images_per_s']:.2f}x transformers")
-
-
-def units_of(cap) -> dict[str, str]:
-    """The unit each phase's linears ran on: int8 where the kernel plan puts them on int8 (int8's
-    two towers, int4's vision tower, int4's prompt widened to int8), else the run's products'
-    (int4's prompt on dequantized tiles, or torch's int4 kernel: bfloat16's activations where
-    the run's products are bfloat16, else float32 FMAs)."""
-    precision = compare_hf.precision_record(cap)  # --against's tree may hold a dict
-    products = "bfloat16" if precision.get("products") == "bfloat16" else "float32"
-    plan = cap.kernel_plan  # --against's tree may name its choices in words only
-    int4 = "int8" if "int4_widened" in getattr(plan.int4, "id", plan.int4.kernel) else products
-    text = {"int8": "int8", "int4": int4}.get(precision.get("quantize"), products)
-    vision = "int8" if plan.vision_int8.install is not None else text
-    return {"vision": vision, "text prefill": text}
 
 
 def ask_sides(args, ckpt: Path, image: Path) -> None:
@@ -956,28 +950,43 @@ def ask_sides(args, ckpt: Path, image: Path) -> None:
         )
 
 
+def phase_shares(cfg, run: dict, prompts: list) -> dict[str, tuple[float, float, float]]:
+    """Each prefill phase's seconds, G(FL)OP/s and share of the peaks of the units it ran on (its
+    floor over its time: the linears at their unit's peak, the attention at bfloat16's where the
+    products are bfloat16, else float32's), for a run's phases and its prompts' (image tokens,
+    input tokens)."""
+    spent, units, peaks = run["spent"], run["units"], BENCH["peaks"]
+    attention = "bfloat16" if run["precision"].get("products") == "bfloat16" else "float32"
+    seconds = {"vision": spent["vision"], "text prefill": spent["prefill"] - spent["vision"]}
+    per_prompt = [ask_flops(cfg, image, text)[0] for image, text in prompts]
+    shares = {}
+    for phase, taken in seconds.items():
+        linears = sum(flops[phase]["linears"] for flops in per_prompt)
+        products = sum(flops[phase]["attention"] for flops in per_prompt)
+        floor = linears / peaks[units[phase]] + products / peaks[attention]
+        shares[phase] = (taken, (linears + products) / taken / 1e9, floor / 1e9 / taken)
+    return shares
+
+
 def phase_rates(cfg, timed: dict) -> str:
-    """The vision tower's and the text prefill's seconds, rate and share of the peaks of the
-    units they ran on (their floor over their time: the linears at their unit's peak, the
-    attention at bfloat16's where the products are bfloat16, else float32's); the decode's
-    seconds; the linears' unit."""
-    s, units = timed["spent"], timed["units"]
-    attention = "bfloat16" if timed["precision"].get("products") == "bfloat16" else "float32"
-    phases = ask_flops(cfg, timed["image_tokens"], timed["input_tokens"])[0]
-    seconds = {"vision": s["vision"], "text prefill": s["prefill"] - s["vision"]}
-    peaks, cells = BENCH["peaks"], []
-    for phase, spent in seconds.items():
-        flops = phases[phase]
-        floor = flops["linears"] / peaks[units[phase]] + flops["attention"] / peaks[attention]
-        rate = sum(flops.values()) / spent / 1e9
+    """The ask's vision tower and text prefill: seconds, rate and share of the peaks of the units
+    they ran on (phase_shares), then their linears alone; the decode's seconds; the linears'
+    unit."""
+    units, cells = timed["units"], []
+    prompts = [(timed["image_tokens"], timed["input_tokens"])]
+    for phase, (taken, rate, share) in phase_shares(cfg, timed, prompts).items():
         alone = timed["replayed"][phase]
         alone_rate = alone["flops"] / alone["seconds"] / 1e9
+        of_peak = alone_rate / BENCH["peaks"][units[phase]]
         cells.append(
-            f"{spent:.2f} s, {rate:.0f} ({floor / 1e9 / spent:.0%}); linears alone "
-            f"{alone['seconds']:.2f} s, {alone_rate:.0f} ({alone_rate / peaks[units[phase]]:.0%})"
+            f"{taken:.2f} s, {rate:.0f} ({share:.0%}); linears alone "
+            f"{alone['seconds']:.2f} s, {alone_rate:.0f} ({of_peak:.0%})"
         )
     unit = " / ".join(dict.fromkeys(units.values()))  # vision / text prefill where they differ
-    return " | ".join(cells) + f" | {s['decode']:.2f} s | {unit}, attention {attention} |"
+    attention = "bfloat16" if timed["precision"].get("products") == "bfloat16" else "float32"
+    return (
+        " | ".join(cells) + f" | {timed['spent']['decode']:.2f} s | {unit}, attention {attention} |"
+    )
 
 
 def agreements(args, ckpt: Path, image: Path) -> None:

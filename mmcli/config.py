@@ -192,15 +192,18 @@ GROWN_SEQS, BOUNDED_SEQS = 32, 8
 
 
 def engine_for(engine: EngineConfig, grows: bool, batch_buckets: tuple[int, ...]) -> EngineConfig:
-    """The engine settings of a run, 0s resolved. max_seqs: GROWN_SEQS where the KV cache `grows`
-    to the job, else the largest decode batch bucket (compiled and CUDA graphs hold the cache at
-    its full shape). max_cache_tokens: max_len for each of the sequences set or, where max_seqs
-    is left to the run, of the bucket's or BOUNDED_SEQS where it grows: more sequences of short
-    prompts at once, no more memory for long ones than before."""
-    bounded = engine.max_seqs or (BOUNDED_SEQS if grows else max(batch_buckets))
+    """The engine settings of a run, its 0s resolved.
+
+    max_seqs: GROWN_SEQS where the KV cache `grows` to the job; else the largest decode batch
+    bucket (compiled and CUDA graphs hold the whole cache from the start).
+    max_cache_tokens: max_len for each of the max_seqs set; where the run picks them, for each of
+    BOUNDED_SEQS (the bucket's where the cache is fixed). Short prompts then run more at once,
+    and long ones take no more memory than before."""
+    fixed = max(batch_buckets)
+    bounded = engine.max_seqs or (BOUNDED_SEQS if grows else fixed)
     return dataclasses.replace(
         engine,
-        max_seqs=engine.max_seqs or (GROWN_SEQS if grows else max(batch_buckets)),
+        max_seqs=engine.max_seqs or (GROWN_SEQS if grows else fixed),
         max_cache_tokens=engine.max_cache_tokens or bounded * engine.max_len,
     )
 

@@ -91,6 +91,7 @@ def test_cpu_bench_smoke(tmp_path):
     stdout = _smoke("cpu.py", "--skip-hf", "--cache-dir", str(tmp_path))
     assert (
         "(a) images/s" in stdout
+        and "'s peak; {" in stdout  # (a)'s runs: each prefill phase against its unit's peak
         and "(b) mmcli ask" in stdout
         and "linears alone" in stdout
         and "int8: the first ask" in stdout
