@@ -184,26 +184,27 @@ class EngineConfig:
     max_cache_tokens: int = 0
 
 
-# A decode step reads every weight whatever its rows, so where the KV cache grows to the job (the
-# CPU's eager backend) more sequences in flight label faster: on a 2-core AMX Xeon 64 images ran
-# at 0.771 images/s with 32, 0.479 with 8 (docs/performance.md). The cache those sequences grow
-# is bounded as BOUNDED_SEQS sequences of engine.max_len bounded it before.
+# A decode step reads every weight whatever its rows, so where the KV cache grows to the job by
+# rows of keys and values alone (the CPU's eager backend) more sequences in flight label faster: on
+# a 2-core AMX Xeon 64 images ran at 0.771 images/s with 32, 0.479 with 8 (docs/performance.md).
+# The cache those sequences grow is bounded as BOUNDED_SEQS sequences of engine.max_len bounded it.
 GROWN_SEQS, BOUNDED_SEQS = 32, 8
 
 
-def engine_for(engine: EngineConfig, grows: bool, batch_buckets: tuple[int, ...]) -> EngineConfig:
-    """The engine settings of a run, its 0s resolved.
+def engine_for(engine: EngineConfig, grown: bool, batch_buckets: tuple[int, ...]) -> EngineConfig:
+    """The engine settings of a run, its 0s resolved; `grown`: whether the run's KV cache grows
+    to the job by rows of keys and values alone (api/loader.with_engine_limits).
 
-    max_seqs: GROWN_SEQS where the KV cache `grows` to the job; else the largest decode batch
-    bucket (compiled and CUDA graphs hold the whole cache from the start).
+    max_seqs: GROWN_SEQS where it does; else the largest decode batch bucket (compiled and CUDA
+    graphs hold the whole cache from the start).
     max_cache_tokens: max_len for each of the max_seqs set; where the run picks them, for each of
-    BOUNDED_SEQS (the bucket's where the cache is fixed). Short prompts then run more at once,
-    and long ones take no more memory than before."""
+    BOUNDED_SEQS (the bucket's where the cache does not grow so). Short prompts then run more at
+    once, and long ones take no more memory than before."""
     fixed = max(batch_buckets)
-    bounded = engine.max_seqs or (BOUNDED_SEQS if grows else fixed)
+    bounded = engine.max_seqs or (BOUNDED_SEQS if grown else fixed)
     return dataclasses.replace(
         engine,
-        max_seqs=engine.max_seqs or (GROWN_SEQS if grows else fixed),
+        max_seqs=engine.max_seqs or (GROWN_SEQS if grown else fixed),
         max_cache_tokens=engine.max_cache_tokens or bounded * engine.max_len,
     )
 
