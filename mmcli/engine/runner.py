@@ -190,6 +190,7 @@ class ModelRunner:
             ).to(self.device),
             seqlens=seqlens,
             starts=[item.start for item in items],
+            rows=[item.slot for item in items],
         )
         return self.model.language_model(hidden, cos, sin, batch, self.cache, deepstack)
 

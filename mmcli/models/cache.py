@@ -31,6 +31,8 @@ class AttentionBatch:
     contiguous: bool = False
     # prefill: each sequence's first position (> 0: its row holds a prefix)
     starts: list[int] | None = None
+    # prefill, eager: `slots` as host ints, so that each row is written through its view
+    rows: list[int] | None = None
     # padded prefill (fixed shapes): the index of the last real token, as a tensor [1]
     last: torch.Tensor | None = None
 

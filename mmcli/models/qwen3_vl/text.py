@@ -68,31 +68,20 @@ class Attention(nn.Module):
         out, start = [], 0
         for i, n in enumerate(batch.seqlens):
             s = slice(start, start + n)
-            if batch.starts and batch.starts[i]:
-                out.append(
-                    self._prefill_after(
-                        q[s], k[s], v[s], batch.slots[i : i + 1], batch.starts[i], k_cache, v_cache
-                    )
-                )
-                start += n
-                continue
-            # a tensor index: no host sync, and one compiled graph whatever the slot
-            slot = batch.slots[i : i + 1]
-            k_cache[slot, :, :n] = k[s].transpose(0, 1)[None].to(k_cache.dtype)
-            v_cache[slot, :, :n] = v[s].transpose(0, 1)[None].to(v_cache.dtype)
-            out.append(self.attend(q[s], k[s], v[s], causal=True))
+            # a host int where the caller has one (eager): the row's view; else a tensor index
+            # (no host sync, one compiled graph whatever the slot)
+            row = batch.rows[i] if batch.rows else batch.slots[i : i + 1]
+            first = batch.starts[i] if batch.starts else 0
+            write_columns(k_cache, row, first, k[s])
+            write_columns(v_cache, row, first, v[s])
+            if first:  # a cached prefix before them: attended too, causal among the new ones
+                k_seen = read_columns(k_cache, row, first + n).to(q.dtype)
+                v_seen = read_columns(v_cache, row, first + n).to(q.dtype)
+                out.append(self.attend(q[s], k_seen, v_seen, causal=True))
+            else:
+                out.append(self.attend(q[s], k[s], v[s], causal=True))
             start += n
         return out[0] if len(out) == 1 else torch.cat(out)
-
-    def _prefill_after(self, q, k, v, slot, first: int, k_cache, v_cache):
-        """Tokens at positions first.. of a row whose earlier tokens are cached (a shared
-        prefix): written after them, attending to all of them and causally among themselves."""
-        n = q.shape[0]
-        k_cache[slot, :, first : first + n] = k.transpose(0, 1)[None].to(k_cache.dtype)
-        v_cache[slot, :, first : first + n] = v.transpose(0, 1)[None].to(v_cache.dtype)
-        keys = k_cache[slot, :, : first + n][0].transpose(0, 1).to(q.dtype)
-        values = v_cache[slot, :, : first + n][0].transpose(0, 1).to(q.dtype)
-        return self.attend(q, keys, values, causal=True)
 
     def _decode(self, q, k, v, batch, k_cache, v_cache):
         slots, pos, n = batch.slots, batch.positions, batch.context_len
@@ -120,6 +109,23 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
         o = scores.softmax(-1).to(values.dtype) @ values  # [B, kv, group, d]
         return o.reshape(b, self.num_heads, self.head_dim)
+
+
+def write_columns(cache: torch.Tensor, row, first: int, values: torch.Tensor) -> None:
+    """values [n, kv_heads, d] into a K or V cache [rows, kv_heads, columns, d] at `row` (an int,
+    written through its view: a third of an index's time, or a [1] tensor), columns first..,
+    rounded to the cache's dtype."""
+    n = values.shape[0]
+    if isinstance(row, int):
+        cache[row, :, first : first + n].copy_(values.transpose(0, 1))
+    else:
+        cache[row, :, first : first + n] = values.transpose(0, 1)[None].to(cache.dtype)
+
+
+def read_columns(cache: torch.Tensor, row, n: int) -> torch.Tensor:
+    """A cache row's first n columns as [n, kv_heads, d] (`row` as write_columns takes it)."""
+    held = cache[row, :, :n] if isinstance(row, int) else cache[row, :, :n][0]
+    return held.transpose(0, 1)
 
 
 class DecoderLayer(nn.Module):
