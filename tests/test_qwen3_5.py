@@ -134,6 +134,16 @@ def _one_seq(config):
     return dataclasses.replace(config.engine, max_seqs=1)
 
 
+def _token_by_token(q, k, v, decay, beta, start):
+    steps, s = [], start[None]
+    for t in range(q.shape[0]):
+        o, s = delta_rule.step(
+            q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1], beta[t : t + 1], s
+        )
+        steps.append(o[0])
+    return torch.stack(steps), s[0]
+
+
 def test_chunked_delta_rule_is_the_token_by_token_recurrence():
     g = torch.Generator().manual_seed(0)
     length, key_heads, heads, dk, dv = 150, 2, 4, 16, 24  # three chunks, the last one partial
@@ -146,14 +156,37 @@ def test_chunked_delta_rule_is_the_token_by_token_recurrence():
     beta = torch.rand(length, heads, generator=g)
     start = torch.randn(heads, dk, dv, generator=g)
     out, state = delta_rule.chunked(q, k, v, decay, beta, start)
-    steps, s = [], start[None]
-    for t in range(length):
-        o, s = delta_rule.step(
-            q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1], beta[t : t + 1], s
-        )
-        steps.append(o[0])
-    torch.testing.assert_close(out, torch.stack(steps), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(state, s[0], atol=1e-4, rtol=1e-4)
+    steps, last = _token_by_token(q, k, v, decay, beta, start)
+    torch.testing.assert_close(out, steps, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, last, atol=1e-4, rtol=1e-4)
+
+
+def test_fast_decays_keep_subnormals_out_of_the_chunks_products():
+    """Gates that decay fast take a chunk's far rows below float32's normal range: they are
+    zero past delta_rule.DECAY_FLOOR, never subnormal (each product a subnormal enters costs a
+    microcode assist on x86), and the chunked rule is still the recurrence."""
+    g = torch.Generator().manual_seed(1)
+    length, heads, d = 128, 4, 16  # two whole chunks
+    q, k, v = (torch.randn(length, heads, d, generator=g) for _ in range(3))
+    decay = -3 - 2 * torch.rand(length, heads, generator=g)  # to about e^-320 in a chunk
+    beta = torch.rand(length, heads, generator=g)
+    start = torch.randn(heads, d, d, generator=g)
+    q4, k4, v4, g2, beta2 = delta_rule._prepare(q, k, v, decay, beta)
+    chunks = length // delta_rule.CHUNK
+    by_chunk = [x.reshape(heads, chunks, delta_rule.CHUNK, *x.shape[2:]) for x in (q4, k4, v4)]
+    terms = delta_rule.chunk_terms(
+        *by_chunk,
+        g2.reshape(heads, chunks, delta_rule.CHUNK),
+        beta2.reshape(heads, chunks, delta_rule.CHUNK),
+    )
+    tiny = torch.finfo(torch.float32).tiny
+    for name, term in terms.items():
+        magnitude = term.abs()
+        assert not ((magnitude > 0) & (magnitude < tiny)).any(), name
+    out, state = delta_rule.chunked(q, k, v, decay, beta, start)
+    steps, last = _token_by_token(q, k, v, decay, beta, start)
+    torch.testing.assert_close(out, steps, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, last, atol=1e-4, rtol=1e-4)
 
 
 def test_a_padded_prompt_leaves_the_states_of_its_real_tokens(pair):
