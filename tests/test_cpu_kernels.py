@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import with_cpu_kernels
 
-from mmcli.kernels import cpu, matrix
+from mmcli.kernels import cpu, cpu_ops, delta_rule, matrix
 from mmcli.kernels.attention import bounded_attention, segment_attention
 from mmcli.models.layers.attention import RangeAttention
 from mmcli.models.layers.linear import Linear, PackedLinear
@@ -362,6 +362,27 @@ def test_the_swiglu_kernel_matches_silu_times_up(build, monkeypatch):
             silu_times(gate.clone(), up).double(), expected, atol=1e-6, rtol=1e-6
         )
     assert len(called) == 2
+
+
+def test_the_delta_rule_step_advances_the_states_rows_in_place_as_pytorchs(build):
+    """delta_rule.c's decode step against PyTorch's: the rows named (out of order) advanced in
+    place, the others untouched; outputs and states within float32's rounding of the same sums
+    (the kernel decays and reads along k in one pass)."""
+    g = torch.Generator().manual_seed(0)
+    rows, key_heads, heads, dk, dv = 3, 2, 4, 16, 48  # two value heads a key head
+    query, key = (torch.randn(rows, key_heads, dk, generator=g) for _ in range(2))
+    value = torch.randn(rows, heads, dv, generator=g)
+    decay, beta = -2 * torch.rand(rows, heads, generator=g), torch.rand(rows, heads, generator=g)
+    states = torch.randn(5, heads, dk, dv, generator=g)
+    slots, before = torch.tensor([3, 0, 4]), states.clone()
+    expected_states = states.clone()
+    expected = delta_rule.step(query, key, value, decay, beta, expected_states, slots)
+    out = cpu_ops.delta_step(query, key, value, decay, beta, states, slots)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, expected_states, atol=1e-5, rtol=1e-5)
+    assert torch.equal(states[1:3], before[1:3])
+    odd = torch.randn(rows, heads, dv + 4, generator=g)  # a head the kernel's vectors do not fit
+    assert cpu_ops.delta_step(query, key, odd, decay, beta, states, slots) is None
 
 
 def test_a_bfloat16_gemms_outputs_widen_with_their_bias_and_gelu_in_one_pass(build):

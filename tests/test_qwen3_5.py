@@ -135,13 +135,11 @@ def _one_seq(config):
 
 
 def _token_by_token(q, k, v, decay, beta, start):
-    steps, s = [], start[None]
+    steps, states, slots = [], start[None].clone(), torch.tensor([0])
     for t in range(q.shape[0]):
-        o, s = delta_rule.step(
-            q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1], beta[t : t + 1], s
-        )
-        steps.append(o[0])
-    return torch.stack(steps), s[0]
+        token = (x[t : t + 1] for x in (q, k, v, decay, beta))
+        steps.append(delta_rule.step(*token, states, slots)[0])
+    return torch.stack(steps), states[0]
 
 
 def test_chunked_delta_rule_is_the_token_by_token_recurrence():

@@ -41,7 +41,7 @@ SOURCES = [
     for name in (
         *("bf16_linear.c", "attention.c", "rms_norm.c", "layer_norm.c"),
         *("pointwise.c", "decode_layer.c", "int8_linear.c", "int8_weights.c", "int4_tiles.c"),
-        "int4_vnni.c",
+        *("int4_vnni.c", "delta_rule.c"),
     )
 ]
 HEADERS = [
@@ -290,6 +290,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.decode_layer.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
     library.decode_layer.argtypes += [ctypes.c_void_p] * 5 + [ctypes.c_int]
     library.decode_layer.restype = None
+    # q, k, v, decay, beta, states, slots, out, rows, heads, dk, dv, threads
+    library.delta_step.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    library.delta_step.restype = ctypes.c_int
     if library.build in BF16_DOT_BUILDS:
         library.bf16_dot_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         library.bf16_dot_linear.argtypes += [ctypes.c_int] * 2
@@ -694,6 +697,31 @@ def rotary(
     bf16 = int(x.dtype == torch.bfloat16)
     library.norm_rotary(strided[0], bf16, *strided[1:], *shape, weight, eps, *rotation, threads)
     return out
+
+
+def delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor | None:
+    """delta_rule.c: the gated delta rule's decode step, the rows `slots` (int64) of states [rows,
+    heads, dk, dv] (float32, contiguous) advanced in place by q, k [B, heads, dk], v [B, heads,
+    dv], decay and beta [B, heads] (float32, contiguous) -> out [B, heads, dv]; None where dv is
+    not the kernel's."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    rows, heads, dk = q.shape
+    dv = v.shape[-1]
+    out = torch.empty(rows, heads, dv)
+    tensors = (q, k, v, decay, beta, states, slots, out)
+    pointers = [t.data_ptr() for t in tensors]
+    status = library.delta_step(*pointers, rows, heads, dk, dv, torch.get_num_threads())
+    return None if status else out
 
 
 def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

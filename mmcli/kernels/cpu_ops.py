@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from mmcli.kernels import cpu
+from mmcli.kernels import cpu, delta_rule
 from mmcli.kernels.weight_forms import split_products
 
 # the few-rows kernel up to here, the GEMM above: their crossover (bench/float_kernels.py)
@@ -291,3 +291,14 @@ def int8_split_matmul(x2: torch.Tensor, weight, *, rows) -> torch.Tensor | None:
     """The logits on an int8 kernel of 7-bit rows (`rows`: int8's installed kernel): each
     activation as two rows of levels (split_rows), the products summed; (rows, padded out)."""
     return split_products(x2, lambda split: rows(split, weight, None))
+
+
+def delta_step(query, key, value, g, beta, states: torch.Tensor, slots: torch.Tensor):
+    """delta_rule.c's decode step, delta_rule.step's contract: the states' rows advanced in place,
+    each read from memory once; None where they are not the kernel's (float32, contiguous, the
+    slots int64, on the CPU)."""
+    fits = _float32_on_cpu(states) and states.is_contiguous() and slots.dtype == torch.int64
+    if not (fits and slots.device.type == "cpu" and cpu.eager()):
+        return None
+    inputs = (t.contiguous() for t in delta_rule.step_inputs(query, key, value, g, beta))
+    return cpu.delta_step(*inputs, states, slots.contiguous())

@@ -97,28 +97,38 @@ def chunked(
     return out.reshape(heads, -1, out.shape[-1])[:, :length].transpose(0, 1), state
 
 
+def step_inputs(query, key, value, g, beta):
+    """A decode step's inputs as the rule takes them: q and k normalised (q scaled, key heads
+    repeated), v, all [B, heads, d] float32, and each head's decay (e^g) and beta [B, heads]."""
+    q, k, v, g, beta = (x.transpose(0, 1) for x in _prepare(query, key, value, g, beta))
+    return q, k, v, decay_exp(g), beta
+
+
 def step(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row: query/key [B, key_heads, dk], value [B, heads, dv], g/beta [B, heads],
-    state [B, heads, dk, dv] -> (output [B, heads, dv] float32, new state)."""
-    q, k, v, g, beta = (x.transpose(0, 1) for x in _prepare(query, key, value, g, beta))
-    state = state.float() * decay_exp(g)[..., None, None]
+    states: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row: query/key [B, key_heads, dk], value [B, heads, dv], g/beta [B, heads];
+    the rows `slots` of states [rows, heads, dk, dv] advanced in place -> output [B, heads, dv]
+    float32."""
+    q, k, v, decay, beta = step_inputs(query, key, value, g, beta)
+    state = states[slots].float() * decay[..., None, None]
     remembered = (k.unsqueeze(-2) @ state).squeeze(-2)  # [B, heads, dv]
     delta = (v - remembered) * beta[..., None]
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return (q.unsqueeze(-2) @ state).squeeze(-2), state
+    states[slots] = state.to(states.dtype)
+    return (q.unsqueeze(-2) @ state).squeeze(-2)
 
 
 def fla_kernels():
     """flash-linear-attention's Triton kernels for CUDA when the package is installed, else None.
     Same contract as `chunked` and `step`: a prompt is a batch of one, decode rows a batch of
-    one-token sequences."""
+    one-token sequences (their states gathered and scattered back)."""
     try:
         from fla.ops.gated_delta_rule import (
             chunk_gated_delta_rule,
@@ -144,7 +154,10 @@ def fla_kernels():
     def fla_chunked(query, key, value, g, beta, state):
         return call(chunk_gated_delta_rule, query, key, value, g, beta, state, 0)
 
-    def fla_step(query, key, value, g, beta, state):
-        return call(fused_recurrent_gated_delta_rule, query, key, value, g, beta, state, 1)
+    def fla_step(query, key, value, g, beta, states, slots):
+        kernel = fused_recurrent_gated_delta_rule
+        out, state = call(kernel, query, key, value, g, beta, states[slots], 1)
+        states[slots] = state.to(states.dtype)
+        return out
 
     return fla_chunked, fla_step

@@ -555,12 +555,20 @@ def _experts(shape: RunShape, machine: Machine) -> Choice:
 
 
 def _delta_rule(shape: RunShape, machine: Machine) -> Choice:
+    """Gated DeltaNet's rule: flash-linear-attention's kernels on CUDA where installed; else
+    PyTorch's chunked prefill, its decode steps on delta_rule.c where our kernels run (each
+    row's state advanced in place in the cache, where PyTorch's step gathers and scatters it)."""
     if not shape.hybrid:
         return NONE
-    if shape.device != "cuda" or "fla" not in machine.libraries:
-        return Choice("pytorch", "PyTorch", "chunked prefill, one-step decode")
-    install = _function(delta_rule.fla_kernels())
-    return Choice("fla", "flash-linear-attention", "its Triton kernels", install)
+    if shape.device == "cuda" and "fla" in machine.libraries:
+        install = _function(delta_rule.fla_kernels())
+        return Choice("fla", "flash-linear-attention", "its Triton kernels", install)
+    steps = _c_kernel("delta_rule.c", shape, machine, _function(cpu_ops.delta_step))
+    if steps.install is None:
+        return Choice("pytorch", "PyTorch", f"chunked prefill, one-step decode; {steps.why}")
+    install = _function((delta_rule.chunked, cpu_ops.delta_step))
+    kernel = "PyTorch's chunked prefill, delta_rule.c's steps"
+    return Choice("pytorch+delta_rule.c", kernel, steps.why, install)
 
 
 def choose(shape: RunShape, machine: Machine) -> KernelPlan:

@@ -33,7 +33,9 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     work = "delta_rule"  # the kind of work the kernel plan installs a kernel for
-    kernel = None  # the delta rule's (chunked, step) pair; PyTorch's (kernels/delta_rule.py) else
+    # the delta rule's (chunked, step) pair (its step may answer None: not its inputs); PyTorch's
+    # (kernels/delta_rule.py) else
+    kernel = None
 
     def __init__(self, cfg: TextConfig):
         super().__init__()
@@ -68,9 +70,10 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat([conv_state[batch.slots], mixed.unsqueeze(-1)], dim=-1)
             conv_state[batch.slots] = window[..., 1:]
             mixed = F.silu((window * self.conv1d.weight[:, 0]).sum(-1))
-            _, step = self.kernel or (delta_rule.chunked, delta_rule.step)
-            out, state = step(*self._split(mixed), g, beta, recurrent_state[batch.slots])
-            recurrent_state[batch.slots] = state
+            inputs = (*self._split(mixed), g, beta, recurrent_state, batch.slots)
+            out = self.kernel[1](*inputs) if self.kernel else None
+            if out is None:  # no kernel, or not these inputs: PyTorch's
+                out = delta_rule.step(*inputs)
         else:
             out = self._prefill(mixed, g, beta, batch, conv_state, recurrent_state)
         z = self.in_proj_z(x).unflatten(-1, (self.num_v_heads, self.head_v_dim))
