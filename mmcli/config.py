@@ -192,14 +192,15 @@ GROWN_SEQS, BOUNDED_SEQS = 32, 8
 
 
 def engine_for(engine: EngineConfig, grown: bool, batch_buckets: tuple[int, ...]) -> EngineConfig:
-    """The engine settings of a run, its 0s resolved; `grown`: whether the run's KV cache grows
-    to the job by rows of keys and values alone (api/loader.with_engine_limits).
+    """The engine settings of a run, its 0s resolved; `grown`: whether the run's cache grows to
+    the job (api/loader.resolve_run).
 
     max_seqs: GROWN_SEQS where it does; else the largest decode batch bucket (compiled and CUDA
     graphs hold the whole cache from the start).
     max_cache_tokens: max_len for each of the max_seqs set; where the run picks them, for each of
     BOUNDED_SEQS (the bucket's where the cache does not grow so). Short prompts then run more at
-    once, and long ones take no more memory than before."""
+    once, and long ones take no more memory than before (the scheduler counts each row's fixed
+    part too: a hybrid decoder's linear layers' states)."""
     fixed = max(batch_buckets)
     bounded = engine.max_seqs or (BOUNDED_SEQS if grown else fixed)
     return dataclasses.replace(

@@ -17,7 +17,7 @@ from conftest import (
 
 from mmcli.api.labeler import Labeler
 from mmcli.compiled.steps import prefill_step
-from mmcli.config import BOUNDED_SEQS
+from mmcli.config import GROWN_SEQS
 from mmcli.engine.batch import PrefillItem
 from mmcli.engine.positions import mrope_cos_sin
 from mmcli.kernels import delta_rule
@@ -233,11 +233,14 @@ def test_state_bytes_per_sequence_are_fixed_for_linear_layers(pair):
 
 def test_the_linear_states_are_sized_to_the_job(qwen3_5_dirs):
     """Rows for the sequences the job runs at once, not engine.max_seqs; their bytes do not grow
-    with the context, the K/V columns do. A hybrid's rows each hold their recurrent states: its
-    run keeps 8 in flight where a decoder of attention alone takes 32 (with_engine_limits)."""
+    with the context, the K/V columns do. A hybrid's rows each hold their recurrent states, which
+    the scheduler's budget counts as the K/V columns of as many bytes (runner.row_columns)."""
     labeler = Labeler.from_pretrained(str(qwen3_5_dirs["qwen3_5"]), dtype="float32", device="cpu")
-    cache = labeler.runner.cache
-    assert cache.rows == 1 and labeler.config.engine.max_seqs == BOUNDED_SEQS
+    runner, max_len = labeler.runner, labeler.config.engine.max_len
+    cache = runner.cache
+    assert cache.rows == 1 and labeler.config.engine.max_seqs == GROWN_SEQS
+    kv, fixed = cache.row_bytes(max_len)
+    assert (runner.row_columns - 1) * kv < fixed * max_len <= runner.row_columns * kv
     sampling = labeler.sampling(max_new_tokens=4)
     names = ["chelsea.jpg", "coffee.jpg", "rocket.jpg"]
     requests = [labeler.request(n, [photo(n)], QUESTION, sampling)[0] for n in names]

@@ -26,14 +26,21 @@ def request(key: str, tokens: int = 4, group: str | None = None, patches: int = 
 
 
 def scheduler(
-    max_seqs=2, max_len=64, budget=16384, lookahead=32, block_size=64, buckets=(1, 2), cache=0
+    max_seqs=2,
+    max_len=64,
+    budget=16384,
+    lookahead=32,
+    block_size=64,
+    buckets=(1, 2),
+    cache=0,
+    row_columns=0,
 ):
     engine = {"max_seqs": max_seqs, "max_len": max_len, "max_prefill_tokens": budget}
     engine["max_cache_tokens"] = cache
     vision = {"block_size": block_size, "num_blocks_buckets": list(buckets), "lookahead": lookahead}
     cfg = load_config(None, {"engine": engine, "vision": vision, "image": {"max_pixels": 16384}})
     resolved = engine_for(cfg.engine, True, cfg.compile.decode_batch_buckets)
-    return Scheduler(dataclasses.replace(cfg, engine=resolved))
+    return Scheduler(dataclasses.replace(cfg, engine=resolved), (0, 0), row_columns)
 
 
 def test_admits_up_to_the_free_slots_in_order_and_frees_them_when_done():
@@ -106,6 +113,20 @@ def test_the_kv_cache_budget_holds_back_long_prompts_but_always_admits_one():
     s.append(s.running[0], 99, 0.0)
     s.finish()
     assert [(q.request.key, q.slot) for q in s.admit()] == [("c", 0)]
+
+
+def test_a_rows_fixed_state_counts_in_the_cache_budget():
+    """A hybrid decoder's rows each hold their linear layers' states whatever their length: 256
+    columns' worth here. Two rows of max_len (2 x (1024 + 256)) is the budget; short prompts (256
+    columns) take 512 a row: 5 of them, where the K/V columns alone would admit 8."""
+    s = scheduler(max_seqs=8, max_len=1024, cache=2048, row_columns=256)
+    for n in range(8):
+        s.add(request(f"r{n}", tokens=10, max_new_tokens=10))
+    assert len(s.admit()) == 5 and s.cache_shape == (5, 256)
+    alone = scheduler(max_seqs=8, max_len=1024, cache=2048)
+    for n in range(8):
+        alone.add(request(f"r{n}", tokens=10, max_new_tokens=10))
+    assert len(alone.admit()) == 8
 
 
 def test_the_engine_limits_are_the_runs():

@@ -85,26 +85,15 @@ def resolve_run(cfg: Config, path: Path | None = None) -> Run:
         config_bytes, model_cfg = read_config(path)
     checkpoint_dtype = model_cfg.torch_dtype if model_cfg is not None else "bfloat16"
     device = pick_device(cfg.device, backend).type
-    if model_cfg is not None:  # else once the checkpoint is fetched (load)
-        cfg = with_engine_limits(cfg, model_cfg, device, backend)
+    # the cache sized to the job (runner); a hybrid's rows' fixed states count in its budget
+    grows = device == "cpu" and backend == "eager"
+    cfg = replace(cfg, engine=engine_for(cfg.engine, grows, cfg.compile.decode_batch_buckets))
     bf16_matrix = device == "cpu" and backend == "eager" and cpu_features.detect().bf16_matrix()
     precision = run_precision(
         cfg.dtype, cfg.weights_dtype, cfg.quantize, checkpoint_dtype, device, bf16_matrix
     )
     image_cfg = image_processor_config(path, cfg.image.min_pixels, cfg.image.max_pixels)
     return Run(cfg, path, config_bytes, model_cfg, image_cfg, backend, device, precision)
-
-
-def with_engine_limits(cfg: Config, model_cfg: ModelConfig, device: str, backend: str) -> Config:
-    """`cfg` with its engine's limits resolved for this run (config.engine_for). Its KV cache
-    grows to the job on the CPU's eager backend (the runner sizes it), by rows of keys and values
-    alone but for a hybrid decoder, whose rows each hold its linear-attention layers' recurrent
-    state whatever their length: more of those rows would hold more than the limits bound."""
-    from mmcli.models.registry import family_of
-
-    hybrid = family_of(model_cfg).hybrid(model_cfg.text)
-    grown = device == "cpu" and backend == "eager" and not hybrid
-    return replace(cfg, engine=engine_for(cfg.engine, grown, cfg.compile.decode_batch_buckets))
 
 
 def load_description(run: Run) -> str:

@@ -31,7 +31,7 @@ class Engine:
         """Finished sequences as they finish; `on_token(key, token id)` is called as each token is
         chosen. `requests` may yield None for "none ready yet" (inputs are prepared ahead)."""
         self.on_token = on_token
-        scheduler = Scheduler(self.config, self.runner.cache_shape)
+        scheduler = Scheduler(self.config, self.runner.cache_shape, self.runner.row_columns)
         pending, more = iter(requests), True
         while True:
             more = more and self._take(pending, scheduler)

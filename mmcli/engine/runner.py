@@ -110,6 +110,13 @@ class ModelRunner:
         return None if self.fixed_cache else (self.cache.rows, self.cache.columns)
 
     @property
+    def row_columns(self) -> int:
+        """What a row of the cache holds whatever its length (a hybrid decoder's linear layers'
+        states), as the K/V columns of as many bytes: the scheduler's budget counts it."""
+        kv, fixed = self.cache.row_bytes(self.max_len)
+        return -(-fixed * self.max_len // kv) if kv else 0
+
+    @property
     def images_encoded(self) -> int:
         return self.encoder.images_encoded
 

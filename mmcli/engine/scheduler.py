@@ -15,16 +15,25 @@ from mmcli.engine.sequence import Request, Sequence, cache_columns
 
 
 class Scheduler:
-    def __init__(self, config: Config, cache_shape: tuple[int, int] | None = (0, 0)):
+    def __init__(
+        self,
+        config: Config,
+        cache_shape: tuple[int, int] | None = (0, 0),
+        row_columns: int = 0,
+    ):
         """`config` as a run resolved it: its engine's limits set (config.engine_for).
         `cache_shape`: the KV cache's rows and columns as earlier jobs grew it (it never
-        shrinks), or None where it is fixed (held whole from the start: no budget to keep)."""
+        shrinks), or None where it is fixed (held whole from the start: no budget to keep).
+        `row_columns`: what each row holds whatever its length (a hybrid decoder's linear
+        layers' states), as the K/V columns of as many bytes (runner.row_columns)."""
         engine = config.engine
         if engine.max_seqs < 1 or engine.max_cache_tokens < 1:
             raise ValueError(f"the scheduler takes a run's engine settings, not {engine}")
         self.max_seqs, self.max_len = engine.max_seqs, engine.max_len
         self.max_prefill_tokens = engine.max_prefill_tokens
-        self.max_cache_tokens = engine.max_cache_tokens
+        # max_cache_tokens / max_len rows of max_len, each with its fixed part
+        self.row_columns = row_columns
+        self.cache_budget = engine.max_cache_tokens * (self.max_len + row_columns) // self.max_len
         self.cache_shape = cache_shape  # grown by the sequences admitted
         self.lookahead = config.vision.lookahead
         self.block_size = config.vision.block_size
@@ -102,17 +111,17 @@ class Scheduler:
         return admitted
 
     def _within_cache(self, picked: list[Request]) -> list[Request]:
-        """The first of `picked` whose rows keep the KV cache within engine.max_cache_tokens
-        (rows x columns: to the highest slot, and the longest reach), each in the next free
-        slot; always one where none runs, and a group is not cut. All of them where the cache
-        is fixed."""
+        """The first of `picked` whose rows keep the cache within its budget (rows x columns: to
+        the highest slot, and the longest reach, with each row's fixed part), each in the next
+        free slot; always one where none runs, and a group is not cut. All of them where the
+        cache is fixed."""
         if self.cache_shape is None:
             return picked
         (rows, columns), admitted = self.cache_shape, []
         for req, slot in zip(picked, self.free):
             reach = cache_columns(req.reach(self.max_len), self.max_len)
             grown = max(rows, slot + 1), max(columns, reach)
-            fits = grown[0] * grown[1] <= self.max_cache_tokens
+            fits = grown[0] * (grown[1] + self.row_columns) <= self.cache_budget
             alone = not self.running and not admitted
             in_group = bool(admitted) and req.group is not None and req.group == admitted[-1].group
             if not (fits or alone or in_group):
