@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import with_cpu_kernels
 
 from mmcli.kernels import cpu, cpu_ops, delta_rule, matrix
-from mmcli.kernels.attention import bounded_attention, segment_attention
+from mmcli.kernels.attention import bounded_attention, cache_attention, segment_attention
 from mmcli.models.layers.attention import RangeAttention
 from mmcli.models.layers.linear import Linear, PackedLinear
 from mmcli.weights.int8 import int8_linear, quantize_int8
@@ -362,6 +362,29 @@ def test_the_swiglu_kernel_matches_silu_times_up(build, monkeypatch):
             silu_times(gate.clone(), up).double(), expected, atol=1e-6, rtol=1e-6
         )
     assert len(called) == 2
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_attention_over_the_cache_is_torchs(build, kv_dtype):
+    """decode_layer.c's attention alone (Qwen3.5's gated attention layers and the sparse models'
+    decode through it) against torch's: rows out of order at their own positions, grouped query
+    heads, the new keys and values written into the cache as torch writes them."""
+    from mmcli.models.cache import AttentionBatch
+
+    g = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, d, columns = 3, 8, 2, 64, 40
+    q = torch.randn(rows, heads, d, generator=g)
+    k, v = (torch.randn(rows, kv_heads, d, generator=g) for _ in range(2))
+    caches = [torch.randn(5, kv_heads, columns, d, generator=g).to(kv_dtype) for _ in range(2)]
+    positions = torch.tensor([7, 30, 0])
+    batch = AttentionBatch(torch.tensor([4, 0, 2]), positions, context_len=31)
+    expected_caches = [c.clone() for c in caches]
+    expected = cache_attention(q, k, v, batch, *expected_caches)
+    out = cpu_ops.cache_attention(q, k, v, batch, *caches)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(c, e) for c, e in zip(caches, expected_caches))
+    fixed = AttentionBatch(batch.slots, positions, context_len=31, fixed_shapes=True)
+    assert cpu_ops.cache_attention(q, k, v, fixed, *caches) is None  # a graph's: torch's
 
 
 def test_the_delta_rule_step_advances_the_states_rows_in_place_as_pytorchs(build):

@@ -67,6 +67,36 @@ def sdpa_attention(
     return out[0].transpose(0, 1)
 
 
+def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, k_cache, v_cache):
+    """A decode step's attention in torch: each row's k and v [B, kv_heads, d] written at column
+    batch.positions[r] of cache row batch.slots[r] (k_cache, v_cache [rows, kv_heads, columns,
+    d], rounded to their dtype), then its query heads q [B, heads, d] against the row's columns up
+    to its position (batch.context_len of them read) -> [B, heads, d]."""
+    slots, pos, n = batch.slots, batch.positions, batch.context_len
+    (b, heads, d), kv_heads = q.shape, k.shape[1]
+    k_cache[slots, :, pos] = k.to(k_cache.dtype)  # the cache's dtype: rounded to it
+    v_cache[slots, :, pos] = v.to(v_cache.dtype)
+    # a cache of the products' dtype (bfloat16) under float32 compute: widened, exactly
+    if batch.fixed_shapes:
+        keys, values = k_cache[slots, :, :n].to(q.dtype), v_cache[slots, :, :n].to(q.dtype)
+    else:
+        keys = k_cache[:b, :, :n] if batch.contiguous else k_cache[slots, :, :n]
+        values = v_cache[:b, :, :n] if batch.contiguous else v_cache[slots, :, :n]
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if b == 1:  # one sequence: its whole context, no mask needed
+            # each KV head's query heads as its queries: one call, no GQA expansion
+            grouped = q.view(1, kv_heads, -1, d)
+            return F.scaled_dot_product_attention(grouped, keys, values).reshape(1, heads, d)
+    # each row sees its own past
+    mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]
+    # one query per row: the query heads grouped under their KV head, K/V not expanded for GQA
+    qg = q.view(b, kv_heads, -1, d)  # [B, kv, group, d]
+    scores = (qg @ keys.transpose(-1, -2)).float() * d**-0.5  # [B, kv, group, n]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    o = scores.softmax(-1).to(values.dtype) @ values  # [B, kv, group, d]
+    return o.reshape(b, heads, d)
+
+
 def segment_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -286,20 +286,32 @@ def _declare(library: ctypes.CDLL) -> None:
     library.widen_outputs.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
     library.widen_outputs.argtypes += [ctypes.c_int] * 3
     library.widen_outputs.restype = None
-    library.decode_layer.argtypes = [ctypes.POINTER(DecodeLayer), ctypes.c_void_p, ctypes.c_int64]
-    library.decode_layer.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
-    library.decode_layer.argtypes += [ctypes.c_void_p] * 5 + [ctypes.c_int]
-    library.decode_layer.restype = None
-    # q, k, v, decay, beta, states, slots, out, rows, heads, dk, dv, threads
-    library.delta_step.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int]
-    library.delta_step.restype = ctypes.c_int
     if library.build in BF16_DOT_BUILDS:
         library.bf16_dot_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         library.bf16_dot_linear.argtypes += [ctypes.c_int] * 2
     if library.build == "AMX":
         library.amx_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         library.amx_bf16_linear.argtypes += [ctypes.c_int] * 2
+    _declare_decode(library)
     _declare_quantized(library)
+
+
+def _declare_decode(library: ctypes.CDLL) -> None:
+    """The decode steps' kernels' argument and result types: a dense layer's, an attention's
+    alone, Gated DeltaNet's rule's."""
+    library.decode_layer.argtypes = [ctypes.POINTER(DecodeLayer), ctypes.c_void_p, ctypes.c_int64]
+    library.decode_layer.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
+    library.decode_layer.argtypes += [ctypes.c_void_p] * 5 + [ctypes.c_int]
+    library.decode_layer.restype = None
+    # q, k, v, k_cache, v_cache, columns, kv_bf16, slots, positions, rows, heads, kv_heads, d,
+    # out, threads
+    library.decode_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int]
+    library.decode_attention.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4
+    library.decode_attention.argtypes += [ctypes.c_void_p, ctypes.c_int]
+    library.decode_attention.restype = ctypes.c_int
+    # q, k, v, decay, beta, states, slots, out, rows, heads, dk, dv, threads
+    library.delta_step.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    library.delta_step.restype = ctypes.c_int
 
 
 def _declare_quantized(library: ctypes.CDLL) -> None:
@@ -696,6 +708,45 @@ def rotary(
     weight, eps = (norm[0].data_ptr(), norm[1]) if norm is not None else (None, 0.0)
     bf16 = int(x.dtype == torch.bfloat16)
     library.norm_rotary(strided[0], bf16, *strided[1:], *shape, weight, eps, *rotation, threads)
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """decode_layer.c's attention of a decode step: each row's k and v [B, kv_heads, d] (float32,
+    contiguous) written at column positions[r] of cache row slots[r] (k_cache, v_cache [rows,
+    kv_heads, columns, d], float32 or bfloat16, contiguous; slots and positions int64), then its
+    query heads q [B, heads, d] against the row's first positions[r] + 1 columns -> [B, heads,
+    d]."""
+    library, reason = load()
+    if library is None:
+        raise RuntimeError(reason)
+    (rows, heads, d), kv_heads = q.shape, k.shape[1]
+    out = torch.empty(rows, heads, d)
+    tensors = (q, k, v, k_cache, v_cache)
+    kv_bf16 = int(k_cache.dtype == torch.bfloat16)
+    status = library.decode_attention(
+        *(t.data_ptr() for t in tensors),
+        k_cache.shape[2],
+        kv_bf16,
+        slots.data_ptr(),
+        positions.data_ptr(),
+        rows,
+        heads,
+        kv_heads,
+        d,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status:
+        raise MemoryError("decode_layer.c could not allocate the attention's scores")
     return out
 
 

@@ -302,3 +302,19 @@ def delta_step(query, key, value, g, beta, states: torch.Tensor, slots: torch.Te
         return None
     inputs = (t.contiguous() for t in delta_rule.step_inputs(query, key, value, g, beta))
     return cpu.delta_step(*inputs, states, slots.contiguous())
+
+
+def cache_attention(q, k, v, batch, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """decode_layer.c's attention of a decode step (kernels/attention.cache_attention's
+    contract): each row's context read once for its query heads, no copy of it; None where the
+    inputs are not the kernel's (float32 rows, a float32 or bfloat16 cache, contiguous, on the
+    CPU, eager: fixed shapes keep torch's)."""
+    caches = k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
+    on_cpu = _float32_on_cpu(q, k, v) and k_cache.device.type == "cpu"
+    whole = k_cache.is_contiguous() and v_cache.is_contiguous()
+    if not (caches and on_cpu and whole and not batch.fixed_shapes and cpu.eager()):
+        return None
+    rows = (t.to(torch.int64).contiguous() for t in (batch.slots, batch.positions))
+    return cpu.decode_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache, *rows
+    )

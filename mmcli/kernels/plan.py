@@ -93,6 +93,7 @@ class KernelPlan:
     vision_int8: Choice
     int4: Choice
     attention: Choice
+    cache_attention: Choice
     vision_blocks: Choice
     norm: Choice
     layer_norm: Choice
@@ -585,6 +586,9 @@ def choose(shape: RunShape, machine: Machine) -> KernelPlan:
         vision_int8=_vision_int8(shape, machine),
         int4=_int4(shape, machine),
         attention=attend,
+        cache_attention=_c_kernel(
+            "decode_layer.c", shape, machine, _function(cpu_ops.cache_attention)
+        ),
         vision_blocks=_vision_blocks(shape, attend),
         norm=_c_kernel("rms_norm.c", shape, machine, _function(cpu_ops.rms_norm)),
         layer_norm=_c_kernel("layer_norm.c", shape, machine, _function(cpu_ops.layer_norm)),

@@ -6,6 +6,7 @@
    tensor operations around them, each of which costs more to dispatch than to compute for a few
    tokens (and runs slower still after a weight read has flushed the caches), and the batched
    step's copy of every row's context. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "float_tiles.h"
@@ -449,6 +450,27 @@ static void attend_rows(const struct decode_layer *l, const float *q, const floa
                        scores + (r * l->heads + first) * longest, attn + r * Q + first * d,
                        kv_bf16);
     }
+}
+
+/* A decode step's attention alone, for the layers decode_layer does not run (Qwen3.5's gated
+   attention, a sparse model's): attend_rows on q (rows x heads x d) with k and v (rows x kv_heads
+   x d, written into the caches first) -> out (rows x heads x d). The caches as decode_layer takes
+   them. Nonzero (nothing done) where the scores' scratch could not be allocated. */
+int decode_attention(const float *q, const float *k, const float *v, void *k_cache, void *v_cache,
+                     int64_t columns, int kv_bf16, const int64_t *slots, const int64_t *positions,
+                     int64_t rows, int64_t heads, int64_t kv_heads, int64_t d, float *out,
+                     int threads) {
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++)
+        longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
+    float *scores = malloc(sizeof(float) * (size_t)(rows * heads * longest));
+    if (!scores) return 1;
+    struct decode_layer l = {0};
+    l.heads = heads, l.kv_heads = kv_heads, l.d = d;
+    attend_rows(&l, q, k, v, k_cache, v_cache, kv_bf16, rows, slots, positions, columns * d,
+                longest, scores, out, threads);
+    free(scores);
+    return 0;
 }
 
 /* x (rows x hidden) <- the layer's output for each row's token: row r's key and value written

@@ -1,13 +1,14 @@
 """Attention within one range of tokens (the decoder's prefill, causal with grouped-query heads,
-and one image's attention in the vision tower), as a layer the kernel plan installs a kernel
-for."""
+and one image's attention in the vision tower), and a decode step's over the KV cache, as layers
+the kernel plan installs kernels for."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from mmcli.kernels.attention import sdpa_attention
+from mmcli.kernels.attention import cache_attention, sdpa_attention
+from mmcli.models.cache import AttentionBatch
 
 
 class RangeAttention(nn.Module):
@@ -24,3 +25,20 @@ class RangeAttention(nn.Module):
         if self.kernel is not None and (out := self.kernel(q, k, v, causal)) is not None:
             return out
         return sdpa_attention(q, k, v, causal)
+
+
+class CacheAttention(nn.Module):
+    """A decode step's attention (kernels/attention.cache_attention): each row's new key and value
+    written into its cache row, then its query heads against the row's context. It holds no
+    weights."""
+
+    work = "cache_attention"
+    # (q, k, v, batch, k_cache, v_cache) -> [B, heads, d], or None where the inputs are not the
+    # kernel's
+    kernel = None
+
+    def forward(self, q, k, v, batch: AttentionBatch, k_cache, v_cache) -> torch.Tensor:
+        if self.kernel is not None:
+            if (out := self.kernel(q, k, v, batch, k_cache, v_cache)) is not None:
+                return out
+        return cache_attention(q, k, v, batch, k_cache, v_cache)

@@ -8,13 +8,12 @@ each sequence's tokens go. Module names follow the checkpoint (model.language_mo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mmcli.kernels.fused_decode import FusableLayer
 from mmcli.models.cache import AttentionBatch, DecoderCache
 from mmcli.models.config import TextConfig
-from mmcli.models.layers.attention import RangeAttention
+from mmcli.models.layers.attention import CacheAttention, RangeAttention
 from mmcli.models.layers.linear import Linear, embedding
 from mmcli.models.layers.mlp import MLP
 from mmcli.models.layers.norms import RMSNorm
@@ -35,6 +34,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.rotary, self.attend = Rotary(), RangeAttention()
+        self.attend_cache = CacheAttention()
 
     def forward(
         self,
@@ -57,7 +57,7 @@ class Attention(nn.Module):
         if batch.seqlens is not None:
             out = self._prefill(q, k, v, batch, k_cache, v_cache)
         else:
-            out = self._decode(q, k, v, batch, k_cache, v_cache)
+            out = self.attend_cache(q, k, v, batch, k_cache, v_cache)
         out = out.flatten(-2)
         if self.output_gate:
             out = out * torch.sigmoid(gate.flatten(-2))
@@ -82,33 +82,6 @@ class Attention(nn.Module):
                 out.append(self.attend(q[s], k[s], v[s], causal=True))
             start += n
         return out[0] if len(out) == 1 else torch.cat(out)
-
-    def _decode(self, q, k, v, batch, k_cache, v_cache):
-        slots, pos, n = batch.slots, batch.positions, batch.context_len
-        k_cache[slots, :, pos] = k.to(k_cache.dtype)  # the cache's dtype: rounded to it
-        v_cache[slots, :, pos] = v.to(v_cache.dtype)
-        b = slots.shape[0]
-        # a cache of the products' dtype (bfloat16) under float32 compute: widened, exactly
-        if batch.fixed_shapes:
-            keys, values = k_cache[slots, :, :n].to(q.dtype), v_cache[slots, :, :n].to(q.dtype)
-        else:
-            keys = k_cache[:b, :, :n] if batch.contiguous else k_cache[slots, :, :n]
-            values = v_cache[:b, :, :n] if batch.contiguous else v_cache[slots, :, :n]
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-            if b == 1:  # one sequence: its whole context, no mask needed
-                # each KV head's query heads as its queries: one call, no GQA expansion
-                grouped = q.view(1, self.num_kv_heads, -1, self.head_dim)
-                out = F.scaled_dot_product_attention(grouped, keys, values)
-                return out.reshape(1, self.num_heads, self.head_dim)
-        # each row sees its own past
-        mask = torch.arange(n, device=pos.device)[None, :] <= pos[:, None]
-        # One query per row: group the query heads under their KV head instead of expanding K/V for
-        # GQA.
-        qg = q.view(b, self.num_kv_heads, -1, self.head_dim)  # [B, kv, group, d]
-        scores = (qg @ keys.transpose(-1, -2)).float() * self.head_dim**-0.5  # [B, kv, group, n]
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-        o = scores.softmax(-1).to(values.dtype) @ values  # [B, kv, group, d]
-        return o.reshape(b, self.num_heads, self.head_dim)
 
 
 def write_columns(cache: torch.Tensor, row, first: int, values: torch.Tensor) -> None:
