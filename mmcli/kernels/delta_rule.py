@@ -44,6 +44,7 @@ def chunk_terms(q, k, v, g, beta) -> dict[str, torch.Tensor]:
     """What each chunk's step needs, for all chunks at once (the UT transform): q, k and v
     [heads, chunks, CHUNK, d] (padded), g and beta [heads, chunks, CHUNK]."""
     decay = g.cumsum(-1)  # log decay from the chunk's start
+    from_start = decay_exp(decay)[..., None]
     future = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
     pair = decay_exp((decay[..., :, None] - decay[..., None, :]).masked_fill(future, float("-inf")))
     k_beta = k * beta[..., None]
@@ -56,7 +57,7 @@ def chunk_terms(q, k, v, g, beta) -> dict[str, torch.Tensor]:
     gone = (decay < DECAY_FLOOR)[..., None]
     k_decayed = torch.linalg.solve_triangular(
         system.masked_fill(gone, 0),
-        k_beta * decay_exp(decay)[..., None],
+        k_beta * from_start,
         upper=False,
         unitriangular=True,
     )
@@ -64,7 +65,7 @@ def chunk_terms(q, k, v, g, beta) -> dict[str, torch.Tensor]:
         "new_values": new_values,
         "k_decayed": k_decayed,
         "within": (q @ k.transpose(-1, -2)) * pair,
-        "q": q * decay_exp(decay)[..., None],
+        "q": q * from_start,
         "k": k * decay_exp(decay[..., -1:] - decay)[..., None],
         "chunk_decay": decay_exp(decay[..., -1])[..., None, None],
     }

@@ -564,12 +564,12 @@ def _delta_rule(shape: RunShape, machine: Machine) -> Choice:
     if shape.device == "cuda" and "fla" in machine.libraries:
         install = _function(delta_rule.fla_kernels())
         return Choice("fla", "flash-linear-attention", "its Triton kernels", install)
-    steps = _c_kernel("delta_rule.c", shape, machine, _function(cpu_ops.delta_step))
+    pair = _function((delta_rule.chunked, cpu_ops.delta_step))
+    steps = _c_kernel("delta_rule.c", shape, machine, pair)
     if steps.install is None:
         return Choice("pytorch", "PyTorch", f"chunked prefill, one-step decode; {steps.why}")
-    install = _function((delta_rule.chunked, cpu_ops.delta_step))
     kernel = "PyTorch's chunked prefill, delta_rule.c's steps"
-    return Choice("pytorch+delta_rule.c", kernel, steps.why, install)
+    return Choice("pytorch+delta_rule.c", kernel, steps.why, steps.install)
 
 
 def choose(shape: RunShape, machine: Machine) -> KernelPlan:
