@@ -2,6 +2,7 @@
 and installed into the layers that name that work."""
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -40,6 +41,31 @@ def test_without_our_kernels_every_layer_keeps_torch():
     assert plan.build == "none (MMCLI_CPU_KERNEL=0)"
     assert all(c.install is None for w, c in plan.choices().items() if w != "vision_blocks")
     assert plan.upcast.id == "chunks" and plan.decode_step.id == "layer_by_layer"
+
+
+def test_units_the_cpu_lacks_are_never_timed(monkeypatch):
+    """MMCLI_CPU_FEATURES may claim units this CPU does not have (tests plan for other CPUs so):
+    the library would emulate them, so nothing is measured and ours is taken; a mask within the
+    CPU's own units is measured as ever."""
+    from mmcli.kernels import measure
+
+    timed = []
+    result = {"kernels": ["ours", "library"], "rates": {8: (2.0, 1.0)}}
+    monkeypatch.setattr(measure, "measured", lambda name, key: timed.append(name) or result)
+    monkeypatch.setattr(machine, "_made", functools.cache(machine._made.__wrapped__))
+    real = cpu_features.real_units()
+    lacking = sorted({"amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni"} - real)
+    monkeypatch.setenv("MMCLI_CPU_FEATURES", ",".join(sorted(real | set(lacking))))
+    claimed = machine.here()
+    if lacking:
+        assert claimed.crossovers and not timed
+        why = {c.why for c in claimed.crossovers.values()}
+        assert why == {f"nothing measured: {', '.join(lacking)} not on this CPU"}
+        assert all(c.above is None for c in claimed.crossovers.values())
+    monkeypatch.setenv("MMCLI_CPU_FEATURES", ",".join(sorted(real)))
+    own = machine.here()
+    assert sorted(timed) == sorted(own.crossovers)
+    assert all(c.why.startswith("measured here: ours vs library") for c in own.crossovers.values())
 
 
 @pytest.mark.parametrize("backend", ["inductor", "neuron"])

@@ -5,7 +5,8 @@ units, the row count above which the library's wins, measured once per machine a
 plan is a function of a run's shape and a Machine, so tests build one by hand.
 
 MMCLI_CPU_PREFER=library or ours stands in for every measurement (tests and benches force each
-path so)."""
+path so). Units that MMCLI_CPU_FEATURES adds to the CPU's own are not measured (the library
+would emulate them): ours is taken there."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from mmcli.kernels.cpu_features import OVERRIDE, CpuFeatures
+from mmcli.kernels.cpu_features import OVERRIDE, CpuFeatures, real_units
 
 PREFER = "MMCLI_CPU_PREFER"
 # what the environment may say about the kernels: read by here(), one Machine for each
@@ -138,6 +139,9 @@ def _crossover(name: str, cpu: CpuFeatures, build: str, unavailable: str) -> Cro
         return Crossover(0 if prefer == "library" else None, f"{PREFER}={prefer}")
     if name != "int4_tiles" and not build:  # the int4 tiles are the library's and torch's
         return Crossover(0, f"ours not built here ({unavailable})")
+    emulated = cpu.units - real_units()
+    if emulated:  # a rate measured on units the CPU emulates says nothing about them
+        return Crossover(None, f"nothing measured: {', '.join(sorted(emulated))} not on this CPU")
     from mmcli.kernels import measure
 
     return crossover_of(measure.measured(name, measure.machine_key(cpu, build)))
