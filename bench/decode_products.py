@@ -1,5 +1,6 @@
 """A decode step's products, kernel by kernel, against their floors, in one process: each kernel
-a step multiplies on (bfloat16 products, int8, int4) at R rows of the 2B model's gate projection
+a step multiplies on (bfloat16 products, or bfloat16 weights widened to float32 products where
+the build has no bfloat16 ones; int8, int4) at R rows of the 2B model's gate projection
 (6144 x 2048), timed three ways in turns, the best of 5 (and of --rounds passes over every kernel
 and row count: a neighbour's burst of a few seconds falls on one pass): hot (one copy of the
 weights, from the caches: its arithmetic alone), cold (COPIES copies cycled, far more than the
@@ -38,8 +39,17 @@ def tensors(weight) -> list[torch.Tensor]:
     return [weight] if isinstance(weight, torch.Tensor) else list(weight.tensors().values())
 
 
+def widened_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """bfloat16 weights widened to float32 products (bf16_linear.c): the default path's step
+    where the build has no bfloat16 products (AVX2, AVX-512 without BF16); None elsewhere."""
+    if cpu.name() == "AMX" or cpu.has_bf16_dot():
+        return None
+    return cpu.bf16_linear(x, weight)
+
+
 KERNELS = {
     "bfloat16": lambda x, w: cpu.bf16_rows_linear(x, w, False),
+    "float32": widened_products,
     "int8": lambda x, w: cpu.int8_linear(x, w),
     "int4": cpu.int4_vnni_linear,
 }
@@ -47,8 +57,8 @@ KERNELS = {
 
 def unit(kind: str) -> str:
     """The unit a kind's kernel multiplies on: int8's dot products for int8 and int4 (int4_vnni.c
-    quantizes the rows to int8), bfloat16's for the bfloat16 products."""
-    return "bfloat16" if kind == "bfloat16" else "int8"
+    quantizes the rows to int8), bfloat16's or float32's FMAs for the bfloat16 weights."""
+    return kind if kind in ("bfloat16", "float32") else "int8"
 
 
 def timings(kind: str, rows: int, shape: tuple[int, int], copies: int) -> dict | None:
