@@ -42,7 +42,7 @@ def tensors(weight) -> list[torch.Tensor]:
 def widened_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """bfloat16 weights widened to float32 products (bf16_linear.c): the default path's step
     where the build has no bfloat16 products (AVX2, AVX-512 without BF16); None elsewhere."""
-    if cpu.name() == "AMX" or cpu.has_bf16_dot():
+    if cpu.name() in cpu.BF16_DOT_BUILDS:
         return None
     return cpu.bf16_linear(x, weight)
 
