@@ -355,11 +355,12 @@ def int4_values_f64(weight):
 
     from mmcli.kernels.weight_forms import int4_block
 
+    weight = weight.torch_form()
     out, inner = weight.shape
     block = int4_block()
     packed = weight.packed.view(out // block, inner, block // 2)
     q = torch.cat([packed & 0xF, packed >> 4], -1).permute(0, 2, 1).reshape(out, inner)
-    sz = weight.groups().double()  # [in / 32, out, 2]
+    sz = weight.scales_zeros.double()  # [in / 32, out, 2]
     scale, zero = (sz[..., i].t().repeat_interleave(32, 1) for i in (0, 1))
     return (q.double() - 8) * scale + zero
 

@@ -243,17 +243,15 @@ def test_sequences_decoded_together_get_the_modules_logits(bf16_dir, monkeypatch
 )
 @pytest.mark.parametrize("prompts", [{2: 3, 0: 9, 1: 1, 3: 4}, {0: 5}])
 @pytest.mark.parametrize("vnni_rows", [cpu.AMX_ROWS, 0], ids=["vnni", "amx_tiles"])
-@pytest.mark.parametrize("by_block", [False, True], ids=["by_group", "by_block"])
-def test_an_int4_step_matches_the_int4_layers_it_replaces(
-    monkeypatch, prompts, vnni_rows, by_block
-):
-    """int4 weights (torch's layout, the scales by group or, where the build reads them so, by
-    block) on int4_vnni.c in the step as in each Int4Linear (given int4_vnni.c from one row,
-    whatever this CPU's plan takes), on the vector units or (the AMX build) the tiles: the same
+@pytest.mark.parametrize("blocks", [False, True], ids=["torch_layout", "blocks_form"])
+def test_an_int4_step_matches_the_int4_layers_it_replaces(monkeypatch, prompts, vnni_rows, blocks):
+    """int4 weights (torch's layout or, where the build reads it, the blocks form) on int4_vnni.c
+    in the step as in each Int4Linear (given int4_vnni.c from one row, whatever this CPU's plan
+    takes), on the vector units or (the AMX build) the tiles: the same
     products, one sequence or four; with torch's int4 kernel at 1 and 2 rows the step leaves
     those to the modules."""
-    if by_block and not cpu.load()[0].int4_by_block:
-        pytest.skip("this build reads int4's scales by group only")
+    if blocks and not cpu.load()[0].int4_blocks:
+        pytest.skip("this build reads torch's int4 layout only")
     shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     cfg = _config(shape, intermediate_size=128)
     decoder = _decoder(cfg, seed=3)
@@ -264,8 +262,8 @@ def test_an_int4_step_matches_the_int4_layers_it_replaces(
     for layer in decoder.modules():
         if isinstance(layer, Int4Linear):
             layer.kernel = int4_vnni
-            if by_block:  # as the loader puts them where the plan says so
-                layer.weight = layer.weight.by_block(weight_forms.int4_block())
+            if blocks:  # as the loader puts them where the plan says so
+                layer.weight = layer.weight.in_blocks(weight_forms.int4_block())
     reference, ref_cache = _steps(decoder, cfg, steps=8, prompts=prompts, seed=1)
     decoder.kernel = FusedDecode.for_decoder(
         decoder, cfg, int4_torch_rows=0, int4_vnni_rows=vnni_rows

@@ -28,7 +28,7 @@ WIDENED = pytest.mark.skipif(
 
 
 def _quantized(w: torch.Tensor) -> weight_forms.Int4Weight:
-    """w's 4 bits as the loader holds them for this build (the scales by block on AVX2)."""
+    """w's 4 bits as the loader holds them for this build (the blocks form on AVX2)."""
     return cpu.int4_read_form(quantize_int4(w))
 
 
@@ -102,7 +102,7 @@ def test_avx2s_blocks_of_32_give_the_floats_of_this_builds_blocks(monkeypatch, r
     x = torch.randn(rows, 1024)
     here = cpu.int4_vnni_linear(x, weight)
     by_32 = dataclasses.replace(weight, packed=weight_forms.int4_blocks(_q(weight), 32))
-    by_32 = by_32.by_block(32)  # the scales as the AVX2 build reads them
+    by_32 = by_32.in_blocks(32)  # the form the AVX2 build reads fastest
     monkeypatch.setenv("MMCLI_CPU_KERNEL", "avx2")
     cpu.load.cache_clear()
     try:
@@ -114,22 +114,22 @@ def test_avx2s_blocks_of_32_give_the_floats_of_this_builds_blocks(monkeypatch, r
     assert torch.equal(got, here)
 
 
-def test_the_scales_by_block_give_the_same_floats_where_the_build_reads_them():
-    """The AVX2 half reads the scales and zeros by group or by block (the loader's, where its
-    kernels are their only readers): the same floats at a step's rows and widened at a prompt's.
-    A build that reads them by group only refuses them by block; torch's int4 kernel, which reads
-    them by group, then takes the weight, with the same products from either layout."""
+def test_the_blocks_form_gives_the_same_floats_where_the_build_reads_it():
+    """The AVX2 half reads torch's layout or the blocks form (the loader's, where its kernels are
+    the weights' only readers): the same floats at a step's rows and widened at a prompt's. A
+    build that reads torch's layout only refuses the blocks form; torch's int4 kernel then takes
+    the weight in its own layout, with the same products from either form."""
     weight = quantize_int4(torch.randn(64, 256).bfloat16())
-    by_block = weight.by_block(weight_forms.int4_block())
-    assert by_block.pairs_layout == "blocks" and torch.equal(by_block.groups(), weight.groups())
+    blocks = weight.in_blocks(weight_forms.int4_block())
+    assert blocks.layout == "blocks" and not torch.equal(blocks.packed, weight.packed)
     for rows in (1, 3, cpu.AMX_ROWS + 8):
         x = torch.randn(rows, 256)
-        got = cpu.int4_int8_linear(x, by_block)
-        if LIBRARY.int4_by_block:
+        got = cpu.int4_int8_linear(x, blocks)
+        if LIBRARY.int4_blocks:
             assert torch.equal(got, cpu.int4_int8_linear(x, weight))
         else:
             assert got is None
-        assert torch.equal(int4_linear(x, by_block, None), int4_linear(x, weight, None))
+        assert torch.equal(int4_linear(x, blocks, None), int4_linear(x, weight, None))
 
 
 def test_shapes_off_its_blocks_are_refused():
@@ -169,7 +169,7 @@ def _8bit_rows(x: torch.Tensor) -> torch.Tensor:
 def _widened_level(weight) -> torch.Tensor:
     """Each channel's int8 level: the largest magnitude its groups' values can reach over the
     build's largest level (127, or 63 on AVX2)."""
-    sz = weight.groups().double()  # [in / 32, out, 2]
+    sz = weight.torch_form().scales_zeros.double()  # [in / 32, out, 2]
     scale, zero = sz[..., 0], sz[..., 1]
     reach = torch.maximum((zero - 8 * scale).abs(), (zero + 7 * scale).abs())
     return reach.amax(0).clamp_min(1e-12) / LIBRARY.int4_widened_top

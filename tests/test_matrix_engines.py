@@ -344,18 +344,18 @@ def test_int4_on_avx2_takes_int4_vnni_at_a_steps_rows_and_widens_a_prompts(above
     32) on int4_vnni.c, in the fused step too; a prompt's more rows widened to int8 for
     int8_linear.c's tiles (7-bit rows), above the measured crossover on dequantized tiles in
     float32 products, the run's (no bfloat16 unit). Where its kernels are the only ones to read
-    the weights, their scales and zeros are put by block (the layout the build reads); torch's
-    int4 kernel and the tiles' dequantizer read them by group."""
+    the weights, they are put in the blocks form (which the build reads fastest); torch's int4
+    kernel and the tiles' dequantizer read torch's layout."""
     consulted = comparisons(AVX2, "AVX2", int4_vnni=True)
     assert "int4_fewest_rows" in consulted and "int4_tiles" in consulted
     ours = {name: Crossover(None, "measured (by hand)") for name in consulted}
     ours["int4_tiles"] = Crossover(above, "measured (by hand)")
     avx2 = Machine(
-        AVX2, "AVX2", crossovers=ours, int4_vnni=True, int4_widened=True, int4_by_block=True
+        AVX2, "AVX2", crossovers=ours, int4_vnni=True, int4_widened=True, int4_blocks=True
     )
     plan = choose(shape_on(AVX2, quantize="int4"), avx2)
     kernel = "int4_vnni.c (int8 dot products) to 32, widened to int8 above"
-    tiles = " to 256, int4 tiles + oneDNN float32 above" if above else ", scales by block"
+    tiles = " to 256, int4 tiles + oneDNN float32 above" if above else ", blocks form"
     assert plan.int4.kernel == kernel + tiles
     assert plan.int4.id == "int4_vnni.c+int4_widened" + ("+int4_tiles" if above else "")
     assert plan.int4.form == ("" if above else INT4_BLOCKS)
@@ -498,10 +498,14 @@ def test_the_int4_layout_is_torchs_here_and_both_its_x86_forms_dequantize():
     for block in (64, 32):
         weight = Int4Weight(weight_forms.int4_blocks(q, block), scales_zeros, (192, 96))
         assert torch.equal(matrix.int4_dequantized(weight, 64, 192, block), expected)
-        # the scales by block (the AVX2 build's layout): the same values
-        by_block = weight.by_block(block)
-        assert by_block.pairs_layout == "blocks" and torch.equal(by_block.groups(), scales_zeros)
-        assert torch.equal(matrix.int4_dequantized(by_block, 64, 192, block), expected)
+        # the blocks form (the AVX2 build's): the same values, and torch's layout back exactly
+        blocks = weight.in_blocks(block)
+        assert blocks.layout == "blocks" and not torch.equal(blocks.packed, weight.packed)
+        back = blocks.torch_form()
+        assert torch.equal(back.packed, weight.packed) and torch.equal(
+            back.scales_zeros, scales_zeros
+        )
+        assert torch.equal(matrix.int4_dequantized(blocks, 64, 192, block), expected)
 
 
 @needs_kernels

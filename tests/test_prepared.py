@@ -270,10 +270,10 @@ def test_int4_from_the_file_computes_as_quantized(moe_dirs, tmp_path):
     first, second = _int4(path, tmp_path), _int4(path, tmp_path)
     assert "read from" in second.kernels
     assert torch.equal(_logits(first), _logits(second))  # the same 4-bit weights, bit for bit
-    # the file holds torch's layout; the loader puts the scales as the plan's kernels read them
-    by_block = second.kernel_plan.int4.form == INT4_BLOCKS
-    layouts = {m.weight.pairs_layout for m in second.model.modules() if isinstance(m, Int4Linear)}
-    assert layouts == {"blocks" if by_block else "groups"}
+    # the file holds torch's layout; the loader puts the weights as the plan's kernels read them
+    blocks = second.kernel_plan.int4.form == INT4_BLOCKS
+    layouts = {m.weight.layout for m in second.model.modules() if isinstance(m, Int4Linear)}
+    assert layouts == {"blocks" if blocks else "torch"}
     uncached = _int4(path, tmp_path / "none", weights_cache=False)
     assert "prepared" not in uncached.kernels and not _files(tmp_path / "none")
     assert torch.equal(_logits(first), _logits(uncached))

@@ -170,13 +170,13 @@ def _run_together(commands) -> None:
 
 class DecodeMatrix(ctypes.Structure):
     """decode_layer.c's struct decode_matrix: a linear's bfloat16 weights (values only), its
-    Int8Weight's tensors or its Int4Weight's (values: the packed ones, and scales_zeros, by block
-    where pairs_by_block is set)."""
+    Int8Weight's tensors or its Int4Weight's (values: the packed ones, and scales_zeros; in the
+    blocks form where int4_blocks is set)."""
 
     _fields_ = [
         (name, ctypes.c_void_p) for name in ("values", "sums", "scale", "bias", "scales_zeros")
     ]
-    _fields_ += [("pairs_by_block", ctypes.c_int64)]
+    _fields_ += [("int4_blocks", ctypes.c_int64)]
 
 
 class DecodeLayer(ctypes.Structure):
@@ -223,8 +223,8 @@ def load() -> tuple[ctypes.CDLL | None, str]:
             library.int4_widened_top = 127 if vbmi else 63  # a widened weight's largest level
             block = 64 if vbmi else 32
             library.int4_vnni = weight_forms.int4_block() == block
-            # int4_vnni.c's AVX2 half reads the scales and zeros by block too (Int4Weight)
-            library.int4_by_block = not vbmi
+            # int4_vnni.c's AVX2 half reads the blocks form too (Int4Weight.in_blocks)
+            library.int4_blocks = not vbmi
             break
         except (OSError, subprocess.SubprocessError) as error:
             detail = getattr(error, "stderr", b"") or b""
@@ -338,7 +338,7 @@ def _declare_quantized(library: ctypes.CDLL) -> None:
     tiles = ("int4_tile_rows",) if library.int4_vnni and library.build == "AMX" else ()
     for name in (*int4, *vnni, *tiles):
         kernel = getattr(library, name)
-        # x, packed, scales_zeros, by_block, y, M, N, K, threads
+        # x, packed, scales_zeros, blocks, y, M, N, K, threads
         kernel.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p]
         kernel.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_int]
     if library.int4_vnni:
@@ -454,12 +454,12 @@ def amx_int4_gemm(x: torch.Tensor, weight, vnni_rows: int = INT4_VNNI_ROWS) -> t
 
 
 def int4_read_form(weight):
-    """An Int4Weight with its scales and zeros as this build's int4_vnni.c reads them fastest (a
-    copy by block in its AVX2 half): the loader's, for weights made elsewhere (measurements)."""
+    """An Int4Weight in the form this build's int4_vnni.c reads fastest (a copy in the blocks
+    form in its AVX2 half): the loader's, for weights made elsewhere (measurements)."""
     library = load()[0]
-    if library is None or not library.int4_by_block:
+    if library is None or not library.int4_blocks:
         return weight
-    return weight.by_block(weight_forms.int4_block())
+    return weight.in_blocks(weight_forms.int4_block())
 
 
 def int4_vnni_linear(x: torch.Tensor, weight) -> torch.Tensor | None:
@@ -518,14 +518,14 @@ def int4_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def _int4_products(kernel, x: torch.Tensor, weight) -> torch.Tensor | None:
-    """An int4 kernel's (x, packed, scales_zeros, by_block, y, M, N, K, threads) float32 y, or
-    None where it refused the shapes or the scales' layout (or they are not contiguous)."""
+    """An int4 kernel's (x, packed, scales_zeros, blocks, y, M, N, K, threads) float32 y, or
+    None where it refused the shapes or the weights' form (or they are not contiguous)."""
     if not weight.scales_zeros.is_contiguous():
         return None
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    by_block = int(weight.pairs_layout == "blocks")
+    blocks = int(weight.layout == "blocks")
     status = kernel(
-        x.data_ptr(), weight.packed.data_ptr(), weight.scales_zeros.data_ptr(), by_block,
+        x.data_ptr(), weight.packed.data_ptr(), weight.scales_zeros.data_ptr(), blocks,
         out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads(),
     )  # fmt: skip
     return None if status else out
@@ -832,8 +832,8 @@ def int4_dequantize(weight, group: int, start: int, stop: int, block: int) -> to
     library, reason = load()
     if library is None:
         raise RuntimeError(reason)
-    if weight.pairs_layout != "groups":
-        raise ValueError(f"int4_dequantize reads the scales by group, not {weight.pairs_layout}")
+    if weight.layout != "torch":
+        raise ValueError(f"int4_dequantize reads torch's int4 layout, not {weight.layout}")
     out_features, inner = weight.shape
     dest = torch.empty(inner, stop - start, dtype=torch.bfloat16)
     library.int4_dequantize(

@@ -61,9 +61,9 @@ def _matrix(linear) -> dict[str, torch.Tensor]:
     return {"values": linear.weight}
 
 
-def _by_block(linear) -> int:
-    """decode_matrix's pairs_by_block: an Int4Weight's scales and zeros by block."""
-    return int(getattr(linear.weight, "pairs_layout", "") == "blocks")
+def _int4_blocks(linear) -> int:
+    """decode_matrix's int4_blocks: an Int4Weight in the blocks form (Int4Weight.in_blocks)."""
+    return int(getattr(linear.weight, "layout", "") == "blocks")
 
 
 def _bf16(linear) -> bool:
@@ -106,7 +106,7 @@ def _int4(linear) -> bool:
         and weight.scales_zeros.is_contiguous()
         and library is not None
         and library.int4_vnni
-        and (weight.pairs_layout == "groups" or library.int4_by_block)
+        and (weight.layout == "torch" or library.int4_blocks)
     )
 
 
@@ -154,7 +154,7 @@ class FusedDecode:
             matrices = {
                 name: cpu.DecodeMatrix(
                     **{k: t.data_ptr() for k, t in tensors[name].items()},
-                    pairs_by_block=_by_block(linear),
+                    int4_blocks=_int4_blocks(linear),
                 )
                 for name, linear in layer.linears.items()
             }

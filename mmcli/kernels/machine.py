@@ -54,7 +54,7 @@ class Machine:
     # the tiles' dequantizer and amx.c read 64), None for one the dequantizer cannot read
     int4_block: int | None = 64
     # and reads int4's scales and zeros by block too (its AVX2 half; weight_forms.Int4Weight)
-    int4_by_block: bool = False
+    int4_blocks: bool = False
     exact_int8: bool = True  # oneDNN's int8 GEMM is exact here (cpu_features.exact_int8)
 
     def key(self) -> str:
@@ -171,7 +171,7 @@ def _made(environment: tuple[str | None, ...], floors: bool) -> Machine:
         int4_vnni=int4_vnni,
         int4_widened=int4_widened,
         int4_block=int4_block,
-        int4_by_block=bool(int4_vnni and library.int4_by_block),
+        int4_blocks=bool(int4_vnni and library.int4_blocks),
         exact_int8=exact_int8,
     )
     if not floors:

@@ -137,13 +137,14 @@ def int4_dequantized(
     each input's values of a block in block / 2 bytes, the low nibbles its first half), value =
     (q - 8) * scale + zero per GROUP inputs; int4_tiles.c's where our kernels run."""
     block = block or int4_block()
-    if cpu.eager() and weight.pairs_layout == "groups" and weight.scales_zeros.is_contiguous():
+    weight = weight.torch_form()
+    if cpu.eager() and weight.scales_zeros.is_contiguous():
         return cpu.int4_dequantize(weight, GROUP, start, stop, block)
     inner = weight.shape[1]
     packed = weight.packed.view(-1, inner, block // 2)[start // block : stop // block]
     q = torch.cat([packed & 0xF, packed >> 4], -1)  # [blocks, in, block]
     q = q.permute(1, 0, 2).reshape(inner // GROUP, GROUP, stop - start)
-    scales_zeros = weight.groups()[:, start:stop].float()  # [in / GROUP, out, 2]
+    scales_zeros = weight.scales_zeros[:, start:stop].float()  # [in / GROUP, out, 2]
     w = (q.float() - 8).mul_(scales_zeros[:, None, :, 0]).add_(scales_zeros[:, None, :, 1])
     return w.reshape(inner, stop - start).to(torch.bfloat16)
 

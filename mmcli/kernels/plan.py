@@ -52,7 +52,7 @@ class Choice:
 NONE = Choice("none", "-", "no such work in this model")
 # the forms of `linears` that mmcli/weights puts the weights into at load
 PACKED, INT8, INT4, AS_LOADED = "packed", "int8", "int4", "as_loaded"
-INT4_BLOCKS = "int4_blocks"  # int4's scales and zeros by block (weight_forms.Int4Weight)
+INT4_BLOCKS = "int4_blocks"  # int4's blocks form (weight_forms.Int4Weight.in_blocks)
 BY_RANGE = "by_range"  # the vision blocks' attention range by range, each image's own
 # the head's choices where it is int8: its activations on 14 bits, or split in two rows of 7
 INT8_HEADS = ("int8_wide", "int8_split")
@@ -365,8 +365,8 @@ def _int4(shape: RunShape, machine: Machine) -> Choice:
     products = "bfloat16" if shape.bf16_products() else "float32"
     if machine.int4_vnni:
         fewest = machine.crossover("int4_fewest_rows")
-        widened, by_block = machine.int4_widened, machine.int4_by_block
-        return _int4_vnni(measured, fewest, products, widened, by_block)
+        widened, blocks = machine.int4_widened, machine.int4_blocks
+        return _int4_vnni(measured, fewest, products, widened, blocks)
     if measured.above is None:
         return Choice("torch_int4", "torch int4", measured.why)
     above = measured.above
@@ -406,7 +406,7 @@ def _int4_vnni_rows(machine: Machine) -> int:
 
 
 def _int4_vnni(
-    tiles: Crossover, fewest: Crossover, products: str, widened: bool = True, by_block: bool = False
+    tiles: Crossover, fewest: Crossover, products: str, widened: bool = True, blocks: bool = False
 ) -> Choice:
     """int4 on the int8 dot products: a decode step's rows (to cpu.AMX_ROWS) on int4_vnni.c, each
     row quantized to int8 per group; a prompt's more rows widened to int8 for int8_linear.c's
@@ -414,9 +414,8 @@ def _int4_vnni(
     torch's int4 kernel where the build's tiles are wider than torch's blocks); oneDNN's GEMM in
     the run's `products` on dequantized tiles above the measured crossover, where there is one;
     torch's int4 kernel at a step's fewest rows where it measures faster there. Where int4_vnni.c
-    reads the scales and zeros by block (`by_block`: its AVX2 half) and its kernels are their only
-    readers, they are put so at load (torch's kernel and the tiles' dequantizer read them by
-    group)."""
+    reads the blocks form (`blocks`: its AVX2 half) and its kernels are the weights' only readers,
+    they are put so at load (torch's kernel and the tiles' dequantizer read torch's layout)."""
     torch_rows = int4_torch_rows(fewest)
     kernel = f"torch int4 to {torch_rows} rows, " if torch_rows else ""
     vnni = cpu.AMX_ROWS if tiles.above is None else min(tiles.above, cpu.AMX_ROWS)
@@ -431,8 +430,8 @@ def _int4_vnni(
         kernels.append("int4_tiles")
     install = _function(matrix.int4_matmul(tiles.above, torch_rows, products))
     ours_only = not torch_rows and kernels == ["int4_vnni.c", "int4_widened"]
-    kernel += ", scales by block" if by_block and ours_only else ""
-    form = INT4_BLOCKS if by_block and ours_only else ""
+    kernel += ", blocks form" if blocks and ours_only else ""
+    form = INT4_BLOCKS if blocks and ours_only else ""
     return Choice("+".join(kernels), kernel, f"{tiles.why}; {fewest.why}", install, form)
 
 

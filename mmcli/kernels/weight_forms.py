@@ -70,36 +70,46 @@ class Int8Weight:
 
 @dataclass
 class Int4Weight:
-    """A layer's 4-bit weights: the values in torch's int4 CPU layout, and each group's scale and
-    zero in pairs, by group (torch's layout, as computed and stored) or by block (which the AVX2
-    build's kernels read fastest, put so at load: `by_block`)."""
+    """A layer's 4-bit weights in one of two forms: "torch" (as computed and stored: torch's int4
+    CPU layout, each group's scale and zero in pairs by group) or "blocks" (the AVX2 build's
+    kernels' form, made at load: `in_blocks`)."""
 
-    packed: torch.Tensor  # torch's int4 CPU layout of the [out, in] 4-bit values (int4_block)
-    # "groups": [in / GROUP, out, 2] bfloat16, each group's pairs for every channel in a row;
+    packed: torch.Tensor  # the [out, in] 4-bit values, in torch's int4 CPU layout (int4_block)
+    # "torch": [in / GROUP, out, 2] bfloat16, each group's pairs for every channel in a row;
     # "blocks": [out / block, in / GROUP, block, 2], each block's groups one after another
     scales_zeros: torch.Tensor
     shape: tuple[int, int]
-    pairs_layout: str = "groups"
+    layout: str = "torch"
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"packed": self.packed, "scales_zeros": self.scales_zeros}
 
-    def groups(self) -> torch.Tensor:
-        """The scales and zeros by group, [in / GROUP, out, 2] (a copy where they are by block):
-        torch's int4 kernel and the dequantizers read them so."""
-        if self.pairs_layout == "groups":
-            return self.scales_zeros
-        return self.scales_zeros.transpose(0, 1).reshape(self.shape[1] // GROUP, self.shape[0], 2)
-
-    def by_block(self, block: int) -> Int4Weight:
-        """The same weights with their scales and zeros by blocks of `block` output channels (a
-        copy at load); these where they are so, or their shape does not divide into blocks."""
+    def in_blocks(self, block: int) -> Int4Weight:
+        """The same weights in the blocks form of `block` output channels (a copy at load), which
+        the AVX2 kernels read without a shuffle: the scales and zeros by block (by group, each is
+        a page from the last), and each 4 inputs' bytes of a block as quadruples (a byte's 4
+        inputs side by side; torch's layout holds an input's bytes side by side). These where
+        they are so, or their shape does not divide into blocks."""
         out, inner = self.shape
-        if self.pairs_layout == "blocks" or out % block or inner % GROUP:
+        if self.layout == "blocks" or out % block or inner % GROUP:
             return self
         pairs = self.scales_zeros.view(inner // GROUP, out // block, block, 2)
         pairs = pairs.transpose(0, 1).contiguous()
-        return dataclasses.replace(self, scales_zeros=pairs, pairs_layout="blocks")
+        quads = self.packed.view(out // block, inner // 4, 4, block // 2).transpose(2, 3)
+        packed = quads.contiguous().view(self.packed.shape)
+        return dataclasses.replace(self, packed=packed, scales_zeros=pairs, layout="blocks")
+
+    def torch_form(self) -> Int4Weight:
+        """These weights in torch's layout (a copy where they are in blocks): torch's int4 kernel
+        and the dequantizers read them so."""
+        if self.layout == "torch":
+            return self
+        out, inner = self.shape
+        blocks, block = self.scales_zeros.shape[0], self.scales_zeros.shape[2]
+        pairs = self.scales_zeros.transpose(0, 1).reshape(inner // GROUP, out, 2)
+        values = self.packed.view(blocks, inner // 4, block // 2, 4).transpose(2, 3)
+        packed = values.contiguous().view(self.packed.shape)
+        return dataclasses.replace(self, packed=packed, scales_zeros=pairs, layout="torch")
 
     @property
     def nbytes(self) -> int:

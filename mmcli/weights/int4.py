@@ -217,13 +217,12 @@ def adopt(model: torch.nn.Module, held: dict[str, Int4Weight], experts: dict[str
         model.get_submodule(prefix).adopt_int4(weights)
 
 
-def by_block(model: torch.nn.Module, block: int) -> int:
-    """Every Int4Linear's scales and zeros by blocks of `block` output channels (the plan's
-    INT4_BLOCKS: the kernels that read them so), where its shape divides so; returns how many
-    are."""
+def in_blocks(model: torch.nn.Module, block: int) -> int:
+    """Every Int4Linear in the blocks form of `block` output channels (the plan's INT4_BLOCKS:
+    the kernels that read it), where its shape divides so; returns how many are."""
     count = 0
     for layer in model.modules():
         if isinstance(layer, Int4Linear):
-            layer.weight = layer.weight.by_block(block)
-            count += layer.weight.pairs_layout == "blocks"
+            layer.weight = layer.weight.in_blocks(block)
+            count += layer.weight.layout == "blocks"
     return count

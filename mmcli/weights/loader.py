@@ -1,5 +1,5 @@
 """The model built from a checkpoint's weights, and its weights put into the form the kernel plan
-chose (oneDNN's packed float32, int8 through the prepared cache, int4's scales by block), the
+chose (oneDNN's packed float32, int8 through the prepared cache, int4's blocks form), the
 plan's kernels installed."""
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def prepare(
     if plan.vision_int8.install is not None:
         vision_int8(model.visual, rows=plan.vision_int8.id == ONEDNN_INT8)
     if plan.int4.form == INT4_BLOCKS:
-        int4.by_block(model, int4_block())
+        int4.in_blocks(model, int4_block())
     moved = device.type == "cpu" and huge_pages and hold_in_huge_pages(held_tensors(model))
     install(plan, model)
     hand_on_norms(plan, family_of(model.cfg).fold_groups(model))

@@ -31,22 +31,22 @@ void int8_linear(const uint8_t *x, const float *x_scale, const int8_t *w, const 
 void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
                         int32_t *sums, int threads);
 int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
-                       const uint8_t *packed, const uint16_t *scales_zeros, int by_block, float *y,
+                       const uint8_t *packed, const uint16_t *scales_zeros, int blocks, float *y,
                        int64_t M, int64_t N, int64_t K, int threads);
 int int4_tile_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
-                       const uint8_t *packed, const uint16_t *scales_zeros, int by_block, float *y,
+                       const uint8_t *packed, const uint16_t *scales_zeros, int blocks, float *y,
                        int64_t M, int64_t N, int64_t K, int threads);
 
 /* A linear's weights (out x in): bfloat16 bits as loaded; int8 in int8_linear.c's layout with
-   each output channel's sum of values, scale and bias; or int4 in torch's CPU layout (values) with
-   its scales and zeros (scales_zeros, by block where pairs_by_block is set, else by group); the
-   fields a form has not are NULL (zero). */
+   each output channel's sum of values, scale and bias; or int4 (values) with its scales and zeros
+   (scales_zeros), in torch's CPU layout or in the blocks form where int4_blocks is set
+   (int4_vnni.c); the fields a form has not are NULL (zero). */
 struct decode_matrix {
     const void *values;
     const int32_t *sums;
     const float *scale, *bias;
     const uint16_t *scales_zeros;
-    int64_t pairs_by_block;
+    int64_t int4_blocks;
 };
 
 /* A layer's weights (the norms float32) and sizes, set once by cpu.DecodeLayer. */
@@ -92,11 +92,11 @@ static int int4_products(const struct decode_layer *l, const struct rows_in *in,
 #ifdef __AMX_INT8__
     if (M > l->int4_vnni_rows &&
         !int4_tile_products(levels, in->scale, in->group_sums, w->values, w->scales_zeros,
-                            (int)w->pairs_by_block, y, M, N, K, threads))
+                            (int)w->int4_blocks, y, M, N, K, threads))
         return 0;
 #endif
     return int4_vnni_products(levels, in->scale, in->group_sums, w->values, w->scales_zeros,
-                              (int)w->pairs_by_block, y, M, N, K, threads);
+                              (int)w->int4_blocks, y, M, N, K, threads);
 }
 
 /* The step's products: int8 on int8_linear; int4 on int4_products; bfloat16 where the

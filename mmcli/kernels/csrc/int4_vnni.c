@@ -2,39 +2,41 @@
    bytes, the low nibbles the block's first 32; scales and zeros [K / 32][N][2] bfloat16) times a
    decode step's few rows on the vector units' int8 dot products (AVX-512 VNNI, with VBMI's byte
    permutes to spread the nibbles), where the CPU has both; else (AVX2) blocks of 32 channels, the
-   layout torch packs there, on vpmaddubsw, their scales and zeros by group or by block
-   (kernels/cpu.py decides which reads here). For a decode step's few rows the weights' integers
-   are multiplied as they are, where torch's int4 kernel and the tiles' panels dequantize every
-   weight first. */
+   layout torch packs there, on vpmaddubsw, in torch's layout or the blocks form (below; the
+   loader puts them so where the plan's kernels are their only readers). For a decode step's few
+   rows the weights' integers are multiplied as they are, where torch's int4 kernel and the tiles'
+   panels dequantize every weight first. */
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "float_tiles.h"
 
 /* Each build's (below): x's rows quantized to int8 per group of 32 inputs, and their products.
-   `by_block`: the scales and zeros by block ([N / block][K / 32][block][2], a block's groups one
-   after another), else by group (torch's [K / 32][N][2]); a build that does not read them so
-   (READS_BY_BLOCK) refuses them. */
+   `blocks`: the weights in the blocks form (weight_forms.Int4Weight.in_blocks): the scales and
+   zeros by block ([N / block][K / 32][block][2], a block's groups one after another), and each 4
+   inputs' bytes of a block as quadruples (byte c of the 4 inputs side by side); else torch's
+   layout (the scales by group, [K / 32][N][2]). A build that does not read that form
+   (READS_BLOCKS) refuses it. */
 void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
                         int32_t *sums, int threads);
 int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
-                       const uint8_t *packed, const uint16_t *scales_zeros, int by_block, float *y,
+                       const uint8_t *packed, const uint16_t *scales_zeros, int blocks, float *y,
                        int64_t M, int64_t N, int64_t K, int threads);
 
 typedef int (*int4_products)(const int8_t *, const float *, const int32_t *, const uint8_t *,
                              const uint16_t *, int, float *, int64_t, int64_t, int64_t, int);
 
-/* Group g's scales and zeros of block `block` (of `channels` channels), by block or by group */
+/* Group g's scales and zeros of block `block` (of `channels` channels), in the blocks form or
+   torch's layout */
 static inline const uint32_t *group_pairs(const uint32_t *pairs, int64_t N, int64_t groups,
-                                          int64_t channels, int64_t block, int64_t g,
-                                          int by_block) {
-    return by_block ? pairs + (block * groups + g) * channels : pairs + g * N + block * channels;
+                                          int64_t channels, int64_t block, int64_t g, int blocks) {
+    return blocks ? pairs + (block * groups + g) * channels : pairs + g * N + block * channels;
 }
 
 /* y = x @ W.T by `products` for x (M x K, float32), its rows quantized on the way; nonzero where
    the shapes are not the kernel's or its rows' buffers could not be allocated. */
 static int int4_quantized_rows(int4_products products, const float *x, const uint8_t *packed,
-                               const uint16_t *scales_zeros, int by_block, float *y, int64_t M,
+                               const uint16_t *scales_zeros, int blocks, float *y, int64_t M,
                                int64_t N, int64_t K, int threads) {
     if (M < 1 || N % 64 || K % 32) return 1;
     int8_t *xq = malloc((size_t)(M * K));
@@ -43,7 +45,7 @@ static int int4_quantized_rows(int4_products products, const float *x, const uin
     int failed = !xq || !scales || !sums;
     if (!failed) {
         int4_quantize_rows(x, M, K, xq, scales, sums, threads);
-        failed = products(xq, scales, sums, packed, scales_zeros, by_block, y, M, N, K, threads);
+        failed = products(xq, scales, sums, packed, scales_zeros, blocks, y, M, N, K, threads);
     }
     free(xq);
     free(scales);
@@ -82,9 +84,9 @@ static struct ahead ahead_of(const uint8_t *packed, int64_t K, int64_t N, int64_
 }
 
 /* int4_vnni_products for x (M x K, float32), its rows quantized on the way. */
-int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros,
-                   int by_block, float *y, int64_t M, int64_t N, int64_t K, int threads) {
-    return int4_quantized_rows(int4_vnni_products, x, packed, scales_zeros, by_block, y, M, N, K,
+int int4_vnni_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, int blocks,
+                   float *y, int64_t M, int64_t N, int64_t K, int threads) {
+    return int4_quantized_rows(int4_vnni_products, x, packed, scales_zeros, blocks, y, M, N, K,
                                threads);
 }
 
@@ -110,8 +112,8 @@ fetch_pairs_ahead(const uint32_t *next_pairs, int64_t N, int64_t g, int channels
    (q - 8) * scale + zero summed over a group is scale * sum(xq * q) + (zero - 8 scale) * sum(xq),
    times the row's group scale. */
 
-#define VNNI_ROWS 4      /* rows a block's sums hold in registers; more rows pass again */
-#define READS_BY_BLOCK 0 /* torch's layout of the scales only */
+#define VNNI_ROWS 4    /* rows a block's sums hold in registers; more rows pass again */
+#define READS_BLOCKS 0 /* torch's layout only */
 
 /* inputs k .. k + 3 of a block (4 x 32 contiguous bytes) as vpdpbusd's quadruples: lane c of
    w[t] holds channel 16 t + c's q for the 4 inputs (w[0], w[1]: the low nibbles of bytes 0..15
@@ -221,11 +223,11 @@ static void rows_of_block(const int8_t *xq, const float *scales, const int32_t *
 /* y (M x N, float32) = x @ W.T for int4 W in torch's CPU layout (group 32) and x's rows as
    int4_quantize_rows made them, VNNI_ROWS rows at a time over each block of 64 channels (its
    weights, 32 bytes an input, read again from the cache); nonzero (nothing computed) where N is
-   not a multiple of 64 or K of 32, or the scales are by block. */
+   not a multiple of 64 or K of 32, or the weights are in the blocks form. */
 int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
-                       const uint8_t *packed, const uint16_t *scales_zeros, int by_block, float *y,
+                       const uint8_t *packed, const uint16_t *scales_zeros, int blocks, float *y,
                        int64_t M, int64_t N, int64_t K, int threads) {
-    if (M < 1 || N % 64 || K % 32 || by_block) return 1;
+    if (M < 1 || N % 64 || K % 32 || blocks) return 1;
     const uint32_t *pairs = (const uint32_t *)scales_zeros;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t block = 0; block < N / 64; block++) {
@@ -397,11 +399,11 @@ static inline __attribute__((always_inline)) void fetch_pairs(const uint32_t *pa
 
 /* int4_vnni_products' y on the tiles: each block's quadruples made TILE_GROUPS groups at a time
    and multiplied by every 16 rows of x; nonzero (nothing computed) where the shapes are not the
-   kernel's (the scales by block too) or the tiles are not granted. */
+   kernel's (the blocks form too) or the tiles are not granted. */
 int int4_tile_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
-                       const uint8_t *packed, const uint16_t *scales_zeros, int by_block, float *y,
+                       const uint8_t *packed, const uint16_t *scales_zeros, int blocks, float *y,
                        int64_t M, int64_t N, int64_t K, int threads) {
-    if (M < 1 || N % 64 || K % 32 || by_block || amx_request()) return 1;
+    if (M < 1 || N % 64 || K % 32 || blocks || amx_request()) return 1;
     const uint32_t *pairs = (const uint32_t *)scales_zeros;
     const int64_t groups = K / 32;
     /* the sums as floats once (each is scaled for every channel tile) */
@@ -439,9 +441,9 @@ int int4_tile_products(const int8_t *xq, const float *x_scales, const int32_t *x
 }
 
 /* The same for x (M x K, float32), its rows quantized on the way (int4_quantize_rows). */
-int int4_tile_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros,
-                   int by_block, float *y, int64_t M, int64_t N, int64_t K, int threads) {
-    return int4_quantized_rows(int4_tile_products, x, packed, scales_zeros, by_block, y, M, N, K,
+int int4_tile_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros, int blocks,
+                   float *y, int64_t M, int64_t N, int64_t K, int threads) {
+    return int4_quantized_rows(int4_tile_products, x, packed, scales_zeros, blocks, y, M, N, K,
                                threads);
 }
 #endif
@@ -480,7 +482,7 @@ static inline __m512i widen_byte(__m512i q4, int j, __m512 a, __m512 b, __m512i 
    bytes each): each channel's values (q - 8) * scale + zero over its scale, the largest
    magnitude its groups' values reach (q at 0 or 15) / WEIGHT_TOP, rounded; w_sum, w_scale its
    sums and scales. */
-static void widen_block(const uint8_t *packed, const uint32_t *pairs, int by_block, int64_t K,
+static void widen_block(const uint8_t *packed, const uint32_t *pairs, int blocks, int64_t K,
                         int64_t N, int64_t block, int8_t *w, int32_t *w_sum, float *w_scale) {
     const int64_t groups = K / 32;
     __m512 top[4], inverse[4];
@@ -492,8 +494,7 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int by_blo
     for (int64_t g = 0; g < groups; g++)
         for (int t = 0; t < 4; t++) {
             __m512 scale, zero;
-            scale_zero(group_pairs(pairs, N, groups, 64, block, g, by_block) + t * 16, &scale,
-                       &zero);
+            scale_zero(group_pairs(pairs, N, groups, 64, block, g, blocks) + t * 16, &scale, &zero);
             const __m512 lowest = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
             const __m512 highest = _mm512_fmadd_ps(_mm512_set1_ps(7.0f), scale, zero);
             const __m512 reach = _mm512_max_ps(_mm512_abs_ps(lowest), _mm512_abs_ps(highest));
@@ -508,8 +509,7 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int by_blo
         __m512 a[4], b[4];
         for (int t = 0; t < 4; t++) {
             __m512 scale, zero;
-            scale_zero(group_pairs(pairs, N, groups, 64, block, g, by_block) + t * 16, &scale,
-                       &zero);
+            scale_zero(group_pairs(pairs, N, groups, 64, block, g, blocks) + t * 16, &scale, &zero);
             a[t] = _mm512_mul_ps(scale, inverse[t]);
             b[t] = _mm512_mul_ps(_mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero), inverse[t]);
         }
@@ -537,11 +537,13 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int by_blo
    floats as the AVX-512 build's. A block's sums for two rows fill AVX2's 16 registers. */
 
 #define AVX2_ROWS 2 /* rows a half block's sums hold in registers; more rows pass again */
-/* The scales and zeros by group or by block (Int4Weight's "blocks", put so at load where the
-   plan's kernels are their only readers). By group each is N * 4 bytes from the last, a new page
-   every group: a decode step's row read its weights at 1.4x a stream's time however far ahead
-   they were fetched, and at 1.15x by block (a 2-core Zen 1). */
-#define READS_BY_BLOCK 1
+/* torch's layout or the blocks form (put so at load where the plan's kernels are the weights'
+   only readers). In torch's, each group's scales and zeros are N * 4 bytes from the last, a new
+   page every group: a decode step's row read its weights at 1.4x a stream's time however far
+   ahead they were fetched, and at 1.15x by block (a 2-core Zen 1). And its nibbles take 10
+   shuffles every 4 inputs to reach vpmaddubsw's quadruples, which the blocks form holds as they
+   are: the products 1.3-1.4x as fast at 8 rows, 1.2-2.0x at 32 (a 2-core Zen 3). */
+#define READS_BLOCKS 1
 
 /* x's rows as int4_quantize_rows above makes them: the same integers, scales and sums */
 void int4_quantize_rows(const float *x, int64_t rows, int64_t K, int8_t *xq, float *scales,
@@ -596,6 +598,25 @@ static inline void avx2_nibbles(const uint8_t *first, __m256i w[4]) {
     w[3] = _mm256_and_si256(_mm256_srli_epi16(q1, 4), nibble);
 }
 
+/* The same from the blocks form, whose bytes are avx2_nibbles' quadruples (before the nibbles
+   are parted) */
+static inline void avx2_quads(const uint8_t *first, __m256i w[4]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i q0 = _mm256_loadu_si256((const __m256i *)first);
+    const __m256i q1 = _mm256_loadu_si256((const __m256i *)(first + 32));
+    w[0] = _mm256_and_si256(q0, nibble), w[1] = _mm256_and_si256(q1, nibble);
+    w[2] = _mm256_and_si256(_mm256_srli_epi16(q0, 4), nibble);
+    w[3] = _mm256_and_si256(_mm256_srli_epi16(q1, 4), nibble);
+}
+
+/* Inputs k .. k + 3 of a block as vpmaddubsw's quadruples, from either form */
+static inline void avx2_weights(const uint8_t *first, int blocks, __m256i w[4]) {
+    if (blocks)
+        avx2_quads(first, w);
+    else
+        avx2_nibbles(first, w);
+}
+
 /* int4's scale and zero of 8 channels from their bfloat16 pairs (scale the lower half) */
 static inline void avx2_scale_zero(const uint32_t *pairs, __m256 *scale, __m256 *zero) {
     const __m256i sz = _mm256_loadu_si256((const __m256i *)pairs);
@@ -607,7 +628,7 @@ static inline void avx2_scale_zero(const uint32_t *pairs, __m256 *scale, __m256 
    as int4_vnni_block's; the next block fetched ahead as there */
 static inline __attribute__((always_inline)) void
 int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
-                const uint8_t *packed, const uint32_t *pairs_of, int by_block, int64_t K, int64_t N,
+                const uint8_t *packed, const uint32_t *pairs_of, int blocks, int64_t K, int64_t N,
                 int64_t block, const int rows, float *y, struct ahead *ahead,
                 const uint32_t *next_pairs) {
     const int64_t groups = K / 32;
@@ -624,7 +645,7 @@ int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
             for (int j = 0; j < 4; j++) sums[m][j] = _mm256_setzero_si256();
         for (int r = 0; r < 8; r++) {
             __m256i w[4];
-            avx2_nibbles(bytes + (g * 32 + 4 * r) * 16, w);
+            avx2_weights(bytes + (g * 32 + 4 * r) * 16, blocks, w);
             for (int m = 0; m < rows; m++) {
                 const int32_t four = ((const int32_t *)xq)[m * (K / 4) + g * 8 + r];
                 const __m256i x4 = _mm256_set1_epi32(four);
@@ -636,7 +657,7 @@ int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
                         : "+x"(sums[m][0]), "+x"(sums[m][1]), "+x"(sums[m][2]), "+x"(sums[m][3]));
             }
         }
-        const uint32_t *pairs = group_pairs(pairs_of, N, groups, 32, block, g, by_block);
+        const uint32_t *pairs = group_pairs(pairs_of, N, groups, 32, block, g, blocks);
         for (int j = 0; j < 4; j++) {
             __m256 scale, zero;
             avx2_scale_zero(pairs + 8 * j, &scale, &zero);
@@ -654,10 +675,10 @@ int4_avx2_block(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + m * N + block * 32 + 8 * j, acc[m][j]);
 }
 
-/* int4_vnni_products (above) on AVX2: AVX2_ROWS rows at a time over each block, the scales by
-   group or by block */
+/* int4_vnni_products (above) on AVX2: AVX2_ROWS rows at a time over each block, in either
+   form */
 int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x_sums,
-                       const uint8_t *packed, const uint16_t *scales_zeros, int by_block, float *y,
+                       const uint8_t *packed, const uint16_t *scales_zeros, int blocks, float *y,
                        int64_t M, int64_t N, int64_t K, int threads) {
     if (M < 1 || N % 32 || K % 32) return 1;
     const uint32_t *pairs = (const uint32_t *)scales_zeros;
@@ -669,14 +690,14 @@ int int4_vnni_products(const int8_t *xq, const float *x_scales, const int32_t *x
             const float *scales = x_scales + m * groups;
             const int32_t *sums = x_sums + m * groups;
             struct ahead ahead = ahead_of(packed, K, N, 32, block, M, AVX2_ROWS, m / AVX2_ROWS);
-            const int first = ahead.lines && m == 0 && !by_block;
+            const int first = ahead.lines && m == 0 && !blocks;
             const uint32_t *next = first ? pairs + (block + 1) * 32 : NULL;
 #define ROWS(B, R)                                                                                 \
     int4_avx2_block(rows_xq, scales, sums, packed, pairs, B, K, N, block, R, y + m * N, &ahead,    \
                     next)
-            /* each a constant in its own copy: a test of by_block a group cost the groups' copy
+            /* each a constant in its own copy: a test of blocks a group cost the groups' copy
                15% at one row */
-            if (by_block)
+            if (blocks)
                 M - m == 1 ? ROWS(1, 1) : ROWS(1, 2);
             else
                 M - m == 1 ? ROWS(0, 1) : ROWS(0, 2);
@@ -715,7 +736,7 @@ static inline __m256i widen_byte(__m256i q4, int j, __m256 a, __m256 b, __m256i 
 /* Block `block`'s 32 channels in int8_linear.c's layout (w: 2 groups of 16 channels, K * 16
    bytes each), as the AVX-512 build's widen_block makes its 64, to WEIGHT_TOP's levels. Vector t
    of avx2_nibbles holds channels 8 t .. 8 t + 7. */
-static void widen_block(const uint8_t *packed, const uint32_t *pairs, int by_block, int64_t K,
+static void widen_block(const uint8_t *packed, const uint32_t *pairs, int blocks, int64_t K,
                         int64_t N, int64_t block, int8_t *w, int32_t *w_sum, float *w_scale) {
     const int64_t groups = K / 32;
     __m256 top[4], inverse[4];
@@ -727,7 +748,7 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int by_blo
     for (int64_t g = 0; g < groups; g++)
         for (int t = 0; t < 4; t++) {
             __m256 scale, zero;
-            avx2_scale_zero(group_pairs(pairs, N, groups, 32, block, g, by_block) + 8 * t, &scale,
+            avx2_scale_zero(group_pairs(pairs, N, groups, 32, block, g, blocks) + 8 * t, &scale,
                             &zero);
             const __m256 lowest = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
             const __m256 highest = _mm256_fmadd_ps(_mm256_set1_ps(7.0f), scale, zero);
@@ -745,7 +766,7 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int by_blo
         __m256 a[4], b[4];
         for (int t = 0; t < 4; t++) {
             __m256 scale, zero;
-            avx2_scale_zero(group_pairs(pairs, N, groups, 32, block, g, by_block) + 8 * t, &scale,
+            avx2_scale_zero(group_pairs(pairs, N, groups, 32, block, g, blocks) + 8 * t, &scale,
                             &zero);
             a[t] = _mm256_mul_ps(scale, inverse[t]);
             b[t] = _mm256_mul_ps(_mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero), inverse[t]);
@@ -753,7 +774,7 @@ static void widen_block(const uint8_t *packed, const uint32_t *pairs, int by_blo
         for (int r = 0; r < 8; r++) {
             const int64_t k = g * 32 + 4 * r;
             __m256i q[4];
-            avx2_nibbles(bytes + k * 16, q);
+            avx2_weights(bytes + k * 16, blocks, q);
             for (int t = 0; t < 4; t++) {
                 __m256i levels = widen_byte(q[t], 0, a[t], b[t], &sum[t]);
                 for (int j = 1; j < 4; j++)
@@ -782,9 +803,9 @@ static int widened_products(const uint8_t *x, const float *x_scale, const int8_t
 #endif
 
 /* widen_block for int8_linear.c's tiles: its sums twice over (see int4_widened_rows) */
-static void widen_for_tiles(const uint8_t *packed, const uint32_t *pairs, int by_block, int64_t K,
+static void widen_for_tiles(const uint8_t *packed, const uint32_t *pairs, int blocks, int64_t K,
                             int64_t N, int64_t block, int8_t *w, int32_t *w_sum, float *w_scale) {
-    widen_block(packed, pairs, by_block, K, N, block, w, w_sum, w_scale);
+    widen_block(packed, pairs, blocks, K, N, block, w, w_sum, w_scale);
     for (int c = 0; c < WIDE_BLOCK; c++) w_sum[c] *= 2;
 }
 
@@ -793,12 +814,12 @@ static void widen_for_tiles(const uint8_t *packed, const uint32_t *pairs, int by
 
 /* Each block of W widened into one int8 matrix in int8_linear.c's layout (a block's 4 groups of
    16 channels are that layout's), with its sums and scales */
-static void widen_blocks(const uint8_t *packed, const uint32_t *pairs, int by_block, int64_t K,
+static void widen_blocks(const uint8_t *packed, const uint32_t *pairs, int blocks, int64_t K,
                          int64_t N, int8_t *w, int32_t *w_sum, float *w_scale, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t block = 0; block < N / WIDE_BLOCK; block++) {
         const int64_t c = block * WIDE_BLOCK;
-        widen_for_tiles(packed, pairs, by_block, K, N, block, w + c * K, w_sum + c, w_scale + c);
+        widen_for_tiles(packed, pairs, blocks, K, N, block, w + c * K, w_sum + c, w_scale + c);
     }
 }
 
@@ -811,14 +832,14 @@ static void widen_blocks(const uint8_t *packed, const uint32_t *pairs, int by_bl
    ms against 1.09). Nonzero (nothing computed) where a buffer could not be allocated or the
    tiles do not take the shapes. */
 static int widened_matrix(const uint8_t *levels, const float *x_scale, const uint8_t *packed,
-                          const uint32_t *pairs, int by_block, float *y, int64_t M, int64_t N,
+                          const uint32_t *pairs, int blocks, float *y, int64_t M, int64_t N,
                           int64_t K, int threads) {
     int8_t *w = K % 64 ? NULL : aligned_alloc(64, (size_t)(N * K));
     int32_t *w_sum = malloc((size_t)N * sizeof(int32_t));
     float *w_scale = malloc((size_t)N * sizeof(float)), *bias = calloc((size_t)N, sizeof(float));
     int failed = !w || !w_sum || !w_scale || !bias;
     if (!failed) {
-        widen_blocks(packed, pairs, by_block, K, N, w, w_sum, w_scale, threads);
+        widen_blocks(packed, pairs, blocks, K, N, w, w_sum, w_scale, threads);
         failed =
             amx_int8_linear(levels, x_scale, w, w_sum, w_scale, bias, y, M, N, K, NONE, threads);
     }
@@ -830,14 +851,14 @@ static int widened_matrix(const uint8_t *levels, const float *x_scale, const uin
 }
 #endif
 
-/* y (M x N, float32) = x @ W.T for int4 W in torch's CPU layout, each block of WIDE_BLOCK
-   channels widened to int8 (widen_block) and x's rows to 8 bits (quantize_rows_8bit): the levels
-   offset by 128, twice the 64 int8_linear.c's tiles take off, so they are handed twice the sums;
-   nonzero where the shapes are not the kernel's (the scales by block where this build does not
-   read them so) or a buffer could not be allocated. */
+/* y (M x N, float32) = x @ W.T for int4 W (either form where the build reads both), each block of
+   WIDE_BLOCK channels widened to int8 (widen_block) and x's rows to 8 bits (quantize_rows_8bit):
+   the levels offset by 128, twice the 64 int8_linear.c's tiles take off, so they are handed twice
+   the sums; nonzero where the shapes are not the kernel's (the blocks form where this build does
+   not read it) or a buffer could not be allocated. */
 int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *scales_zeros,
-                      int by_block, float *y, int64_t M, int64_t N, int64_t K, int threads) {
-    if (M < 1 || N % WIDE_BLOCK || K % 32 || (by_block && !READS_BY_BLOCK)) return 1;
+                      int blocks, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+    if (M < 1 || N % WIDE_BLOCK || K % 32 || (blocks && !READS_BLOCKS)) return 1;
     const uint32_t *pairs = (const uint32_t *)scales_zeros;
     uint8_t *levels = malloc((size_t)(M * K));
     float *x_scale = malloc((size_t)M * sizeof(float));
@@ -850,7 +871,7 @@ int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *sca
     quantize_rows_8bit(x, M, K, levels, K, x_scale, threads);
 #ifdef __AMX_INT8__
     if (M * K > ROWS_IN_L2 &&
-        !widened_matrix(levels, x_scale, packed, pairs, by_block, y, M, N, K, threads)) {
+        !widened_matrix(levels, x_scale, packed, pairs, blocks, y, M, N, K, threads)) {
         free(levels);
         free(x_scale);
         return 0;
@@ -865,7 +886,7 @@ int int4_widened_rows(const float *x, const uint8_t *packed, const uint16_t *sca
 #pragma omp for schedule(dynamic, 1)
         for (int64_t block = 0; block < N / WIDE_BLOCK; block++) {
             if (!w || failed) continue;
-            widen_for_tiles(packed, pairs, by_block, K, N, block, w, w_sum, w_scale);
+            widen_for_tiles(packed, pairs, blocks, K, N, block, w, w_sum, w_scale);
             failed |= widened_products(levels, x_scale, w, w_sum, w_scale, bias,
                                        y + block * WIDE_BLOCK, M, N, K);
         }

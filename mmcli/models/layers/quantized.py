@@ -112,7 +112,8 @@ def can_int4() -> bool:
 
 def int4_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, GROUP, weight.groups())
+    weight = weight.torch_form()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, GROUP, weight.scales_zeros)
     y = y.to(x.dtype)
     if bias is not None:
         y = y + bias
