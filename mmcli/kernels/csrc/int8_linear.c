@@ -23,8 +23,26 @@
    prefetcher stops. On a 2-core Zen 1 (AVX2) the logits of one row (151936 x 2048) took 17-19
    ms where they took 22-23, a 6144 x 2048 layer's 1.05-1.1x less. To 4 rows, as the AMX build
    takes them here (int8_step_rows): int8's decode step at 3 and 4 sequences 1.02-1.03x on an AMX
-   Xeon, 1 and 2 unchanged (bench/kernel_ab.py, two runs); 3 and 4 rows on AVX2 unmeasured. */
-#define FETCH_ROWS 4
+   Xeon, 1 and 2 unchanged (bench/kernel_ab.py, two runs). To a step's 32 rows, each of a tile's
+   passes of rows fetching its share of the lines (one in `passes` of its steps, `struct fetch`):
+   else the first pass read the tile from memory, the arithmetic waiting, and the others from the
+   cache while memory idled. */
+#define FETCH_ROWS 32
+
+/* What a tile fetches: the bytes `bytes` on from its own (none: 0), in pass `pass` of `passes`
+   over it its lines pass, pass + passes, ... */
+struct fetch {
+    int64_t bytes;
+    int pass, passes;
+};
+
+/* Whether this step of a tile fetches its line ahead: a countdown (no division a step) */
+static inline int fetch_now(const struct fetch *f, int *countdown) {
+    if (f->passes == 1 || !f->bytes) return f->bytes != 0; /* one pass: every line */
+    if (--*countdown) return 0;
+    *countdown = f->passes;
+    return 1;
+}
 
 /* The bytes from tile `t` to the tile `threads` on (FETCH_ROWS), 0 where that is not a whole tile
    of the `tiles` (no pointer past the weights' end is formed) */
@@ -102,13 +120,14 @@ static inline const int8_t *column_of(const int8_t *w, int64_t Kp, int64_t c) {
 
 /* Output channels n0 .. n0 + nv * VLEN of rows x[0 .. mr), over inputs k0 .. k1: the int32 sums so
    far are kept in y's own memory (as int32) between input blocks, and the last block writes the
-   scaled float32 values over them. The bytes `ahead` on from the tile's own (none: 0) are
-   fetched as it goes (FETCH_ROWS). */
+   scaled float32 values over them. Its share of the bytes `ahead` (struct fetch) is fetched as it
+   goes (FETCH_ROWS). */
 static inline __attribute__((always_inline)) void
 tile(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int64_t n0, int mr,
      int nv, const float *x_scale, const int32_t *w_sum, const float *w_scale, const float *bias,
-     float *y, int64_t ldy, int act, int64_t ahead) {
+     float *y, int64_t ldy, int act, struct fetch ahead) {
     const int8_t *column[NV];
+    int countdown = ahead.pass + 1;
     for (int j = 0; j < nv; j++) column[j] = column_of(w, Kp, n0 + j * VLEN);
     ivec acc[MR][NV];
     for (int m = 0; m < mr; m++)
@@ -116,9 +135,9 @@ tile(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int6
             acc[m][j] = k0 ? iload((const int32_t *)(y + m * ldy + n0 + j * VLEN)) : izero();
     for (int64_t k = k0; k < k1; k += 4) {
         /* a step's bytes of a group of 16 channels are one cache line */
-        if (ahead)
+        if (fetch_now(&ahead, &countdown))
             for (int j = 0; j < nv; j += 16 / VLEN)
-                _mm_prefetch((const char *)(column[j] + k * 16) + ahead, _MM_HINT_T0);
+                _mm_prefetch((const char *)(column[j] + k * 16) + ahead.bytes, _MM_HINT_T0);
         ivec wv[NV];
         for (int j = 0; j < nv; j++) wv[j] = wload(column[j] + k * 16);
         for (int m = 0; m < mr; m++) {
@@ -141,14 +160,18 @@ tile(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1, int6
    keeps an array of them in registers only with a copy to the stack at every step. */
 static void tile_full(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1,
                       int64_t n0, const float *x_scale, const int32_t *w_sum, const float *w_scale,
-                      const float *bias, float *y, int64_t ldy, int act) {
+                      const float *bias, float *y, int64_t ldy, int act, struct fetch ahead) {
     const int8_t *column[NV];
+    int countdown = ahead.pass + 1;
     for (int j = 0; j < NV; j++) column[j] = column_of(w, Kp, n0 + j * VLEN);
 #define DECLARE(m, j)                                                                              \
     ivec a##m##j = k0 ? iload((const int32_t *)(y + m * ldy + n0 + j * VLEN)) : izero();
 #define DECLARE_ROW(m) EACH_VECTOR(DECLARE, m)
     EACH_ROW(DECLARE_ROW)
     for (int64_t k = k0; k < k1; k += 4) {
+        if (fetch_now(&ahead, &countdown))
+            for (int j = 0; j < NV; j += 16 / VLEN)
+                _mm_prefetch((const char *)(column[j] + k * 16) + ahead.bytes, _MM_HINT_T0);
 #define LOAD(m, j) ivec w##j = wload(column[j] + k * 16);
         EACH_VECTOR(LOAD, 0)
 #define DOT(m, j) a##m##j = dot4(a##m##j, xb, w##j);
@@ -179,7 +202,7 @@ static void tile_full(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0,
 static void tile_edge(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t k0, int64_t k1,
                       int64_t n0, int mr, int nv, const float *x_scale, const int32_t *w_sum,
                       const float *w_scale, const float *bias, float *y, int64_t ldy, int act,
-                      int64_t ahead) {
+                      struct fetch ahead) {
     switch (mr) {
     case 1: TILE_ROWS(1); break;
     case 2: TILE_ROWS(2); break;
@@ -202,12 +225,13 @@ static void columns(const uint8_t *x, const int8_t *w, int64_t Kp, int64_t n0, i
         int64_t k1 = k0 + KC < Kp ? k0 + KC : Kp;
         for (int64_t m = 0; m < M; m += MR) {
             int mr = M - m >= MR ? MR : (int)(M - m);
+            struct fetch f = {M <= FETCH_ROWS ? ahead : 0, (int)(m / MR), (int)((M + MR - 1) / MR)};
             if (mr == MR && nv == NV)
                 tile_full(x + m * Kp, w, Kp, k0, k1, n0, x_scale + m, w_sum, w_scale, bias,
-                          y + m * Np, Np, act);
+                          y + m * Np, Np, act, f);
             else
                 tile_edge(x + m * Kp, w, Kp, k0, k1, n0, mr, nv, x_scale + m, w_sum, w_scale, bias,
-                          y + m * Np, Np, act, M <= FETCH_ROWS ? ahead : 0);
+                          y + m * Np, Np, act, f);
         }
     }
 }
