@@ -318,19 +318,51 @@ static inline __attribute__((always_inline)) void add_values(const float *p, con
 #define VALUE_ROWS 32
 #define GROUP 8
 
+/* Scores of heads h and h + 1 (d apart in q, n apart in scores) against 4 keys at a time from
+   key j on: each key's vector loaded once for both heads, 6 loads every 8 FMAs where one head
+   against 8 keys loaded 9. A step's attention over a float32 cache, 8 and 32 rows of 300 and
+   1,000 columns, 16 heads on 8: 1.09-1.25x as fast, 1.2-1.4x a stream of the cache where it was
+   1.4-1.7x (a 2-core Zen 3). The same sums in the same order as one head's (kv_dot's bits). */
+static inline __attribute__((always_inline)) void score_head_pair(const float *q, const void *k,
+                                                                  int64_t n, int64_t d, float scale,
+                                                                  float *scores, const int bf16) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        vec a[8];
+        for (int t = 0; t < 8; t++) a[t] = vzero();
+        for (int64_t c = 0; c < d; c += GL) {
+            const vec q0 = vload(q + c), q1 = vload(q + d + c);
+            for (int t = 0; t < 4; t++) {
+                const vec key = kv_load(k, (j + t) * d + c, bf16);
+                a[t] = vfma(q0, key, a[t]);
+                a[t + 4] = vfma(q1, key, a[t + 4]);
+            }
+        }
+        const vec s = vmul(sum8(a), vset(scale)); /* lanes 0-3 head h's, 4-7 head h + 1's */
+        _mm_storeu_ps(scores + j, _mm256_castps256_ps128(s));
+        _mm_storeu_ps(scores + n + j, _mm256_extractf128_ps(s, 1));
+    }
+    for (; j < n; j++)
+        for (int h = 0; h < 2; h++)
+            scores[h * n + j] = kv_dot(q + h * d, k, j * d, d, bf16) * scale;
+}
+
 /* attend_head for the G <= GROUP query heads (d apart in q and out, n apart in scores) that share
    one key and value head, d a multiple of GL: the same sums in the same order (the same bits), but
-   8 keys' dot products at a time (8 chains of FMAs, where one key's chain waits on each FMA's
-   latency) and each block of values read once for every head, the outputs in registers across
-   it (where each value's products read and wrote their outputs). */
+   the scores of two heads at a time (score_head_pair), a last lone head's 8 keys at a time (8
+   chains of FMAs, where one key's chain waits on each FMA's latency), and each block of values
+   read once for every head, the outputs in registers across it (where each value's products read
+   and wrote their outputs). */
 static inline __attribute__((always_inline)) void attend_heads(const float *q, int64_t G,
                                                                const void *k, const void *v,
                                                                int64_t n, int64_t d, float *scores,
                                                                float *out, const int bf16) {
     const float scale = 1.0f / __builtin_sqrtf((float)d);
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int64_t h = 0; h < G; h++) {
+    int64_t h = 0;
+    for (; h + 2 <= G; h += 2) score_head_pair(q + h * d, k, n, d, scale, scores + h * n, bf16);
+    if (h < G) {
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
             vec a[8];
             for (int t = 0; t < 8; t++) a[t] = vzero();
             for (int64_t c = 0; c < d; c += GL) {
@@ -340,9 +372,8 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, i
             }
             vstore(scores + h * n + j, vmul(sum8(a), vset(scale)));
         }
-    for (; j < n; j++)
-        for (int64_t h = 0; h < G; h++)
-            scores[h * n + j] = kv_dot(q + h * d, k, j * d, d, bf16) * scale;
+        for (; j < n; j++) scores[h * n + j] = kv_dot(q + h * d, k, j * d, d, bf16) * scale;
+    }
     float inverse[GROUP];
     for (int64_t h = 0; h < G; h++) {
         inverse[h] = 1.0f / exp_scores(scores + h * n, n);
