@@ -113,7 +113,7 @@ def random_int4(outer: int, inner: int) -> Int4Weight:
 
 
 def torch_int4(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
-    x2 = x.to(torch.bfloat16)
+    x2, weight = x.to(torch.bfloat16), weight.torch_form()  # torch's kernel reads its own layout
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight.packed, GROUP, weight.scales_zeros)
 
 

@@ -38,7 +38,8 @@ struct fetch {
 
 /* Whether this step of a tile fetches its line ahead: a countdown (no division a step) */
 static inline int fetch_now(const struct fetch *f, int *countdown) {
-    if (f->passes == 1 || !f->bytes) return f->bytes != 0; /* one pass: every line */
+    if (!f->bytes) return 0;
+    if (f->passes == 1) return 1; /* one pass: every line */
     if (--*countdown) return 0;
     *countdown = f->passes;
     return 1;
