@@ -365,16 +365,19 @@ def test_the_swiglu_kernel_matches_silu_times_up(build, monkeypatch):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [8, 6], ids=["pairs_of_heads", "a_lone_head"])
-def test_a_decode_steps_attention_over_the_cache_is_torchs(build, kv_dtype, heads):
+@pytest.mark.parametrize(
+    "heads, d", [(8, 64), (6, 64), (8, 48)], ids=["pairs_of_heads", "a_lone_head", "48_values"]
+)
+def test_a_decode_steps_attention_over_the_cache_is_torchs(build, kv_dtype, heads, d):
     """decode_layer.c's attention alone (Qwen3.5's gated attention layers and the sparse models'
     decode through it) against torch's: rows out of order at their own positions, grouped query
-    heads (4 or 3 a key head: the AVX2 build scores them in pairs, and one alone), the new keys
+    heads (4 or 3 a key head: the AVX2 build scores them in pairs, and one alone), heads of 64
+    values and of 48 (the AVX2 build's values 16 at a time past its blocks of 64), the new keys
     and values written into the cache as torch writes them."""
     from mmcli.models.cache import AttentionBatch
 
     g = torch.Generator().manual_seed(0)
-    rows, kv_heads, d, columns = 3, 2, 64, 40
+    rows, kv_heads, columns = 3, 2, 40
     q = torch.randn(rows, heads, d, generator=g)
     k, v = (torch.randn(rows, kv_heads, d, generator=g) for _ in range(2))
     caches = [torch.randn(5, kv_heads, columns, d, generator=g).to(kv_dtype) for _ in range(2)]

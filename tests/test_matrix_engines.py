@@ -99,6 +99,22 @@ def test_auto_multiplies_in_bfloat16_only_where_the_cpu_does_it_in_hardware(
     assert (precision.compute, precision.products) == (compute, products)
 
 
+@pytest.mark.parametrize(
+    ("quantize", "bf16_matrix", "kv_dtype"),
+    [
+        ("none", False, torch.float32),  # float32 products: the cache as exact as they are
+        ("none", True, torch.bfloat16),  # the products' dtype
+        ("int8", False, torch.bfloat16),  # levels coarser than bfloat16 already
+        ("int4", False, torch.bfloat16),
+    ],
+)
+def test_the_kv_cache_is_bfloat16_where_the_products_or_the_weights_are_coarser(
+    quantize, bf16_matrix, kv_dtype
+):
+    precision = run_precision("auto", "auto", quantize, "bfloat16", "cpu", bf16_matrix)
+    assert precision.kv_dtype == kv_dtype
+
+
 def test_crossover_is_where_the_library_wins_by_the_margin_from_there_on():
     assert measure.crossover({8: (100, 90), 16: (100, 105), 32: (100, 200)}) == 16
     assert measure.crossover({8: (100, 200), 16: (100, 200)}) == 0

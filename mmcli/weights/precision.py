@@ -83,10 +83,13 @@ class Precision:
 
     @property
     def kv_dtype(self):
-        """The KV cache's dtype: the products'. Where they are bfloat16 the prompt's attention
-        already multiplies its keys and values rounded to bfloat16; held so, a decode step reads
-        half the bytes over its context."""
-        return torch_dtype(self.products)
+        """The KV cache's dtype: bfloat16 where the products are (the prompt's attention already
+        multiplies its keys and values rounded so) or the weights are quantized (every product's
+        inputs are already levels coarser than bfloat16's 8 bits: 7-bit ones a token for int8,
+        a group for int4), else the products'. Held in bfloat16, a decode step reads half the
+        bytes over its context."""
+        rounded = self.quantize in ("int8", "int4")
+        return torch_dtype("bfloat16" if rounded else self.products)
 
     @property
     def loaded_dtype(self):

@@ -297,8 +297,61 @@ static inline vec sum8(const vec a[8]) {
     return vadd(_mm256_shuffle_ps(z1, z2, 0x44), _mm256_shuffle_ps(z1, z2, 0xEE));
 }
 
-/* out[j:j+NV GL] of a head += its probabilities times `count` value rows' vectors from `c`,
-   the outputs held in registers over those rows */
+/* 2 GL values of a cache row from element i, as two vectors. float32: in order. bfloat16: one load
+   of 2 GL values, the even ones and the odd ones each widened by one operation (half the
+   operations of widening GL in order: these loops were bound by them, a bfloat16 cache's
+   attention at 1.8-2.9x its stream on a 2-core Zen 3); the queries and the outputs are held in
+   that order (in_kv_pairs, from_kv_pairs). */
+static inline void kv_pair(const void *row, int64_t i, vec *first, vec *second, const int bf16) {
+    if (!bf16) {
+        *first = vload((const float *)row + i), *second = vload((const float *)row + i + GL);
+        return;
+    }
+    const vec pairs = vload((const float *)((const uint16_t *)row + i));
+    *first = low_bf16(pairs), *second = high_bf16(pairs);
+}
+
+/* G heads' queries (d values each, d a multiple of 2 GL) in kv_pair's order: each 2 GL values as
+   their GL even ones, then their GL odd ones (bf16_pairs' order) */
+static void in_kv_pairs(const float *q, int64_t G, int64_t d, float *pairs) {
+    for (int64_t i = 0; i < G * d; i += 2 * GL)
+        for (int j = 0; j < GL; j++) {
+            pairs[i + j] = q[i + 2 * j];
+            pairs[i + GL + j] = q[i + 2 * j + 1];
+        }
+}
+
+/* n values in kv_pair's order back in order, each times `scale` */
+static void from_kv_pairs(float *out, int64_t n, float scale, const int bf16) {
+    const vec s = vset(scale);
+    for (int64_t i = 0; i < n; i += 2 * GL) {
+        const vec even = vload(out + i), odd = vload(out + i + GL);
+        if (!bf16) {
+            vstore(out + i, vmul(even, s)), vstore(out + i + GL, vmul(odd, s));
+            continue;
+        }
+        const vec low = _mm256_unpacklo_ps(even, odd), high = _mm256_unpackhi_ps(even, odd);
+        vstore(out + i, vmul(_mm256_permute2f128_ps(low, high, 0x20), s));
+        vstore(out + i + GL, vmul(_mm256_permute2f128_ps(low, high, 0x31), s));
+    }
+}
+
+/* q (in kv_pair's order) . the cache row's d values from element `at`: kv_dot's sum in that
+   order, the bits of the tiles' sums (sum8 is vsum's tree) */
+static inline float kv_dot_pairs(const float *q, const void *k, int64_t at, int64_t d,
+                                 const int bf16) {
+    vec sum = vzero();
+    for (int64_t c = 0; c < d; c += 2 * GL) {
+        vec first, second;
+        kv_pair(k, at + c, &first, &second, bf16);
+        sum = vfma(vload(q + c), first, sum);
+        sum = vfma(vload(q + c + GL), second, sum);
+    }
+    return vsum(sum);
+}
+
+/* out[c:c+NV GL] of a head (in kv_pair's order) += its probabilities times `count` value rows'
+   vectors from `c`, the outputs held in registers over those rows */
 static inline __attribute__((always_inline)) void add_values(const float *p, const void *v,
                                                              int64_t count, int64_t d, int64_t c,
                                                              float *out, const int NV,
@@ -307,8 +360,12 @@ static inline __attribute__((always_inline)) void add_values(const float *p, con
     for (int i = 0; i < NV; i++) acc[i] = vload(out + c + i * GL);
     for (int64_t j = 0; j < count; j++) {
         const vec pj = vset(p[j]);
-        for (int i = 0; i < NV; i++)
-            acc[i] = vfma(pj, kv_load(v, j * d + c + i * GL, bf16), acc[i]);
+        for (int i = 0; i < NV; i += 2) {
+            vec first, second;
+            kv_pair(v, j * d + c + i * GL, &first, &second, bf16);
+            acc[i] = vfma(pj, first, acc[i]);
+            acc[i + 1] = vfma(pj, second, acc[i + 1]);
+        }
     }
     for (int i = 0; i < NV; i++) vstore(out + c + i * GL, acc[i]);
 }
@@ -317,12 +374,14 @@ static inline __attribute__((always_inline)) void add_values(const float *p, con
    query heads a call at most */
 #define VALUE_ROWS 32
 #define GROUP 8
+#define MAX_D 256 /* the head sizes a group's queries in kv_pair's order hold: Qwen's 64-256 */
 
-/* Scores of heads h and h + 1 (d apart in q, n apart in scores) against 4 keys at a time from
-   key j on: each key's vector loaded once for both heads, 6 loads every 8 FMAs where one head
-   against 8 keys loaded 9. A step's attention over a float32 cache, 8 and 32 rows of 300 and
-   1,000 columns, 16 heads on 8: 1.09-1.25x as fast, 1.2-1.4x a stream of the cache where it was
-   1.4-1.7x (a 2-core Zen 3). The same sums in the same order as one head's (kv_dot's bits). */
+/* Scores of heads h and h + 1 (q in kv_pair's order, d apart; n apart in scores) against 4 keys
+   at a time from key j on: each key's vectors loaded once for both heads, 6 loads every 8 FMAs
+   where one head against 8 keys loaded 9 (a float32 cache; a bfloat16 one's load makes two
+   vectors). A step's attention over a float32 cache, 8 and 32 rows of 300 and 1,000 columns, 16
+   heads on 8: 1.09-1.25x as fast, 1.2-1.4x a stream of the cache where it was 1.4-1.7x (a
+   2-core Zen 3). kv_dot_pairs' sums in its order (its bits). */
 static inline __attribute__((always_inline)) void score_head_pair(const float *q, const void *k,
                                                                   int64_t n, int64_t d, float scale,
                                                                   float *scores, const int bf16) {
@@ -330,12 +389,16 @@ static inline __attribute__((always_inline)) void score_head_pair(const float *q
     for (; j + 4 <= n; j += 4) {
         vec a[8];
         for (int t = 0; t < 8; t++) a[t] = vzero();
-        for (int64_t c = 0; c < d; c += GL) {
+        for (int64_t c = 0; c < d; c += 2 * GL) {
             const vec q0 = vload(q + c), q1 = vload(q + d + c);
+            const vec q0_next = vload(q + c + GL), q1_next = vload(q + d + c + GL);
             for (int t = 0; t < 4; t++) {
-                const vec key = kv_load(k, (j + t) * d + c, bf16);
-                a[t] = vfma(q0, key, a[t]);
-                a[t + 4] = vfma(q1, key, a[t + 4]);
+                vec first, second;
+                kv_pair(k, (j + t) * d + c, &first, &second, bf16);
+                a[t] = vfma(q0, first, a[t]);
+                a[t + 4] = vfma(q1, first, a[t + 4]);
+                a[t] = vfma(q0_next, second, a[t]);
+                a[t + 4] = vfma(q1_next, second, a[t + 4]);
             }
         }
         const vec s = vmul(sum8(a), vset(scale)); /* lanes 0-3 head h's, 4-7 head h + 1's */
@@ -344,36 +407,47 @@ static inline __attribute__((always_inline)) void score_head_pair(const float *q
     }
     for (; j < n; j++)
         for (int h = 0; h < 2; h++)
-            scores[h * n + j] = kv_dot(q + h * d, k, j * d, d, bf16) * scale;
+            scores[h * n + j] = kv_dot_pairs(q + h * d, k, j * d, d, bf16) * scale;
+}
+
+/* Scores of one head (q in kv_pair's order) against 8 keys at a time: 8 chains of FMAs, where
+   one key's chain waits on each FMA's latency. kv_dot_pairs' sums in its order (its bits). */
+static inline __attribute__((always_inline)) void score_head(const float *q, const void *k,
+                                                             int64_t n, int64_t d, float scale,
+                                                             float *scores, const int bf16) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        vec a[8];
+        for (int t = 0; t < 8; t++) a[t] = vzero();
+        for (int64_t c = 0; c < d; c += 2 * GL) {
+            const vec qv = vload(q + c), qv_next = vload(q + c + GL);
+            for (int t = 0; t < 8; t++) {
+                vec first, second;
+                kv_pair(k, (j + t) * d + c, &first, &second, bf16);
+                a[t] = vfma(qv_next, second, vfma(qv, first, a[t]));
+            }
+        }
+        vstore(scores + j, vmul(sum8(a), vset(scale)));
+    }
+    for (; j < n; j++) scores[j] = kv_dot_pairs(q, k, j * d, d, bf16) * scale;
 }
 
 /* attend_head for the G <= GROUP query heads (d apart in q and out, n apart in scores) that share
-   one key and value head, d a multiple of GL: the same sums in the same order (the same bits), but
-   the scores of two heads at a time (score_head_pair), a last lone head's 8 keys at a time (8
-   chains of FMAs, where one key's chain waits on each FMA's latency), and each block of values
-   read once for every head, the outputs in registers across it (where each value's products read
-   and wrote their outputs). */
+   one key and value head, d a multiple of 2 GL and at most MAX_D: the scores of two heads at a
+   time (score_head_pair), a last lone head's alone (score_head), and each block of values read
+   once for every head, the outputs in registers across it (where each value's products read and
+   wrote their outputs). A float32 cache's sums are attend_head's, in its order (its bits). */
 static inline __attribute__((always_inline)) void attend_heads(const float *q, int64_t G,
                                                                const void *k, const void *v,
                                                                int64_t n, int64_t d, float *scores,
                                                                float *out, const int bf16) {
     const float scale = 1.0f / __builtin_sqrtf((float)d);
+    float pairs[GROUP * MAX_D];
+    if (bf16) in_kv_pairs(q, G, d, pairs);
+    const float *qp = bf16 ? pairs : q;
     int64_t h = 0;
-    for (; h + 2 <= G; h += 2) score_head_pair(q + h * d, k, n, d, scale, scores + h * n, bf16);
-    if (h < G) {
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-            vec a[8];
-            for (int t = 0; t < 8; t++) a[t] = vzero();
-            for (int64_t c = 0; c < d; c += GL) {
-                const vec qv = vload(q + h * d + c);
-                for (int t = 0; t < 8; t++)
-                    a[t] = vfma(qv, kv_load(k, (j + t) * d + c, bf16), a[t]);
-            }
-            vstore(scores + h * n + j, vmul(sum8(a), vset(scale)));
-        }
-        for (; j < n; j++) scores[h * n + j] = kv_dot(q + h * d, k, j * d, d, bf16) * scale;
-    }
+    for (; h + 2 <= G; h += 2) score_head_pair(qp + h * d, k, n, d, scale, scores + h * n, bf16);
+    if (h < G) score_head(qp + h * d, k, n, d, scale, scores + h * n, bf16);
     float inverse[GROUP];
     for (int64_t h = 0; h < G; h++) {
         inverse[h] = 1.0f / exp_scores(scores + h * n, n);
@@ -387,11 +461,10 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, i
             int64_t c = 0;
             for (; c + 8 * GL <= d; c += 8 * GL)
                 add_values(p, rows, count, d, c, out + h * d, 8, bf16);
-            for (; c < d; c += GL) add_values(p, rows, count, d, c, out + h * d, 1, bf16);
+            for (; c < d; c += 2 * GL) add_values(p, rows, count, d, c, out + h * d, 2, bf16);
         }
     }
-    for (int64_t h = 0; h < G; h++)
-        for (int64_t i = 0; i < d; i++) out[h * d + i] *= inverse[h];
+    for (int64_t h = 0; h < G; h++) from_kv_pairs(out + h * d, d, inverse[h], bf16);
 }
 #endif
 
@@ -423,7 +496,7 @@ static void attend_kv_head(const float *q, int64_t group, const void *k, const v
 #undef PAIRED
 #undef HEADS
 #else
-    for (; d % GL == 0 && h < group; h += GROUP) {
+    for (; d % (2 * GL) == 0 && d <= MAX_D && h < group; h += GROUP) {
         const int64_t G = group - h < GROUP ? group - h : GROUP;
         if (bf16)
             attend_heads(q + h * d, G, k, v, n, d, scores + h * n, out + h * d, 1);
