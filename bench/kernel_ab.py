@@ -7,13 +7,16 @@ this tree's.
 
 python bench/kernel_ab.py --against COMMIT [--smoke] [--settings '{"quantize": "int8"}']
     [--rows 1,8,32] [--columns 300,1000]
-python bench/kernel_ab.py --against COMMIT --attention [--smoke]   (attention.c alone)"""
+python bench/kernel_ab.py --against COMMIT --attention [--smoke]   (attention.c alone)
+python bench/kernel_ab.py --against COMMIT --cache-attention [--rows 8,32] [--columns 300,1000]
+    (decode_layer.c's attention over a step's cache alone, float32 and bfloat16 caches)"""
 
 from __future__ import annotations
 
 import argparse
 import ctypes
 import functools
+import itertools
 import re
 import subprocess
 import tempfile
@@ -119,6 +122,43 @@ def attention(libraries: dict, shapes: list, repeats: int) -> dict:
     return best
 
 
+# the 2B's attention layers as a step's cache attention reads them: query heads, key/value
+# heads, head size; 8 layers' caches (a step of 28 reads 3.5 times these bytes)
+CACHE_HEADS, CACHE_LAYERS = (16, 8, 128), 8
+
+
+def cache_attention(libraries: dict, rows: list, columns: list, repeats: int) -> dict:
+    """{((rows, columns, cache dtype), side): decode_layer.c's attention alone over CACHE_LAYERS
+    layers' caches of that dtype, every row at its last column, the sides taking turns."""
+    heads, kv_heads, d = CACHE_HEADS
+    best = {}
+    for dtype, n, c in itertools.product((torch.float32, torch.bfloat16), rows, columns):
+        caches = [
+            [torch.randn(n, kv_heads, c, d).to(dtype) for _ in range(2)]
+            for _ in range(CACHE_LAYERS)
+        ]
+        q, k, v = torch.randn(n, heads, d), torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
+        slots, positions = torch.arange(n), torch.full((n,), c - 1)
+
+        def call(caches=caches, q=q, k=k, v=v, slots=slots, positions=positions):
+            for k_cache, v_cache in caches:
+                cpu.decode_attention(q, k, v, k_cache, v_cache, slots, positions)
+
+        best.update(in_turns(libraries, {(n, c, dtype): call}, repeats))
+        del caches
+    return best
+
+
+def print_cache_attention(best: dict, against: str) -> None:
+    print(f"decode_layer.c's attention over {CACHE_LAYERS} layers' caches, heads {CACHE_HEADS}, ")
+    print(f"{cpu.name()} build, {torch.get_num_threads()} threads")
+    print(f"cache | rows | columns | this tree ms | {against} ms | {against} / this tree")
+    for n, c, dtype in dict.fromkeys(key for key, _ in best):
+        ours, theirs = best[(n, c, dtype), "this tree"], best[(n, c, dtype), against]
+        name = str(dtype).removeprefix("torch.")
+        print(f"{name} | {n} | {c} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x")
+
+
 def print_attention(best: dict, shapes: list, against: str) -> None:
     print(f"attention.c, {cpu.name()} build, {torch.get_num_threads()} threads")
     columns = f"this tree ms | {against} ms | {against} / this tree"
@@ -134,6 +174,9 @@ def main() -> None:
     parser.add_argument("--against", required=True, metavar="COMMIT")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--attention", action="store_true", help="attention.c alone")
+    parser.add_argument(
+        "--cache-attention", action="store_true", help="decode_layer.c's cache attention alone"
+    )
     add_step_arguments(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,6 +190,10 @@ def main() -> None:
             print_attention(best, shapes, args.against)
             return
         ckpt, settings, rows, columns = step_inputs(args)
+        if args.cache_attention:
+            best = cache_attention(libraries, rows, columns, args.repeats)
+            print_cache_attention(best, args.against)
+            return
         best = steps(ckpt, settings, libraries, rows, columns, args.repeats)
     print(
         f"{ckpt.name}, settings {settings}, {cpu.name()} build, {torch.get_num_threads()} threads"

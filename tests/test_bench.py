@@ -197,6 +197,18 @@ def test_kernel_ab_bench_times_attention_alone():
     assert all(len(r) == 4 and r[-1].endswith("x") for r in rows)
 
 
+@pytest.mark.skipif(cpu_kernels.why_unavailable() is not None, reason="no C kernels here")
+@pytest.mark.slow
+def test_kernel_ab_bench_times_the_cache_attention_alone_for_both_cache_dtypes():
+    out = _smoke(
+        "kernel_ab.py", "--against", "HEAD", "--cache-attention", "--rows", "2", "--columns",
+        "20", "--repeats", "1",
+    )  # fmt: skip
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("float", "bfloat"))]
+    assert [r[:3] for r in rows] == [["float32", "2", "20"], ["bfloat16", "2", "20"]]
+    assert all(len(r) == 6 and r[-1].endswith("x") for r in rows)
+
+
 def test_a_tree_run_beside_keeps_an_mmcli_cache_of_its_own(tmp_path, monkeypatch):
     """--against's tree imports its own mmcli and keeps its own cache: two trees whose int8
     quantization code differs would otherwise prepare the weights again at every other run."""
