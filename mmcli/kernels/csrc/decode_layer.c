@@ -376,67 +376,52 @@ static inline __attribute__((always_inline)) void add_values(const float *p, con
 #define GROUP 8
 #define MAX_D 256 /* the head sizes a group's queries in kv_pair's order hold: Qwen's 64-256 */
 
-/* Scores of heads h and h + 1 (q in kv_pair's order, d apart; n apart in scores) against 4 keys
-   at a time from key j on: each key's vectors loaded once for both heads, 6 loads every 8 FMAs
-   where one head against 8 keys loaded 9 (a float32 cache; a bfloat16 one's load makes two
-   vectors). A step's attention over a float32 cache, 8 and 32 rows of 300 and 1,000 columns, 16
-   heads on 8: 1.09-1.25x as fast, 1.2-1.4x a stream of the cache where it was 1.4-1.7x (a
+/* Scores of H = 1 or 2 heads (q in kv_pair's order, d apart; n apart in scores) against 8 / H
+   keys at a time from key j on: 8 chains of FMAs (one key's chain waits on each FMA's latency),
+   and each key's vectors loaded once for both heads of a pair, 6 loads every 8 FMAs where one
+   head against 8 keys loads 9 (a float32 cache; a bfloat16 one's load makes two vectors). A
+   step's attention over a float32 cache, 8 and 32 rows of 300 and 1,000 columns, 16 heads on 8:
+   heads in pairs 1.09-1.25x as fast, 1.2-1.4x a stream of the cache where it was 1.4-1.7x (a
    2-core Zen 3). kv_dot_pairs' sums in its order (its bits). */
-static inline __attribute__((always_inline)) void score_head_pair(const float *q, const void *k,
-                                                                  int64_t n, int64_t d, float scale,
-                                                                  float *scores, const int bf16) {
+static inline __attribute__((always_inline)) void score_heads(const float *q, const void *k,
+                                                              int64_t n, int64_t d, float scale,
+                                                              float *scores, const int H,
+                                                              const int bf16) {
+    const int keys = 8 / H;
     int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-        vec a[8];
+    for (; j + keys <= n; j += keys) {
+        vec a[8], qv[2][2];
         for (int t = 0; t < 8; t++) a[t] = vzero();
         for (int64_t c = 0; c < d; c += 2 * GL) {
-            const vec q0 = vload(q + c), q1 = vload(q + d + c);
-            const vec q0_next = vload(q + c + GL), q1_next = vload(q + d + c + GL);
-            for (int t = 0; t < 4; t++) {
+            for (int h = 0; h < H; h++)
+                qv[h][0] = vload(q + h * d + c), qv[h][1] = vload(q + h * d + c + GL);
+            for (int t = 0; t < keys; t++) {
                 vec first, second;
                 kv_pair(k, (j + t) * d + c, &first, &second, bf16);
-                a[t] = vfma(q0, first, a[t]);
-                a[t + 4] = vfma(q1, first, a[t + 4]);
-                a[t] = vfma(q0_next, second, a[t]);
-                a[t + 4] = vfma(q1_next, second, a[t + 4]);
+                for (int h = 0; h < H; h++)
+                    a[h * keys + t] = vfma(qv[h][0], first, a[h * keys + t]);
+                for (int h = 0; h < H; h++)
+                    a[h * keys + t] = vfma(qv[h][1], second, a[h * keys + t]);
             }
         }
-        const vec s = vmul(sum8(a), vset(scale)); /* lanes 0-3 head h's, 4-7 head h + 1's */
+        const vec s = vmul(sum8(a), vset(scale)); /* head h's keys in lanes h * keys on */
+        if (H == 1) {
+            vstore(scores + j, s);
+            continue;
+        }
         _mm_storeu_ps(scores + j, _mm256_castps256_ps128(s));
         _mm_storeu_ps(scores + n + j, _mm256_extractf128_ps(s, 1));
     }
     for (; j < n; j++)
-        for (int h = 0; h < 2; h++)
+        for (int h = 0; h < H; h++)
             scores[h * n + j] = kv_dot_pairs(q + h * d, k, j * d, d, bf16) * scale;
-}
-
-/* Scores of one head (q in kv_pair's order) against 8 keys at a time: 8 chains of FMAs, where
-   one key's chain waits on each FMA's latency. kv_dot_pairs' sums in its order (its bits). */
-static inline __attribute__((always_inline)) void score_head(const float *q, const void *k,
-                                                             int64_t n, int64_t d, float scale,
-                                                             float *scores, const int bf16) {
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        vec a[8];
-        for (int t = 0; t < 8; t++) a[t] = vzero();
-        for (int64_t c = 0; c < d; c += 2 * GL) {
-            const vec qv = vload(q + c), qv_next = vload(q + c + GL);
-            for (int t = 0; t < 8; t++) {
-                vec first, second;
-                kv_pair(k, (j + t) * d + c, &first, &second, bf16);
-                a[t] = vfma(qv_next, second, vfma(qv, first, a[t]));
-            }
-        }
-        vstore(scores + j, vmul(sum8(a), vset(scale)));
-    }
-    for (; j < n; j++) scores[j] = kv_dot_pairs(q, k, j * d, d, bf16) * scale;
 }
 
 /* attend_head for the G <= GROUP query heads (d apart in q and out, n apart in scores) that share
    one key and value head, d a multiple of 2 GL and at most MAX_D: the scores of two heads at a
-   time (score_head_pair), a last lone head's alone (score_head), and each block of values read
-   once for every head, the outputs in registers across it (where each value's products read and
-   wrote their outputs). A float32 cache's sums are attend_head's, in its order (its bits). */
+   time, a last lone head's alone (score_heads), and each block of values read once for every
+   head, the outputs in registers across it (where each value's products read and wrote their
+   outputs). A float32 cache's sums are attend_head's, in its order (its bits). */
 static inline __attribute__((always_inline)) void attend_heads(const float *q, int64_t G,
                                                                const void *k, const void *v,
                                                                int64_t n, int64_t d, float *scores,
@@ -446,8 +431,8 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, i
     if (bf16) in_kv_pairs(q, G, d, pairs);
     const float *qp = bf16 ? pairs : q;
     int64_t h = 0;
-    for (; h + 2 <= G; h += 2) score_head_pair(qp + h * d, k, n, d, scale, scores + h * n, bf16);
-    if (h < G) score_head(qp + h * d, k, n, d, scale, scores + h * n, bf16);
+    for (; h + 2 <= G; h += 2) score_heads(qp + h * d, k, n, d, scale, scores + h * n, 2, bf16);
+    if (h < G) score_heads(qp + h * d, k, n, d, scale, scores + h * n, 1, bf16);
     float inverse[GROUP];
     for (int64_t h = 0; h < G; h++) {
         inverse[h] = 1.0f / exp_scores(scores + h * n, n);
