@@ -38,6 +38,7 @@ from mmcli.api.labeler import Labeler
 from mmcli.config import load_config
 from mmcli.engine.batch import DecodeItem
 from mmcli.kernels import cpu
+from mmcli.weights.checkpoint import read_model_config
 
 # kernels/cpu.py's C structs and declarations
 INTERFACE = [
@@ -122,15 +123,22 @@ def attention(libraries: dict, shapes: list, repeats: int) -> dict:
     return best
 
 
-# the 2B's attention layers as a step's cache attention reads them: query heads, key/value
-# heads, head size; 8 layers' caches (a step of 28 reads 3.5 times these bytes)
-CACHE_HEADS, CACHE_LAYERS = (16, 8, 128), 8
+CACHE_LAYERS = 8  # the layers' caches timed (the 2B's step reads 28)
 
 
-def cache_attention(libraries: dict, rows: list, columns: list, repeats: int) -> dict:
+def cache_heads(ckpt: Path) -> tuple[int, int, int]:
+    """The checkpoint's query heads, key/value heads and head size."""
+    text = read_model_config(ckpt).text
+    return text.num_attention_heads, text.num_key_value_heads, text.head_dim
+
+
+def cache_attention(
+    libraries: dict, heads: tuple[int, int, int], rows: list, columns: list, repeats: int
+) -> dict:
     """{((rows, columns, cache dtype), side): decode_layer.c's attention alone over CACHE_LAYERS
-    layers' caches of that dtype, every row at its last column, the sides taking turns."""
-    heads, kv_heads, d = CACHE_HEADS
+    layers' caches of that dtype (`heads`: cache_heads), every row at its last column, the sides
+    taking turns."""
+    heads, kv_heads, d = heads
     best = {}
     for dtype, n, c in itertools.product((torch.float32, torch.bfloat16), rows, columns):
         caches = [
@@ -145,12 +153,12 @@ def cache_attention(libraries: dict, rows: list, columns: list, repeats: int) ->
                 cpu.decode_attention(q, k, v, k_cache, v_cache, slots, positions)
 
         best.update(in_turns(libraries, {(n, c, dtype): call}, repeats))
-        del caches
     return best
 
 
-def print_cache_attention(best: dict, against: str) -> None:
-    print(f"decode_layer.c's attention over {CACHE_LAYERS} layers' caches, heads {CACHE_HEADS}, ")
+def print_cache_attention(best: dict, heads: tuple[int, int, int], against: str) -> None:
+    shape = "{} heads on {} key/value heads of {}".format(*heads)
+    print(f"decode_layer.c's attention over {CACHE_LAYERS} layers' caches, {shape}")
     print(f"{cpu.name()} build, {torch.get_num_threads()} threads")
     print(f"cache | rows | columns | this tree ms | {against} ms | {against} / this tree")
     for n, c, dtype in dict.fromkeys(key for key, _ in best):
@@ -191,8 +199,9 @@ def main() -> None:
             return
         ckpt, settings, rows, columns = step_inputs(args)
         if args.cache_attention:
-            best = cache_attention(libraries, rows, columns, args.repeats)
-            print_cache_attention(best, args.against)
+            heads = cache_heads(ckpt)
+            best = cache_attention(libraries, heads, rows, columns, args.repeats)
+            print_cache_attention(best, heads, args.against)
             return
         best = steps(ckpt, settings, libraries, rows, columns, args.repeats)
     print(

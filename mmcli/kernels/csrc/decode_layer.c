@@ -301,7 +301,7 @@ static inline vec sum8(const vec a[8]) {
    of 2 GL values, the even ones and the odd ones each widened by one operation, half the
    operations of widening GL in order (the attention alone over a bfloat16 cache, 8 and 32 rows
    of 300 and 1,000 columns: 1.1-1.2x as fast on a 2-core Zen 3); the queries and the outputs are
-   held in that order (in_kv_pairs, from_kv_pairs). */
+   held in that order (bf16_pairs makes it, from_kv_pairs undoes it). */
 static inline void kv_pair(const void *row, int64_t i, vec *first, vec *second, const int bf16) {
     if (!bf16) {
         *first = vload((const float *)row + i), *second = vload((const float *)row + i + GL);
@@ -309,16 +309,6 @@ static inline void kv_pair(const void *row, int64_t i, vec *first, vec *second, 
     }
     const vec pairs = vload((const float *)((const uint16_t *)row + i));
     *first = low_bf16(pairs), *second = high_bf16(pairs);
-}
-
-/* G heads' queries (d values each, d a multiple of 2 GL) in kv_pair's order: each 2 GL values as
-   their GL even ones, then their GL odd ones (bf16_pairs' order) */
-static void in_kv_pairs(const float *q, int64_t G, int64_t d, float *pairs) {
-    for (int64_t i = 0; i < G * d; i += 2 * GL)
-        for (int j = 0; j < GL; j++) {
-            pairs[i + j] = q[i + 2 * j];
-            pairs[i + GL + j] = q[i + 2 * j + 1];
-        }
 }
 
 /* n values in kv_pair's order back in order, each times `scale` */
@@ -428,7 +418,7 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, i
                                                                float *out, const int bf16) {
     const float scale = 1.0f / __builtin_sqrtf((float)d);
     float pairs[GROUP * MAX_D];
-    if (bf16) in_kv_pairs(q, G, d, pairs);
+    if (bf16) bf16_pairs(q, pairs, G, d); /* each head's d values in kv_pair's order */
     const float *qp = bf16 ? pairs : q;
     int64_t h = 0;
     for (; h + 2 <= G; h += 2) score_heads(qp + h * d, k, n, d, scale, scores + h * n, 2, bf16);
