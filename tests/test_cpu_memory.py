@@ -395,6 +395,35 @@ def test_weights_moved_into_huge_pages_keep_their_values_views_and_ties(tmp_path
         assert _smaps_entry(mapped.data_ptr(), "AnonHugePages") >= HUGE_PAGE
 
 
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
+def test_the_kv_cache_is_held_in_huge_pages_and_keeps_what_it_holds_as_it_grows():
+    """A CPU cache's K and V begin zero on a 2 MiB boundary of a region advised for 2 MiB pages
+    (in them where the kernel promises them); grown, they keep their columns and are so again.
+    A tensor under 2 MiB is torch's own."""
+    from mmcli.kernels.host_memory import HUGE_PAGE, zeros_in_huge_pages
+    from mmcli.models.cache import DecoderCache
+    from mmcli.models.config import TextConfig
+
+    cfg = TextConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+        intermediate_size=64, num_hidden_layers=2, vocab_size=16, mrope_section=(2, 1, 1),
+    )  # fmt: skip
+    cache = DecoderCache(cfg, 4, 2048, torch.float32, torch.device("cpu"), torch.bfloat16)
+    k = cache.k[1]
+    assert k.dtype == torch.bfloat16 and k.shape == (4, 2, 2048, 128) and not k.any()
+    assert k.data_ptr() % HUGE_PAGE == 0 and "hg" in _smaps_fields(k.data_ptr())["VmFlags"].split()
+    k[:, :, :5] = 3.0
+    if _huge_pages_promised():
+        assert _smaps_entry(k.data_ptr(), "AnonHugePages") >= HUGE_PAGE
+    cache.grow(6, 4096)
+    grown = cache.k[1]
+    assert grown.shape == (6, 2, 4096, 128) and grown.data_ptr() % HUGE_PAGE == 0
+    assert torch.equal(grown[:4, :, :5], torch.full((4, 2, 5, 128), 3.0, dtype=torch.bfloat16))
+    assert not grown[:, :, 5:].any() and not grown[4:].any()
+    small = zeros_in_huge_pages((4, 8), torch.float32)
+    assert torch.equal(small, torch.zeros(4, 8))
+
+
 def test_a_load_into_huge_pages_computes_as_the_mapped_load(bf16_dir):
     """weights_memory huge_pages: the same logits, the same bytes held, and no page of the
     checkpoint still mapped; mapped keeps its pages."""

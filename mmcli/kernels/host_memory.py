@@ -17,7 +17,8 @@ them all at once, in the kernel.
 A decode step streams every weight once, and a file's mapped pages stream slower than anonymous
 memory in 2 MiB pages: 20 against 28 GB/s on a 2-core AMX Xeon (docs/performance.md). A long
 run copies its weights into such memory at load (the `weights_memory` setting); a short one
-keeps them mapped, which loads at once.
+keeps them mapped, which loads at once. The KV cache, the step's other large read, is held in
+such pages from the start (zeros_in_huge_pages).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import mmap
 import sys
 
@@ -91,6 +93,36 @@ def release_freed_memory() -> bool:
     return True
 
 
+def _huge_page_region(size: int) -> tuple[torch.Tensor, int] | None:
+    """An untouched anonymous mapping of `size` bytes and more, advised into 2 MiB pages, as a
+    uint8 tensor that holds it (unmapped with its last holder), and the offset of its first
+    2 MiB boundary; None where the kernel takes no such advice or the mapping is refused."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):  # Linux's advice only
+        return None
+    try:  # a mapping of its own, untouched (malloc may hand back used heap): advised before a fault
+        mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # refused (no overcommit)
+        return None
+    region = torch.frombuffer(mapping, dtype=torch.uint8)
+    place = -region.data_ptr() % HUGE_PAGE
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, place, size)
+    except OSError:  # transparent huge pages not built in
+        return None
+    return region, place
+
+
+def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in anonymous memory advised into 2 MiB pages (a fresh mapping reads as
+    zeros: nothing is written), where the kernel takes the advice; torch.zeros elsewhere."""
+    size = math.prod(shape) * dtype.itemsize
+    held = _huge_page_region(size) if size >= HUGE_PAGE else None
+    if held is None:
+        return torch.zeros(shape, dtype=dtype)
+    region, place = held
+    return region[place : place + size].view(dtype).view(shape)
+
+
 def hold_in_huge_pages(tensors: list[torch.Tensor]) -> bool:
     """Copy these tensors' storages into one anonymous region in 2 MiB pages and point each
     tensor at its copy, in place (every holder of a tensor sees it moved), a storage at a time:
@@ -103,20 +135,14 @@ def hold_in_huge_pages(tensors: list[torch.Tensor]) -> bool:
     for tensor in {id(t): t for t in [*tensors, *bases]}.values():
         if tensor.untyped_storage().nbytes():
             holders.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
-    if not hasattr(mmap, "MADV_HUGEPAGE") or not holders:  # Linux's advice only
+    if not holders:
         return False
     sizes = {address: ts[0].untyped_storage().nbytes() for address, ts in holders.items()}
     size = sum(-(-n // 64) * 64 for n in sizes.values())  # each storage on lines of its own
-    try:  # a mapping of its own, untouched (malloc may hand back used heap): advised before a fault
-        mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError:  # refused (no overcommit): the weights stay where they are
+    region_place = _huge_page_region(size)
+    if region_place is None:  # the weights stay where they are
         return False
-    region = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping; unmapped with it
-    place = -region.data_ptr() % HUGE_PAGE
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE, place, size)
-    except OSError:  # transparent huge pages not built in
-        return False
+    region, place = region_place
     held = region.untyped_storage()
     with torch.no_grad():
         for address, holding in sorted(holders.items()):
