@@ -158,6 +158,18 @@ def test_decode_attention_bench_smoke():
 
 @pytest.mark.skipif(cpu_kernels.why_unavailable() is not None, reason="no kernels build here")
 @pytest.mark.slow
+def test_decode_attention_bench_times_the_cache_in_both_page_sizes():
+    """--pages: each cache dtype, row count and column count, with both pages' times and their
+    ratio."""
+    out = _smoke("decode_attention.py", "--pages", "--rows", "1,3", "--columns", "20")
+    rows = [line.split(" | ") for line in out.splitlines() if line[:1].isalpha() and " | " in line]
+    cases = [(r[0], r[1], r[2]) for r in rows[1:]]
+    assert cases == [(t, n, "20") for t in ("float32", "bfloat16") for n in ("1", "3")]
+    assert all(len(r) == 7 and r[-1].endswith("x") for r in rows[1:])
+
+
+@pytest.mark.skipif(cpu_kernels.why_unavailable() is not None, reason="no kernels build here")
+@pytest.mark.slow
 def test_decode_products_bench_smoke():
     """Each kernel the build has, at each row count: hot, its stream, cold and their ratios."""
     out = _smoke("decode_products.py", "--rows", "1,3")
