@@ -76,6 +76,7 @@ def filled_caches(layers: int, shape: tuple, dtype: torch.dtype, huge: bool) -> 
 
 
 def attend_over(caches: list, q, k, v, slots, positions) -> None:
+    """decode_layer.c's attention of q (writing k and v) over each layer's (K, V) in turn."""
     for k_cache, v_cache in caches:
         cpu.decode_attention(q, k, v, k_cache, v_cache, slots, positions)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import compare_hf
 import torch
-from decode_attention import add_step_arguments, step_inputs
+from decode_attention import add_step_arguments, attend_over, filled_caches, step_inputs
 from float_kernels import (
     ATTENTION,
     SMOKE_ATTENTION,
@@ -136,22 +136,15 @@ def cache_attention(
     libraries: dict, heads: tuple[int, int, int], rows: list, columns: list, repeats: int
 ) -> dict:
     """{((rows, columns, cache dtype), side): decode_layer.c's attention alone over CACHE_LAYERS
-    layers' caches of that dtype (`heads`: cache_heads), every row at its last column, the sides
-    taking turns."""
+    layers' caches of that dtype in 2 MiB pages, as the cache holds them (`heads`: cache_heads),
+    every row at its last column, the sides taking turns."""
     heads, kv_heads, d = heads
     best = {}
     for dtype, n, c in itertools.product((torch.float32, torch.bfloat16), rows, columns):
-        caches = [
-            [torch.randn(n, kv_heads, c, d).to(dtype) for _ in range(2)]
-            for _ in range(CACHE_LAYERS)
-        ]
-        q, k, v = torch.randn(n, heads, d), torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
-        slots, positions = torch.arange(n), torch.full((n,), c - 1)
-
-        def call(caches=caches, q=q, k=k, v=v, slots=slots, positions=positions):
-            for k_cache, v_cache in caches:
-                cpu.decode_attention(q, k, v, k_cache, v_cache, slots, positions)
-
+        caches = filled_caches(CACHE_LAYERS, (n, kv_heads, c, d), dtype, huge=True)
+        inputs = (torch.randn(n, heads, d), *torch.randn(2, n, kv_heads, d))
+        inputs += (torch.arange(n), torch.full((n,), c - 1))
+        call = functools.partial(attend_over, caches, *inputs)
         best.update(in_turns(libraries, {(n, c, dtype): call}, repeats))
     return best
 

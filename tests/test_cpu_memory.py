@@ -422,6 +422,7 @@ def test_the_kv_cache_is_held_in_huge_pages_and_keeps_what_it_holds_as_it_grows(
     assert not grown[:, :, 5:].any() and not grown[4:].any()
     small = zeros_in_huge_pages((4, 8), torch.float32)
     assert torch.equal(small, torch.zeros(4, 8))
+    assert small.untyped_storage().nbytes() == 4 * 8 * 4  # its own storage, not a region's
 
 
 def test_a_load_into_huge_pages_computes_as_the_mapped_load(bf16_dir):

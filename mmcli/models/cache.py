@@ -42,10 +42,10 @@ class DecoderCache:
     """Per layer: K/V [rows, kv_heads, columns, head_dim] for a full-attention layer; a conv
     state [rows, conv_dim, kernel - 1] (the last inputs of its causal conv) and a recurrent
     state [rows, heads, key_dim, value_dim] (float32) for a linear-attention layer, fixed in size
-    whatever the length. K/V are held in `kv_dtype` (the run's products' dtype: bfloat16 where
-    they are, half the bytes a decode step reads over its context), the conv state in the
-    compute dtype. `grow` reallocates to more rows or columns keeping what is written (the
-    runner sizes the cache to the job)."""
+    whatever the length. K/V are held in `kv_dtype` (Precision.kv_dtype: bfloat16 where the
+    products are or the weights are quantized, half the bytes a decode step reads over its
+    context), on the CPU in 2 MiB pages; the conv state in the compute dtype. `grow` reallocates
+    to more rows or columns keeping what is written (the runner sizes the cache to the job)."""
 
     def __init__(
         self,
