@@ -141,6 +141,44 @@ def caption_cli(*args, model, max_new_tokens: int | None = 3, quiet: bool = True
     return CliRunner().invoke(app, argv)
 
 
+# holds a local Ray instance until its stdin closes; prints its address and the variables
+# ray.init set, which a client needs too (Ray 2.60: RAY_AUTH_MODE where ~/.ray holds a token)
+_RAY_HOLDER = """
+import json, os, sys, ray
+before = dict(os.environ)
+context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+env = {k: v for k, v in os.environ.items() if before.get(k) != v}
+print(json.dumps({"address": context.address_info["gcs_address"], "env": env}), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture(scope="session")
+def ray_instance():
+    """A local Ray instance of 2 CPUs for the session, which runs join with `--ray-address`
+    (its `address`, in the environment `env`): a run that starts its own spends about 10 s of
+    its 25 starting and stopping it (test_ray.py keeps one such run)."""
+    import subprocess
+
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _RAY_HOLDER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    started = next((json.loads(line) for line in holder.stdout if line.startswith("{")), None)
+    assert started, "the Ray instance did not start"
+    yield {"address": started["address"], "env": {**env, **started["env"]}}
+    holder.stdin.close()  # its interpreter exits, and Ray stops the instance with it
+    try:
+        holder.wait(60)
+    except subprocess.TimeoutExpired:
+        holder.kill()
+
+
 def caption_process(*args, model, max_new_tokens: int | None = 3) -> list[str]:
     """caption_argv's command as a process of its own (`python -m mmcli`), for the tests that
     interrupt, kill or run it at once."""

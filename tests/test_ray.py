@@ -32,17 +32,25 @@ def _env():
     return env
 
 
+def _joining(ray_instance: dict) -> tuple[list[str], dict]:
+    """The flags and environment of a run of two replicas of one CPU each on the session's Ray
+    instance (conftest's ray_instance)"""
+    replicas = ["--replicas", "2", "--replica-resources", '{"num_cpus": 1}']
+    return ["--ray", "--ray-address", ray_instance["address"], *replicas], ray_instance["env"]
+
+
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_5_moe"])
-def test_ray_replicas_match_a_local_run_and_resume_does_nothing(request, family, tmp_path):
+def test_ray_replicas_match_a_local_run_and_resume_does_nothing(
+    request, family, tmp_path, ray_instance
+):
     fixtures = {"qwen3_vl": "tiny_dir", "qwen3_5": "qwen3_5_dir", "qwen3_5_moe": "moe_dir"}
     tiny_dir = request.getfixturevalue(fixtures[family])
     root = _images(tmp_path / "imgs")
     local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     assert subprocess.run(_cmd(root, local, tiny_dir), timeout=300).returncode == 0
-    ray_cmd = _cmd(
-        root, remote, tiny_dir, "--ray", "--replicas", "2", "--replica-resources", '{"num_cpus": 1}'
-    )
-    assert subprocess.run(ray_cmd, timeout=600, env=_env()).returncode == 0
+    flags, env = _joining(ray_instance)
+    ray_cmd = _cmd(root, remote, tiny_dir, *flags)
+    assert subprocess.run(ray_cmd, timeout=600, env=env).returncode == 0
     ours = {r["key"]: r for r in read_records(remote)}
     assert len(ours) == len(read_records(remote)) == 20 and all(
         r["status"] == "ok" for r in ours.values()
@@ -51,7 +59,7 @@ def test_ray_replicas_match_a_local_run_and_resume_does_nothing(request, family,
         r["key"]: r["text"] for r in read_records(local)
     }
     before = remote.read_text()
-    rerun = subprocess.run(ray_cmd, timeout=600, env=_env(), capture_output=True, text=True)
+    rerun = subprocess.run(ray_cmd, timeout=600, env=env, capture_output=True, text=True)
     assert rerun.returncode == 0 and remote.read_text() == before  # resume: nothing to do
 
 
@@ -67,13 +75,15 @@ def _replica_pids() -> list[int]:
 
 
 def test_killing_a_replica_still_records_every_key_once(tiny_dir, tmp_path):
+    """The run starts a local Ray instance of its own (the other runs here join the session's)"""
     root = _images(tmp_path / "imgs")
     out = tmp_path / "ray.jsonl"
     cmd = _cmd(root, out, tiny_dir, "--ray", "--replicas", "2", "--max-new-tokens", "40")
+    earlier = set(_replica_pids())  # another run's, going away: never this run's to kill
     proc = subprocess.Popen(cmd, env=_env())
     deadline, killed = time.time() + 240, False
     while time.time() < deadline and proc.poll() is None and not killed:
-        pids = _replica_pids()
+        pids = [pid for pid in _replica_pids() if pid not in earlier]
         if pids and out.exists() and len(out.read_text().splitlines()) >= 2:
             os.kill(pids[0], signal.SIGKILL)
             killed = True
@@ -86,23 +96,14 @@ def test_killing_a_replica_still_records_every_key_once(tiny_dir, tmp_path):
     )
 
 
-def test_ray_replicas_run_every_task_like_a_local_run(tiny_dir, tmp_path):
+def test_ray_replicas_run_every_task_like_a_local_run(tiny_dir, tmp_path, ray_instance):
     root = _images(tmp_path / "imgs", 6)
     local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     tasks = ("--task", "caption", "--task", "tags")
     assert subprocess.run(_cmd(root, local, tiny_dir, *tasks), timeout=300).returncode == 0
-    ray_cmd = _cmd(
-        root,
-        remote,
-        tiny_dir,
-        *tasks,
-        "--ray",
-        "--replicas",
-        "2",
-        "--replica-resources",
-        '{"num_cpus": 1}',
-    )
-    assert subprocess.run(ray_cmd, timeout=600, env=_env()).returncode == 0
+    flags, env = _joining(ray_instance)
+    ray_cmd = _cmd(root, remote, tiny_dir, *tasks, *flags)
+    assert subprocess.run(ray_cmd, timeout=600, env=env).returncode == 0
     ours = {(r["key"], r["task"]): r["text"] for r in read_records(remote)}
     assert len(ours) == len(read_records(remote)) == 12
     assert ours == {(r["key"], r["task"]): r["text"] for r in read_records(local)}
