@@ -155,9 +155,9 @@ sys.stdin.read()
 
 @pytest.fixture(scope="session")
 def ray_instance():
-    """A local Ray instance of 2 CPUs for the session, which runs join with `--ray-address`
-    (its `address`, in the environment `env`): a run that starts its own spends about 10 s of
-    its 25 starting and stopping it (test_ray.py keeps one such run)."""
+    """A local Ray instance of 2 CPUs for the session: `flags` join it with two replicas of one
+    CPU each (`--ray-address`), run in the environment `env`. A run that starts its own spends
+    about 10 s of its 25 starting and stopping it (test_ray.py keeps one such run)."""
     import subprocess
 
     pytest.importorskip("ray", reason="the ray extra is not installed")
@@ -171,7 +171,9 @@ def ray_instance():
     )
     started = next((json.loads(line) for line in holder.stdout if line.startswith("{")), None)
     assert started, "the Ray instance did not start"
-    yield {"address": started["address"], "env": {**env, **started["env"]}}
+    replicas = ["--replicas", "2", "--replica-resources", '{"num_cpus": 1}']
+    flags = ["--ray", "--ray-address", started["address"], *replicas]
+    yield {"flags": flags, "env": {**env, **started["env"]}}
     holder.stdin.close()  # its interpreter exits, and Ray stops the instance with it
     try:
         holder.wait(60)

@@ -261,13 +261,11 @@ def test_plan_and_dry_run_take_shards(tiny_dir, tmp_path):
 
 @pytest.mark.slow
 def test_ray_replicas_read_their_own_shards(tiny_dir, tmp_path, ray_instance):
-    from test_ray import _joining
-
     _shards(tmp_path / "s", _jpegs(6))
     local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     base = caption_process(tmp_path / "s/*.tar", model=tiny_dir, max_new_tokens=4)
     assert subprocess.run([*base, "-o", str(local)], timeout=300).returncode == 0
-    flags, env = _joining(ray_instance)
-    assert subprocess.run([*base, "-o", str(remote), *flags], timeout=600, env=env).returncode == 0
+    ray = [*base, "-o", str(remote), *ray_instance["flags"]]
+    assert subprocess.run(ray, timeout=600, env=ray_instance["env"]).returncode == 0
     ours = {r["key"]: r["text"] for r in read_records(remote)}
     assert len(ours) == 6 and ours == {r["key"]: r["text"] for r in read_records(local)}

@@ -32,13 +32,6 @@ def _env():
     return env
 
 
-def _joining(ray_instance: dict) -> tuple[list[str], dict]:
-    """The flags and environment of a run of two replicas of one CPU each on the session's Ray
-    instance (conftest's ray_instance)"""
-    replicas = ["--replicas", "2", "--replica-resources", '{"num_cpus": 1}']
-    return ["--ray", "--ray-address", ray_instance["address"], *replicas], ray_instance["env"]
-
-
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_5_moe"])
 def test_ray_replicas_match_a_local_run_and_resume_does_nothing(
     request, family, tmp_path, ray_instance
@@ -48,8 +41,8 @@ def test_ray_replicas_match_a_local_run_and_resume_does_nothing(
     root = _images(tmp_path / "imgs")
     local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     assert subprocess.run(_cmd(root, local, tiny_dir), timeout=300).returncode == 0
-    flags, env = _joining(ray_instance)
-    ray_cmd = _cmd(root, remote, tiny_dir, *flags)
+    ray_cmd = _cmd(root, remote, tiny_dir, *ray_instance["flags"])
+    env = ray_instance["env"]
     assert subprocess.run(ray_cmd, timeout=600, env=env).returncode == 0
     ours = {r["key"]: r for r in read_records(remote)}
     assert len(ours) == len(read_records(remote)) == 20 and all(
@@ -101,9 +94,8 @@ def test_ray_replicas_run_every_task_like_a_local_run(tiny_dir, tmp_path, ray_in
     local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     tasks = ("--task", "caption", "--task", "tags")
     assert subprocess.run(_cmd(root, local, tiny_dir, *tasks), timeout=300).returncode == 0
-    flags, env = _joining(ray_instance)
-    ray_cmd = _cmd(root, remote, tiny_dir, *tasks, *flags)
-    assert subprocess.run(ray_cmd, timeout=600, env=env).returncode == 0
+    ray_cmd = _cmd(root, remote, tiny_dir, *tasks, *ray_instance["flags"])
+    assert subprocess.run(ray_cmd, timeout=600, env=ray_instance["env"]).returncode == 0
     ours = {(r["key"], r["task"]): r["text"] for r in read_records(remote)}
     assert len(ours) == len(read_records(remote)) == 12
     assert ours == {(r["key"], r["task"]): r["text"] for r in read_records(local)}
