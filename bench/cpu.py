@@ -8,9 +8,9 @@ against the float32 path and against transformers (float32, its best batch size 
 units they ran on; (b) `mmcli ask` for one 448x448 image and 16 tokens: wall time split into
 start, load, vision, prefill, decode, next to its floor = checkpoint bytes / read bandwidth +
 FLOPs / float32 matmul peak + decode weight bytes / bandwidth, and the command with `--quantize
-int8` on an empty cache (the first run prepares the int8 weights, the later ones read them), and
-cold (the checkpoint's pages dropped first) without and with the read-ahead; each timing
---repeats times, each against the limits measured just before and after it (the higher of
+int8` on an empty weights cache (the first run prepares the int8 weights, the later ones read
+them), and cold (the checkpoint's pages dropped first) without and with the read-ahead; each
+timing --repeats times, each against the limits measured just before and after it (the higher of
 each), the median run counting (this shared machine's matmul peak moves by up to 2x within a
 minute);
 (c) peak RSS against weight bytes
@@ -542,8 +542,8 @@ def against(runs: list[tuple[float, dict]], floor, start_s: float) -> str:
 
 def ask_part(args, ckpt: Path, image: Path) -> None:
     """(b) and (c) for `mmcli ask`: the instrumented run, then the real command for its wall time
-    and peak RSS; the same at int8 on an empty cache (the first run prepares it). Each timing
-    args.repeats times against the limits measured next to it; the median counts."""
+    and peak RSS; the same at int8 on an empty weights cache (the first run prepares it). Each
+    timing args.repeats times against the limits measured next to it; the median counts."""
     from mmcli.models.registry import parse_config
 
     worker = ["--worker", "ask", "--ckpt", str(ckpt), "--image", str(image), "--settings"]
@@ -555,11 +555,15 @@ def ask_part(args, ckpt: Path, image: Path) -> None:
     for label, env in (("without read-ahead", {"MMCLI_READ_AHEAD": "0"}), ("with it", {})):
         evict(ckpt)
         cold[label] = cli_ask(command, {**os.environ, **env})[0]
-    with tempfile.TemporaryDirectory() as cache:  # an empty cache: the first int8 ask prepares it
-        env = {**os.environ, "XDG_CACHE_HOME": cache}
-        first8, first_rss8 = cli_ask([*command, "--quantize", "int8"], env)
-        second8, rss8 = commands(args, [*command, "--quantize", "int8"], env)
-        timed8 = instrumented(args, worker, INT8, env)
+    with tempfile.TemporaryDirectory() as cache:
+        # an empty weights cache, which the first int8 ask of the checkpoint prepares (the
+        # machine's built kernels and their measurements kept, as a user's earlier runs left them)
+        settings = Path(cache) / "settings.yaml"
+        settings.write_text(json.dumps({"cache_dir": cache}))
+        int8_ask = [*command, "--quantize", "int8", "-c", str(settings)]
+        first8, first_rss8 = cli_ask(int8_ask)
+        second8, rss8 = commands(args, int8_ask)
+        timed8 = instrumented(args, worker, {**INT8, "cache_dir": cache})
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
     phases, text, head = ask_flops(cfg, timed[0]["image_tokens"], timed[0]["input_tokens"])
     flops = total(phases)

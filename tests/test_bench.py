@@ -88,7 +88,10 @@ def _smoke(script: str, *args: str) -> str:
 
 @pytest.mark.slow
 def test_cpu_bench_smoke(tmp_path):
-    stdout = _smoke("cpu.py", "--skip-hf", "--cache-dir", str(tmp_path))
+    # two of the four paths: every section's code runs for each path alike, and each path's
+    # runs are processes of their own (4-5 s of start each; (b) and (d) run int8 whatever
+    # --paths keeps)
+    stdout = _smoke("cpu.py", "--skip-hf", "--paths", "default,int4", "--cache-dir", str(tmp_path))
     assert (
         "(a) images/s" in stdout
         and "'s peak; {" in stdout  # (a)'s runs: each prefill phase against its unit's peak

@@ -32,11 +32,14 @@ def _env():
     return env
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_5_moe"])
+# Qwen3.5's MoE runs its dense family's layers too (the Sparse mixin), with its experts' custom
+# op (kernels/experts.py) registered in each replica's process: the dense Qwen3.5 would add 30 s
+# and nothing of Ray's
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5_moe"])
 def test_ray_replicas_match_a_local_run_and_resume_does_nothing(
     request, family, tmp_path, ray_instance
 ):
-    fixtures = {"qwen3_vl": "tiny_dir", "qwen3_5": "qwen3_5_dir", "qwen3_5_moe": "moe_dir"}
+    fixtures = {"qwen3_vl": "tiny_dir", "qwen3_5_moe": "moe_dir"}
     tiny_dir = request.getfixturevalue(fixtures[family])
     root = _images(tmp_path / "imgs")
     local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
