@@ -558,9 +558,9 @@ def ask_part(args, ckpt: Path, image: Path) -> None:
     with tempfile.TemporaryDirectory() as cache:
         # an empty weights cache, which the first int8 ask of the checkpoint prepares (the
         # machine's built kernels and their measurements kept, as a user's earlier runs left them)
-        settings = Path(cache) / "settings.yaml"
-        settings.write_text(json.dumps({"cache_dir": cache}))
-        int8_ask = [*command, "--quantize", "int8", "-c", str(settings)]
+        config = Path(cache) / "config.yaml"  # JSON is YAML
+        config.write_text(json.dumps({"cache_dir": cache}))
+        int8_ask = [*command, "--quantize", "int8", "--config", str(config)]
         first8, first_rss8 = cli_ask(int8_ask)
         second8, rss8 = commands(args, int8_ask)
         timed8 = instrumented(args, worker, {**INT8, "cache_dir": cache})
