@@ -558,12 +558,13 @@ def ask_part(args, ckpt: Path, image: Path) -> None:
     with tempfile.TemporaryDirectory() as cache:
         # an empty weights cache, which the first int8 ask of the checkpoint prepares (the
         # machine's built kernels and their measurements kept, as a user's earlier runs left them)
-        config = Path(cache) / "config.yaml"  # JSON is YAML
-        config.write_text(json.dumps({"cache_dir": cache}))
-        int8_ask = [*command, "--quantize", "int8", "--config", str(config)]
+        int8 = {**INT8, "cache_dir": cache}  # the command's settings file and the worker's
+        config = Path(cache) / "config.yaml"
+        config.write_text(json.dumps(int8))  # JSON is YAML
+        int8_ask = [*command, "--config", str(config)]
         first8, first_rss8 = cli_ask(int8_ask)
         second8, rss8 = commands(args, int8_ask)
-        timed8 = instrumented(args, worker, {**INT8, "cache_dir": cache})
+        timed8 = instrumented(args, worker, int8)
     cfg = parse_config(json.loads((ckpt / "config.json").read_text()))
     phases, text, head = ask_flops(cfg, timed[0]["image_tokens"], timed[0]["input_tokens"])
     flops = total(phases)
