@@ -23,6 +23,19 @@ SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 VARIANTS = ["base", "wide_attn", "deepstack_last"]
 
 
+def pytest_configure(config):
+    """Where pytest-xdist runs the tests in workers (pyproject's `-n`), in the process that starts
+    them: each worker's OpenMP threads a share of the cores, two at least (the kernels' threads
+    are part of what is tested), and put to sleep when idle rather than spinning, as the workers'
+    threads share the cores (2 cores: the quick loop in 146 s against 192 in one process, where
+    spinning threads took 365)."""
+    workers = len(config.getoption("tx", None) or [])
+    if workers and "PYTEST_XDIST_WORKER" not in os.environ:
+        cores = len(os.sched_getaffinity(0))
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(2, cores // workers)))
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 @pytest.fixture(params=["this CPU's", "AVX2"])
 def build(request, monkeypatch):
     """Each test once with the build this CPU loads and once with the AVX2 one."""

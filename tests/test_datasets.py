@@ -260,6 +260,7 @@ def test_plan_and_dry_run_take_shards(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # with test_ray.py's runs: one worker, one Ray instance
 def test_ray_replicas_read_their_own_shards(tiny_dir, tmp_path, ray_instance):
     _shards(tmp_path / "s", _jpegs(6))
     local, remote = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"

@@ -1,15 +1,18 @@
 """The batched engine and the packed vision path, on a tiny checkpoint."""
 
+import time
 from dataclasses import replace
 
 import pytest
 import torch
 from conftest import SAMPLES, photo
 
+import mmcli.api.labeler as labeler_module
 from mmcli.api.labeler import Labeler
 from mmcli.config import GROWN_SEQS, load_config
 from mmcli.engine.packing import ffd_pack
 from mmcli.engine.vision_encoder import VisionEncoder
+from mmcli.inputs.prefetch import NOT_READY
 
 SIZES = [
     (224, 224),
@@ -31,6 +34,19 @@ def _items(tmp_path):
         photo(NAMES[n % 4], size).save(f)
         items.append((f"img{n}", f))
     return items
+
+
+def _waiting_for_each(prefetch):
+    """`prefetch` that waits for the next input where it would say none is ready yet."""
+
+    def waiting(*args):
+        for ready in prefetch(*args):
+            if ready is NOT_READY:
+                time.sleep(0.002)
+                continue
+            yield ready
+
+    return waiting
 
 
 def _labeler(path, **config):
@@ -200,10 +216,13 @@ def test_packed_linear_equals_the_plain_product_and_frees_the_plain_weight():
     assert pack_linears(model) == 0  # already packed
 
 
-def test_the_kv_cache_budget_holds_across_jobs(tiny_dir, tmp_path):
+def test_the_kv_cache_budget_holds_across_jobs(tiny_dir, tmp_path, monkeypatch):
     """A long sequence widens the KV cache, which never shrinks: the next job's sequences then
     run one at a time within engine.max_cache_tokens (one row of 512 columns here), where all
     three run at once with room; the tokens are the same."""
+    # each input waited for: on a busy machine the engine would otherwise start on those ready
+    # and grow the cache to fewer rows
+    monkeypatch.setattr(labeler_module, "prefetch", _waiting_for_each(labeler_module.prefetch))
     items = _items(tmp_path)[:3]
     cap = _labeler(tiny_dir, engine={"max_len": 512, "max_cache_tokens": 512})
     assert cap.config.engine.max_seqs == GROWN_SEQS  # the CPU's: the cache grows to the job

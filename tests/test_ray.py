@@ -10,7 +10,8 @@ import pytest
 from conftest import caption_process, photo, read_records
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-pytestmark = pytest.mark.slow
+# one worker takes every Ray run (one instance of 2 CPUs at a time)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
 def _images(root: Path, n: int = 20) -> Path:
