@@ -58,8 +58,9 @@ static inline vec odd_weights(vec pairs, int fma_bound) {
 
 /* y[m, n0:n0+NB] for MB rows in pairs' order: NB weight rows widened once per 2 GL inputs, used
    by MB rows. The next group is fetched ahead: a new row starts a new page, where the hardware's
-   prefetcher stops. Below FMA_BOUND_ROWS, bound by memory, every row of it (1.02-1.13x the step
-   at 1 to 3 rows on a 2-core Zen 3, against its first row alone); the FMAs' tiles, its first. */
+   prefetcher stops. Tiles of fewer than FMA_BOUND_ROWS rows, bound by memory, fetch every row of
+   it (the step 1.02-1.13x at 1 to 3 rows on a 2-core Zen 3); the FMAs' tiles its first row alone
+   (every row cost them 7-9% at 8 and 16 rows). */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t K, const uint16_t *w,
                                                        float *y, int64_t N, int MB, int NB) {
     vec acc[4][3];
