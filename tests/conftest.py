@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from mmcli.kernels import cpu_features
 from mmcli.testing import MOE_VARIANTS, QWEN3_5_VARIANTS, forced_logits, make_tiny_checkpoint
 
 # mmcli's default cache (prepared int8 weights) in a directory of this session's, not ~/.cache
@@ -31,7 +32,7 @@ def pytest_configure(config):
     spinning threads took 365)."""
     workers = len(config.getoption("tx", None) or [])
     if workers and "PYTEST_XDIST_WORKER" not in os.environ:
-        cores = len(os.sched_getaffinity(0))
+        cores = cpu_features.detect().cores
         os.environ.setdefault("OMP_NUM_THREADS", str(max(2, cores // workers)))
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -54,8 +55,6 @@ def build(request, monkeypatch):
 def vector_units(monkeypatch):
     """Runs as on a CPU whose units are vector ones only (AVX2, AVX-512 VNNI: no bfloat16
     products), where `dtype: auto` computes in float32 end to end."""
-    from mmcli.kernels import cpu_features
-
     vector = cpu_features.real_units() - {"amx_bf16", "amx_int8", "avx512_bf16", "bf16", "i8mm"}
     monkeypatch.setenv("MMCLI_CPU_FEATURES", ",".join(sorted(vector)) or "none")
 
